@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Runs every test (all markers). Starts what the tests need; pytest's "no tests collected" (5) is a failure
+# of the suite's wiring, not a pass, so it is reported as such.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${VENV:-.venv}/bin/python
+"$PY" -m pytest -m "unit or e2e or slurm or redis" "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "run_tests: pytest collected no tests — the suite is miswired" >&2
+  exit 1
+fi
+exit "$rc"
