@@ -1,0 +1,137 @@
+"""SGLang: what mxlaunch knows about it from outside the engine process.
+
+Sections: "log lines" (start-up phases, ready line, worker-node line; used by `profile` and the
+launcher's timeline). The launch work adds argv parsing below in its own section.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import List, Optional
+
+from mxlaunch.engines.base import NUM, LogLine, PhaseEvent, epoch
+
+# ==== log lines ===================================================================================
+# Line: `[YYYY-MM-DD HH:MM:SS{.mmm}{ DPn}{ PPn}{ TPn}{ EPn}] message` (ms only with SGLANG_LOG_MS).
+# Wording covered: 0.5.10–0.5.x ("Init torch distributed", "Capture cuda graph end. Time elapsed",
+# "Capture piecewise CUDA graph end. Time elapsed") and 0.5.23 ("Init parallel", "Capture target
+# decode/prefill CUDA graph end. elapsed=", "Engine startup timings (s): ..."); older "Load weight
+# end." without elapsed is timed from its begin line.
+
+_LINE = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?:[.,](\d+))?((?: [A-Z]+\d+)*)\] ?(.*)$")
+
+_SERVER_ARGS = re.compile(r"server_args=ServerArgs\(")
+_NODE_RANK = re.compile(r"\bnode_rank=(\d+)")
+_DIST_BEGIN = re.compile(r"^Init (?:torch distributed|parallel) begin")
+_DIST_END = re.compile(r"^Init (?:torch distributed|parallel) ends?\.(?: elapsed=" + NUM + r" ?s)?")
+_LOAD_BEGIN = re.compile(r"^Load weight begin")
+_LOAD_END = re.compile(r"^Load weight end\.(?: elapsed=" + NUM + r" ?s)?")
+_POOL_END = re.compile(r"^Memory pool end")
+# Old: "Capture cuda graph begin." / "Capture piecewise CUDA graph begin."; 0.5.23: "Capture target decode
+# CUDA graph begin", "Capture target prefill CUDA graph begin", "Capture draft decode CUDA graph ...".
+_GRAPH = re.compile(
+    r"^Capture (?:(piecewise) |(target|draft) (\w+) )?cuda graph (begin|end)\.?"
+    r"(?:.*?(?:Time elapsed: |elapsed=)" + NUM + r" ?s)?",
+    re.IGNORECASE,
+)
+_TIMINGS = re.compile(r"^Engine startup timings \(s\): (.*)$")
+_TIMING_ITEM = re.compile(r"(\w+)=" + NUM)
+_TIMING_GRAPHS = re.compile(r"cuda_graph=\{([^}]*)\}")
+_SCHEDULER_READY = re.compile(r"^max_total_num_tokens=")
+_HTTP_UP = re.compile(r"(?:INFO:\s+)?(?:Uvicorn running on|Application startup complete\.)")
+_READY = re.compile(r"The server is fired up and ready to roll!")
+_WORKER_READY = re.compile(r"Dummy health check server started")
+
+
+def _graph_phase(piecewise: Optional[str], which: Optional[str], kind: Optional[str]) -> tuple[str, str]:
+    """Phase and label of one graph capture line: prefill graphs are the piecewise phase."""
+    if piecewise or ((which or "").lower() == "target" and (kind or "").lower() == "prefill"):
+        return "piecewise_cuda_graph_capture", ""
+    label = f"{which}_{kind}".lower() if which else ""
+    return "cuda_graph_capture", "" if label == "target_decode" else label
+
+
+class SGLangLog:
+    """SGLang's start-up log (see the module docstring for the versions covered)."""
+
+    name = "sglang"
+
+    def split(self, line: str) -> Optional[LogLine]:
+        m = _LINE.match(line)
+        if not m:
+            return None
+        ts = epoch(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+        if m.group(2):
+            ts += float("0." + m.group(2))
+        tags = m.group(3).strip()
+        return LogLine(ts=ts, rank=tags or None, message=m.group(4), proc=None)
+
+    def bare_message(self, line: str) -> str:
+        return line.strip()
+
+    def events(self, line: LogLine) -> List[PhaseEvent]:
+        msg, rank = line.message, line.rank
+        if _SERVER_ARGS.search(msg):
+            out = [PhaseEvent("mark", "spawn")]
+            node = _NODE_RANK.search(msg)
+            if node and int(node.group(1)) > 0:
+                out.append(PhaseEvent("mark", "role_worker"))
+            return out
+        if _DIST_BEGIN.match(msg):
+            return [PhaseEvent("begin", "dist_init", rank)]
+        m = _DIST_END.match(msg)
+        if m:
+            return _end_and_elapsed("dist_init", rank, m.group(1))
+        if _LOAD_BEGIN.match(msg):
+            return [PhaseEvent("begin", "weight_loading", rank)]
+        m = _LOAD_END.match(msg)
+        if m:
+            return _end_and_elapsed("weight_loading", rank, m.group(1)) + [PhaseEvent("begin", "kv_cache_alloc", rank)]
+        if _POOL_END.match(msg):
+            return [PhaseEvent("end", "kv_cache_alloc", rank)]
+        m = _GRAPH.match(msg)
+        if m:
+            phase, label = _graph_phase(m.group(1), m.group(2), m.group(3))
+            if m.group(4).lower() == "begin":
+                return [PhaseEvent("begin", phase, rank)]
+            return _end_and_elapsed(phase, rank, m.group(5), label)
+        m = _TIMINGS.match(msg)
+        if m:
+            return _timings(m.group(1))
+        if _SCHEDULER_READY.match(msg):
+            return [PhaseEvent("mark", "engine_ready")]
+        if _WORKER_READY.search(msg):
+            return [PhaseEvent("mark", "role_worker"), PhaseEvent("mark", "worker_ready")]
+        if _READY.search(msg):
+            return [PhaseEvent("mark", "ready")]
+        if _HTTP_UP.match(msg):
+            return [PhaseEvent("mark", "http_up")]
+        return []
+
+
+def _end_and_elapsed(phase: str, rank: Optional[str], seconds: Optional[str], label: str = "") -> List[PhaseEvent]:
+    out = [PhaseEvent("end", phase, rank)]
+    if seconds is not None:
+        out.append(PhaseEvent("elapsed", phase, rank, float(seconds), label=label))
+    return out
+
+
+def _timings(body: str) -> List[PhaseEvent]:
+    """0.5.23's summary line; its figures count as one more 'rank' so the slowest still wins."""
+    graphs = _TIMING_GRAPHS.search(body)
+    flat = _TIMING_GRAPHS.sub("", body)
+    items = {k: float(v) for k, v in _TIMING_ITEM.findall(flat)}
+    out: List[PhaseEvent] = []
+    if "load_weight" in items:
+        out.append(PhaseEvent("elapsed", "weight_loading", "timings", items["load_weight"]))
+    if "kv_cache_allocation" in items:
+        out.append(PhaseEvent("elapsed", "kv_cache_alloc", "timings", items["kv_cache_allocation"]))
+    if graphs:
+        for key, value in _TIMING_ITEM.findall(graphs.group(1)):
+            phase = "piecewise_cuda_graph_capture" if key == "prefill" else "cuda_graph_capture"
+            out.append(PhaseEvent("elapsed", phase, "timings", float(value), label=key))
+    return out
+
+
+SGLANG_LOG = SGLangLog()

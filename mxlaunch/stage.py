@@ -1,0 +1,93 @@
+"""`mxlaunch stage`: sources → layouts → parallel copy → optional manifest, as one call.
+
+The launch pipeline uses StageJob directly (it needs per-file events); this module is the
+command-line shape of the same engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from mxlaunch.staging.lustre import layout_of
+from mxlaunch.staging.manifest import read_manifest, write_manifest
+from mxlaunch.staging.reader import DEFAULT_CHUNK, StageCancelled, StageJob, StageResult
+from mxlaunch.staging.sources import CopyItem, expand_sources
+
+
+def default_readers() -> int:
+    """Enough requests in flight to saturate NVMe and Lustre clients, without thrashing a small box."""
+    return max(16, min(64, 4 * (os.cpu_count() or 4)))
+
+
+@dataclass
+class StageRequest:
+    sources: list[str]
+    dest: Path
+    readers: int
+    chunk_size: int = DEFAULT_CHUNK
+    manifest: Path | None = None
+    write_manifest: Path | None = None
+    verify: bool = False
+    rate_limit: float | None = None
+    overwrite: bool = False
+    use_o_direct: bool = True
+
+
+def plan_items(request: StageRequest) -> tuple[list[CopyItem], list]:
+    """Expand sources and read Lustre layouts (None per file where there is no Lustre)."""
+    items = expand_sources(request.sources)
+    layouts = [layout_of(item.src) for item in items]
+    return items, layouts
+
+
+def run_stage(
+    request: StageRequest,
+    items: list[CopyItem],
+    layouts: list,
+    on_progress: Callable[[int], None] | None = None,
+) -> StageResult:
+    """Run the copy in the foreground; SIGINT/SIGTERM cancel it and clean up before we exit."""
+    expected = read_manifest(request.manifest) if request.manifest else None
+    job = StageJob(
+        items,
+        request.dest,
+        readers=request.readers,
+        chunk_size=request.chunk_size,
+        layouts=layouts if any(layouts) else None,
+        expected=expected,
+        verify_source=request.verify,
+        want_hashes=request.write_manifest is not None,
+        rate_limit=request.rate_limit,
+        overwrite=request.overwrite,
+        use_o_direct=request.use_o_direct,
+        on_progress=on_progress,
+    )
+    received: list[int] = []
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+        job.cancel()
+
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        job.start()
+        try:
+            result = job.wait()
+        except StageCancelled as exc:
+            if received:
+                exc.exit_code = 128 + received[0]
+                exc.message = f"staging interrupted by {signal.Signals(received[0]).name}; nothing was left behind"
+            raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if request.write_manifest:
+        write_manifest(
+            request.write_manifest,
+            {f.rel: {"bytes": f.bytes, "xxh3_128": f.xxh3_128} for f in result.files},
+        )
+    return result

@@ -1,0 +1,480 @@
+"""Parallel positional reads straight into the destination: the staging engine.
+
+Reader threads take chunks from the scheduler and `os.preadv` them (the GIL is released during the
+syscall) with O_DIRECT into a shared mmap of `<dest>.partial`, so each byte is copied once: disk →
+destination page. A file appears under its final name by rename only when every chunk is in (and its
+checksum matched, when one was asked for); the rename is the ready signal for consumers, and
+`StageJob.completed()` reports the same events in-process. On error or cancel, readers stop and every
+file and folder this job created is removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import xxhash
+
+from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
+from mxlaunch.staging.capacity import capacity_of, format_bytes
+from mxlaunch.staging.lustre import Layout
+from mxlaunch.staging.schedule import Chunk, ChunkScheduler, cut_chunks
+from mxlaunch.staging.sources import PARTIAL_SUFFIX, CopyItem
+
+ALIGN = 4096
+DEFAULT_CHUNK = 16 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class StageCancelled(MxlaunchError):
+    """The stage was interrupted (SIGINT/SIGTERM or cancel()); everything it wrote is gone."""
+
+    exit_code = 130
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """A file that is complete under its final name."""
+
+    src: Path
+    dest: Path
+    rel: str
+    bytes: int
+    seconds: float  # since the job started
+    o_direct: bool
+    xxh3_128: str | None = None
+
+
+@dataclass
+class StageResult:
+    files: list[StagedFile]
+    bytes: int
+    seconds: float
+    readers: int
+    chunk_size: int
+    o_direct: bool
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.bytes / (1 << 30) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _FileState:
+    item: CopyItem
+    dest: Path
+    partial: Path
+    remaining: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    src_fd: int | None = None
+    dest_fd: int | None = None
+    buf: mmap.mmap | None = None
+    o_direct: bool = True
+    done: bool = False
+
+
+class _RateLimiter:
+    """Total bytes/s ceiling shared by all readers (be a good neighbour on a shared filesystem)."""
+
+    def __init__(self, bytes_per_s: float, cancelled: threading.Event) -> None:
+        self.rate = bytes_per_s
+        self.next_free = time.monotonic()
+        self.lock = threading.Lock()
+        self.cancelled = cancelled
+
+    def acquire(self, nbytes: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_free)
+            self.next_free = start + nbytes / self.rate
+        delay = start - time.monotonic()
+        if delay > 0:
+            self.cancelled.wait(delay)
+
+
+def _hash_file_buffered(path: Path) -> str:
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        while block := fh.read(DEFAULT_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class StageJob:
+    """Copy `items` into `dest` with `readers` threads; observe files as they complete.
+
+    Typical use (the launch pipeline):
+        job = StageJob(items, dest, readers=32).start()
+        for staged in job.completed():   # yields each file right after its rename
+            ...
+        result = job.wait()              # raises on failure (after cleaning up)
+    """
+
+    def __init__(
+        self,
+        items: list[CopyItem],
+        dest: str | os.PathLike[str],
+        *,
+        readers: int = 16,
+        chunk_size: int = DEFAULT_CHUNK,
+        layouts: list[Layout | None] | None = None,
+        expected: dict[str, dict] | None = None,
+        verify_source: bool = False,
+        want_hashes: bool = False,
+        rate_limit: float | None = None,
+        overwrite: bool = False,
+        reserve_bytes: int = 0,
+        use_o_direct: bool = True,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
+        if readers < 1:
+            raise UsageError(f"--readers must be ≥ 1, got {readers}", "pass a positive reader count")
+        if chunk_size < ALIGN or chunk_size % ALIGN:
+            raise UsageError(
+                f"chunk size {chunk_size} is not a multiple of 4 KiB", "use e.g. --chunk-size 16MiB"
+            )
+        self.items = items
+        self.dest = Path(dest)
+        self.readers = readers
+        self.chunk_size = chunk_size
+        self.layouts = layouts
+        self.expected = expected
+        self.verify_source = verify_source
+        self.want_hashes = want_hashes or expected is not None or verify_source
+        self.overwrite = overwrite
+        self.reserve_bytes = reserve_bytes
+        self.use_o_direct = use_o_direct and bool(_O_DIRECT)
+        self.on_progress = on_progress
+        self._cancel = threading.Event()
+        self._limiter = _RateLimiter(rate_limit, self._cancel) if rate_limit else None
+        self._events: queue.Queue[StagedFile | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._files: list[_FileState] = []
+        self._finished: list[StagedFile] = []
+        self._created_dirs: list[Path] = []
+        self._created_files: list[Path] = []
+        self._t0 = 0.0
+        self._done = threading.Event()
+        self._result: StageResult | None = None
+
+    # ---- checks before any byte moves -----------------------------------------------------------
+
+    def total_bytes(self) -> int:
+        return sum(item.size for item in self.items)
+
+    def preflight(self) -> None:
+        """Refuse what cannot work before creating anything: clashes, capacity, manifest mismatch."""
+        for item in self.items:
+            final = self.dest / item.rel
+            if final.exists() and not self.overwrite:
+                raise UsageError(f"{final} already exists", "remove it or pass --overwrite")
+            if Path(str(final) + PARTIAL_SUFFIX).exists():
+                raise UsageError(f"{final}{PARTIAL_SUFFIX} exists (another stage running?)", "remove it and retry")
+        if self.expected is not None:
+            for item in self.items:
+                entry = self.expected.get(item.rel)
+                if entry is None:
+                    raise CheckFailed(f"{item.rel} is not in the manifest", "pass the manifest written for these files")
+                if int(entry.get("bytes", -1)) != item.size:
+                    raise CheckFailed(
+                        f"{item.rel} is {item.size} bytes but the manifest says {entry.get('bytes')}",
+                        "the source changed since the manifest was written; re-create it with --write-manifest",
+                    )
+        need = self.total_bytes() + self.reserve_bytes
+        cap = capacity_of(self.dest)
+        if need > cap.usable:
+            reserve = f" (+{format_bytes(self.reserve_bytes)} reserved)" if self.reserve_bytes else ""
+            raise UsageError(
+                f"staging needs {format_bytes(self.total_bytes())}{reserve} but {cap.binding_limit} "
+                f"leaves {format_bytes(cap.usable)}",
+                "free space, raise the job's memory limit, or stage to another --dest",
+            )
+
+    # ---- running ---------------------------------------------------------------------------------
+
+    def start(self) -> "StageJob":
+        self.preflight()
+        self._t0 = time.perf_counter()
+        try:
+            self._prepare_files()
+        except BaseException:
+            self._cleanup()
+            raise
+        sizes = [state.item.size for state in self._files]
+        scheduler = ChunkScheduler(cut_chunks(sizes, self.chunk_size, self.layouts), self.readers)
+        self._scheduler = scheduler
+        try:
+            for state in self._files:
+                if state.item.size == 0:
+                    self._finish_file(state)
+        except BaseException:
+            self._cleanup()
+            raise
+        for n in range(self.readers):
+            thread = threading.Thread(target=self._reader_loop, name=f"mx-reader-{n}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        threading.Thread(target=self._supervise, name="mx-stage-supervisor", daemon=True).start()
+        return self
+
+    def _mkdirs(self, path: Path) -> None:
+        missing: list[Path] = []
+        probe = path
+        while not probe.exists():
+            missing.append(probe)
+            probe = probe.parent
+        for folder in reversed(missing):
+            folder.mkdir()
+            self._created_dirs.append(folder)
+
+    def _prepare_files(self) -> None:
+        self._mkdirs(self.dest)
+        for item in self.items:
+            final = self.dest / item.rel
+            self._mkdirs(final.parent)
+            partial = Path(str(final) + PARTIAL_SUFFIX)
+            state = _FileState(item=item, dest=final, partial=partial, remaining=0)
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            self._created_files.append(partial)
+            state.dest_fd = fd
+            if item.size:
+                os.ftruncate(fd, item.size)
+                state.buf = mmap.mmap(fd, item.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                state.remaining = -(-item.size // self.chunk_size)  # replaced by the real count below
+            self._files.append(state)
+        sizes = [s.item.size for s in self._files]
+        counts = [0] * len(sizes)
+        for chunk in cut_chunks(sizes, self.chunk_size, self.layouts):
+            counts[chunk.file_index] += 1
+        for state, count in zip(self._files, counts):
+            state.remaining = count
+
+    def _open_source(self, state: _FileState) -> int:
+        with state.lock:
+            if state.src_fd is None:
+                fd = -1
+                if self.use_o_direct:
+                    try:
+                        fd = os.open(state.item.src, os.O_RDONLY | _O_DIRECT)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                if fd < 0:
+                    fd = os.open(state.item.src, os.O_RDONLY)
+                    state.o_direct = False
+                state.src_fd = fd
+            return state.src_fd
+
+    def _fall_back_to_buffered(self, state: _FileState) -> int:
+        """The filesystem took O_DIRECT at open but refuses the reads: reopen buffered, once."""
+        with state.lock:
+            if state.o_direct:
+                old = state.src_fd
+                state.src_fd = os.open(state.item.src, os.O_RDONLY)
+                state.o_direct = False
+                if old is not None:
+                    os.close(old)
+            assert state.src_fd is not None
+            return state.src_fd
+
+    def _read_into(self, fd: int, view: memoryview, offset: int, state: _FileState) -> None:
+        """Fill `view` from `offset`; short reads continue; EOF before the end is an error."""
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise OSError(errno.EIO, f"{state.item.src} ended at {offset + got} bytes, expected "
+                              f"{state.item.size} (did it change while staging?)")
+            got += n
+
+    def _read_chunk(self, chunk: Chunk, bounce: mmap.mmap) -> None:
+        state = self._files[chunk.file_index]
+        fd = self._open_source(state)
+        assert state.buf is not None
+        view = memoryview(state.buf)[chunk.offset : chunk.offset + chunk.length]
+        try:
+            direct_len = chunk.length - (chunk.length % ALIGN) if state.o_direct else chunk.length
+            try:
+                if direct_len:
+                    self._read_into(fd, view[:direct_len], chunk.offset, state)
+                tail = chunk.length - direct_len
+                if tail:  # the last partial block of a file: aligned read into a bounce buffer
+                    n = os.preadv(fd, [bounce], chunk.offset + direct_len)
+                    if n < tail:
+                        raise OSError(errno.EIO, f"{state.item.src} is shorter than {state.item.size} bytes")
+                    view[direct_len:] = bounce[:tail]
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not state.o_direct:
+                    raise
+                fd = self._fall_back_to_buffered(state)
+                self._read_into(fd, view, chunk.offset, state)
+        finally:
+            view.release()
+
+    def _reader_loop(self) -> None:
+        bounce = mmap.mmap(-1, ALIGN)
+        try:
+            while not self._cancel.is_set():
+                chunk = self._scheduler.take()
+                if chunk is None:
+                    return
+                try:
+                    if self._limiter:
+                        self._limiter.acquire(chunk.length)
+                    if self._cancel.is_set():
+                        return
+                    self._read_chunk(chunk, bounce)
+                finally:
+                    self._scheduler.done(chunk)
+                if self.on_progress:
+                    self.on_progress(chunk.length)
+                state = self._files[chunk.file_index]
+                with state.lock:
+                    state.remaining -= 1
+                    last = state.remaining == 0
+                if last:
+                    self._finish_file(state)
+        except BaseException as exc:  # noqa: BLE001 — any failure stops the whole job
+            self._fail(exc)
+        finally:
+            bounce.close()
+
+    def _finish_file(self, state: _FileState) -> None:
+        digest = None
+        if self.want_hashes:
+            digest = xxhash.xxh3_128(state.buf).hexdigest() if state.buf is not None else xxhash.xxh3_128().hexdigest()
+        if self.expected is not None:
+            want = self.expected[state.item.rel].get("xxh3_128")
+            if want and want != digest:
+                raise CheckFailed(
+                    f"{state.item.rel}: checksum {digest} does not match the manifest's {want}",
+                    "the source is corrupt or changed; re-stage from a good copy",
+                )
+        if self.verify_source and state.item.size:
+            src_digest = _hash_file_buffered(state.item.src)
+            if src_digest != digest:
+                raise CheckFailed(f"{state.item.rel}: copy differs from its source", "re-run the stage")
+        self._close_file(state)
+        os.rename(state.partial, state.dest)
+        with self._error_lock:
+            self._created_files.remove(state.partial)
+            self._created_files.append(state.dest)
+            state.done = True
+        staged = StagedFile(
+            src=state.item.src,
+            dest=state.dest,
+            rel=state.item.rel,
+            bytes=state.item.size,
+            seconds=time.perf_counter() - self._t0,
+            o_direct=state.o_direct if state.item.size else True,
+            xxh3_128=digest,
+        )
+        self._finished.append(staged)
+        self._events.put(staged)
+
+    def _close_file(self, state: _FileState) -> None:
+        if state.buf is not None:
+            state.buf.close()
+            state.buf = None
+        for attr in ("src_fd", "dest_fd"):
+            fd = getattr(state, attr)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(state, attr, None)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._error_lock:
+            if self._error is None:
+                self._error = exc
+        self._cancel.set()
+        self._scheduler.close()
+
+    def _supervise(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        seconds = time.perf_counter() - self._t0
+        if self._error is not None or self._cancel.is_set():
+            self._cleanup()
+        else:
+            order = {item.rel: n for n, item in enumerate(self.items)}
+            files = sorted(self._finished, key=lambda f: order[f.rel])
+            self._result = StageResult(
+                files=files,
+                bytes=self.total_bytes(),
+                seconds=seconds,
+                readers=self.readers,
+                chunk_size=self.chunk_size,
+                o_direct=all(f.o_direct for f in files),
+            )
+        self._events.put(None)
+        self._done.set()
+
+    def _cleanup(self) -> None:
+        """Remove every file and folder this job created (partials and completed ones alike)."""
+        for state in self._files:
+            self._close_file(state)
+        for path in reversed(self._created_files):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        self._created_files.clear()
+        for folder in reversed(self._created_dirs):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        self._created_dirs.clear()
+
+    # ---- observing ------------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Stop readers and remove what was written; wait() then raises StageCancelled."""
+        self._cancel.set()
+        if hasattr(self, "_scheduler"):
+            self._scheduler.close()
+
+    def completed(self) -> Iterator[StagedFile]:
+        """Yield each file as soon as it is complete under its final name, until the job ends."""
+        while True:
+            event = self._events.get()
+            if event is None:
+                self._events.put(None)  # let other iterators / wait() see the end too
+                return
+            yield event
+
+    def wait(self, poll: float = 0.2) -> StageResult:
+        """Block until done (waking often so signal handlers run); raise on failure or cancel."""
+        while not self._done.wait(poll):
+            pass
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, MxlaunchError):
+                raise err
+            if isinstance(err, OSError):
+                where = f" ({err.filename})" if err.filename else ""
+                raise CheckFailed(
+                    f"staging failed: {err.strerror or err}{where}; nothing was left behind",
+                    "check the source files and the destination, then retry",
+                ) from err
+            raise CheckFailed(f"staging failed: {err!r}; nothing was left behind") from err
+        if self._result is None:
+            raise StageCancelled("staging interrupted; nothing was left behind")
+        return self._result
+
+
+def stage(items: list[CopyItem], dest: str | os.PathLike[str], **kwargs) -> StageResult:
+    """Copy and wait: the one-call form of StageJob."""
+    return StageJob(items, dest, **kwargs).start().wait()

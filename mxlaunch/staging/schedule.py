@@ -1,0 +1,116 @@
+"""Which byte range to read next: cut files into chunks and hand them out so no device starves.
+
+Without Lustre every chunk targets one local device and goes out in file order — the first file
+completes first, so a consumer (the engine's loader) can start on it while later files arrive.
+With Lustre layouts, chunks are cut at stripe boundaries so each touches one OST, and the next chunk
+goes to the OST with the fewest requests in flight, under a per-OST depth bound, earliest file first.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from mxlaunch.staging.lustre import Layout
+
+LOCAL_TARGET = "local"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A byte range of one file, and the device (OST) that serves it."""
+
+    file_index: int
+    offset: int
+    length: int
+    target: str
+
+
+def cut_chunks(sizes: list[int], chunk_size: int, layouts: list[Layout | None] | None = None) -> list[Chunk]:
+    """Split files into chunks of at most `chunk_size` (a multiple of 4096), stripe-aligned on Lustre."""
+    if chunk_size <= 0 or chunk_size % 4096:
+        raise ValueError("chunk size must be a positive multiple of 4096")
+    chunks: list[Chunk] = []
+    for index, size in enumerate(sizes):
+        layout = layouts[index] if layouts else None
+        offset = 0
+        while offset < size:
+            end = min(size, offset + chunk_size)
+            target = LOCAL_TARGET
+            if layout is not None:
+                end = min(end, layout.stripe_end(offset))
+                ost = layout.ost_for(offset)
+                target = f"ost{ost}" if ost is not None else LOCAL_TARGET
+            chunks.append(Chunk(index, offset, end - offset, target))
+            offset = end
+    return chunks
+
+
+class ChunkScheduler:
+    """Thread-safe hand-out of chunks with a bounded number in flight per target."""
+
+    def __init__(self, chunks: list[Chunk], readers: int, depth_per_target: int | None = None) -> None:
+        self._pending: dict[str, deque[Chunk]] = {}
+        for chunk in chunks:
+            self._pending.setdefault(chunk.target, deque()).append(chunk)
+        targets = max(1, len(self._pending))
+        self.depth = depth_per_target or max(1, math.ceil(readers / targets))
+        self._inflight: dict[str, int] = {t: 0 for t in self._pending}
+        self._left = len(chunks)
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def _pick(self) -> str | None:
+        best: tuple[int, int, int] | None = None
+        best_target = None
+        for target, queue in self._pending.items():
+            if not queue or self._inflight[target] >= self.depth:
+                continue
+            head = queue[0]
+            key = (self._inflight[target], head.file_index, head.offset)
+            if best is None or key < best:
+                best, best_target = key, target
+        return best_target
+
+    def take(self) -> Chunk | None:
+        """Next chunk to read, blocking while every target with work is at its depth; None when done."""
+        with self._cond:
+            while True:
+                if self._closed or self._left == 0:
+                    return None
+                target = self._pick()
+                if target is not None:
+                    self._inflight[target] += 1
+                    self._left -= 1
+                    return self._pending[target].popleft()
+                self._cond.wait()
+
+    def done(self, chunk: Chunk) -> None:
+        with self._cond:
+            self._inflight[chunk.target] -= 1
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Stop handing out work (cancel / error): every waiting reader wakes and gets None."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def order(self) -> list[Chunk]:
+        """Drain the schedule single-threaded with `depth` slots per target, for tests and dry runs."""
+        taken: list[Chunk] = []
+        inflight: deque[Chunk] = deque()
+        while True:
+            with self._cond:
+                target = None if self._left == 0 else self._pick()
+            if target is None:
+                if not inflight:
+                    return taken
+                self.done(inflight.popleft())
+                continue
+            chunk = self.take()
+            assert chunk is not None
+            taken.append(chunk)
+            inflight.append(chunk)
