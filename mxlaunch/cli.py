@@ -25,7 +25,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # one-line errors must never wrap
 
 
 def print_json(payload: dict) -> None:
@@ -51,6 +51,198 @@ def _root(
 
 
 # ---- commands are registered below, one block each --------------------------------------------
+
+# ---- verify: record / compare prompt and greedy logprobs (issue 5) ----
+
+
+@app.command("verify")
+def verify_command(
+    url: str = typer.Option(..., "--url", help="Server base URL, e.g. http://127.0.0.1:8000."),
+    record_path: Optional[Path] = typer.Option(None, "--record", help="Record a gold file here."),
+    compare_path: Optional[Path] = typer.Option(None, "--compare", help="Compare against this gold file."),
+    prompts_path: Optional[Path] = typer.Option(
+        None, "--prompts", help="Prompts file for --record (.json list, .jsonl, or text: one per line)."
+    ),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Greedy tokens per prompt (--record; default 32)."),
+    tol: float = typer.Option(0.0, "--tol", help="Largest |Δ logprob| that passes (default 0: exact)."),
+    wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for /health and /v1/models (0: one attempt)."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout in seconds."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Record a gold file of prompt/greedy logprobs, or compare a server against one (exit 1 on mismatch)."""
+    from mxlaunch import verify as _verify
+    from mxlaunch.errors import CheckFailed, UsageError
+    from mxlaunch.prompts import load_prompts
+
+    if (record_path is None) == (compare_path is None):
+        raise UsageError("pass exactly one of --record FILE or --compare FILE", "see `mxlaunch verify --help`")
+    if timeout <= 0:
+        raise UsageError(f"--timeout {timeout} must be > 0", "pass a number of seconds")
+    if record_path is not None:
+        prompts = load_prompts(prompts_path)
+        with err.status(f"recording {len(prompts)} prompts from {url}") as status:
+            gold = _verify.record(
+                url, prompts, 32 if max_tokens is None else max_tokens, wait, timeout,
+                on_prompt=lambda i, name: status.update(f"recording {i + 1}/{len(prompts)}: {name}"),
+            )
+        _verify.write_gold(record_path, gold)
+        server = gold["server"]
+        if as_json:
+            print_json({"recorded": str(record_path), "prompts": len(gold["prompts"]), "server": server})
+            return
+        from rich.table import Table
+
+        table = Table(title=f"recorded {record_path}")
+        for col in ("prompt", "prompt tokens", "output tokens"):
+            table.add_column(col, justify="left" if col == "prompt" else "right")
+        table.add_column("output (start)", no_wrap=True, overflow="ellipsis", max_width=32)
+        for p in gold["prompts"]:
+            table.add_row(p["name"], str(len(p["prompt"])), str(len(p["output"])), repr(p["output_text"][:32]))
+        out.print(table)
+        out.print(
+            f"server: {server['api']} {server.get('engine_version') or ''} model {server['model']} — "
+            f"{len(gold['prompts'])} prompts, max_tokens {gold['request']['max_tokens']}",
+            highlight=False,
+        )
+        return
+    if prompts_path is not None or max_tokens is not None:
+        raise UsageError("--prompts and --max-tokens apply to --record", "--compare replays the gold file's prompts")
+    gold = _verify.read_gold(compare_path)
+    n = len(gold["prompts"])
+    with err.status(f"comparing {n} prompts on {url}") as status:
+        report = _verify.compare(
+            url, gold, tol, wait, timeout, on_prompt=lambda i, name: status.update(f"comparing {i + 1}/{n}: {name}")
+        )
+    if as_json:
+        print_json(report)
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"verify against {compare_path} (tol {tol:g})")
+        for col in ("prompt", "tokens", "compared", "max |Δ logprob|", "result"):
+            table.add_column(col, justify="left" if col in ("prompt", "result") else "right")
+        for r in report["prompts"]:
+            if r["error"]:
+                verdict = f"[red]error[/]: {r['error'][:60]}"
+            elif r["mismatch"]:
+                m = r["mismatch"]
+                verdict = f"[red]token id differs[/] at {m['part']}[{m['offset']}]"
+            else:
+                verdict = "[green]same[/]" if r["pass"] else "[red]Δ > tol[/]"
+            tokens = "-" if r["prompt_tokens"] is None else f"{r['prompt_tokens']}+{r['output_tokens']}"
+            delta = "-" if r["max_delta"] is None else f"{r['max_delta']:.3g}"
+            table.add_row(r["name"], tokens, str(r["compared_positions"]), delta, verdict)
+        out.print(table)
+        for diff in report["server"]["differences"]:
+            out.print(f"[yellow]note:[/] server info differs (not decisive) — {diff}", highlight=False)
+        if report["pass"]:
+            md = report["max_delta"]
+            out.print(f"[green]PASS[/]: {n} prompts, max |Δ logprob| = {0.0 if md is None else md:.3g} ≤ tol {tol:g}")
+    if not report["pass"]:
+        _verify.check(report)
+
+
+# ---- bench: streaming load generator (issue 5) ----
+
+
+@app.command("bench")
+def bench_command(
+    url: str = typer.Option(..., "--url", help="Server base URL, e.g. http://127.0.0.1:8000."),
+    requests: int = typer.Option(32, "--requests", help="Requests per concurrency level."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", help="Requests in flight (default 1)."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Several concurrency levels, e.g. 1,4,16."),
+    input_len: int = typer.Option(128, "--input-len", help="Prompt tokens (random dataset)."),
+    output_len: int = typer.Option(64, "--output-len", help="Output tokens per request (ignore_eos)."),
+    dataset: str = typer.Option("random", "--dataset", help="'random' or a prompts file (.json/.jsonl/text)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name to send (default: the first of /v1/models)."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Per-request read timeout in seconds."),
+    max_duration: float = typer.Option(600.0, "--max-duration", help="Upper bound on the whole run, seconds."),
+    seed: int = typer.Option(0, "--seed", help="Seed for the random dataset."),
+    wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for /health and /v1/models (0: one attempt)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Streaming benchmark: TTFT, inter-token latency, end-to-end latency, tokens/s, per concurrency level."""
+    from mxlaunch import bench as _bench
+    from mxlaunch.errors import UsageError
+
+    if concurrency is not None and sweep is not None:
+        raise UsageError("--concurrency and --sweep exclude each other", "pass one of them")
+    levels = _bench.parse_sweep(sweep) if sweep is not None else [1 if concurrency is None else concurrency]
+    with err.status(f"benchmarking {url}") as status:
+        result = _bench.run_bench(
+            url, requests=requests, concurrencies=levels, input_len=input_len, output_len=output_len,
+            dataset=dataset, wait_s=wait, timeout=timeout, max_duration=max_duration, seed=seed, model=model,
+            on_level=lambda c: status.update(f"benchmarking {url}: concurrency {c}, {requests} requests"),
+        )
+    if as_json:
+        print_json(result)
+        return
+    from rich.table import Table
+
+    def fmt(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+    table = Table(title=f"bench {result['model']} @ {result['url']} — in {input_len} / out {output_len} tokens")
+    for col in ("conc", "ok", "err", "req/s", "out tok/s", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms",
+                "E2E p50/p90/p99 ms"):
+        table.add_column(col, justify="right")
+    for lv in result["levels"]:
+        trip = lambda s: " / ".join(fmt(s[k]) for k in ("p50", "p90", "p99"))  # noqa: E731
+        table.add_row(
+            str(lv["concurrency"]), str(lv["completed"]), str(lv["errors"]), fmt(lv["requests_per_s"]),
+            fmt(lv["output_tokens_per_s"]), trip(lv["ttft_ms"]), trip(lv["itl_ms"]), trip(lv["e2e_ms"]),
+        )
+    out.print(table)
+    for lv in result["levels"]:
+        for sample in lv["error_samples"]:
+            err.print(f"[yellow]error sample (concurrency {lv['concurrency']}):[/] {sample}", highlight=False)
+
+
+@app.command("profile")
+def profile_command(
+    command: Optional[List[str]] = typer.Argument(None, help="-- CMD...: run it, profile until ready, stop it.", show_default=False),
+    log: Optional[List[Path]] = typer.Option(None, "--log", help="Engine log file(s); several are several runs.", show_default=False),
+    engine: str = typer.Option("auto", "--engine", help="auto | sglang | vllm."),
+    runs: int = typer.Option(1, "--runs", min=1, help="Live mode: run the command N times."),
+    timeout: float = typer.Option(900.0, "--timeout", min=1.0, help="Live mode: seconds to wait for ready, per run."),
+    multinode: bool = typer.Option(False, "--multinode", help="The --log files are the nodes of one run."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    chart: Optional[Path] = typer.Option(None, "--chart", help="Write a stacked-bar PNG of the phases here."),
+) -> None:
+    """Cold-start phases from SGLang/vLLM logs or live runs, with statistics over runs."""
+    from mxlaunch import profile as prof
+    from mxlaunch.errors import CheckFailed, UsageError
+
+    if engine not in prof.ENGINES:
+        raise UsageError(f"unknown engine {engine!r}", fix="use --engine auto, sglang or vllm")
+    if log:
+        files = list(log) + [Path(c) for c in command or []]  # `--log a.log b.log` works too
+        results = [prof.profile_file(f, engine) for f in files]
+        if multinode:
+            results = [prof.merge_nodes(results)]
+    elif command:
+        results = []
+        for i in range(1, runs + 1):
+            err.print(f"run {i}/{runs}: starting {' '.join(command)}", highlight=False)
+            result, code = prof.run_live(command, timeout, engine=engine)
+            state = "ready" if result.ready else (f"exited {code} before ready" if code is not None else "not ready")
+            err.print(f"run {i}/{runs}: {state} after {result.total_seconds:.1f} s; stopped", highlight=False)
+            results.append(result)
+    else:
+        raise UsageError("nothing to profile", fix="pass --log FILE or -- CMD...")
+    if chart is not None:
+        from mxlaunch.chart import write_chart
+
+        write_chart(results, chart)
+        err.print(f"chart written to {chart}", highlight=False)
+    if as_json:
+        print_json(prof.report(results))
+    else:
+        for renderable in prof.render(results):
+            out.print(renderable)
+    problem = prof.not_ready_message(results)
+    if problem:
+        raise CheckFailed(problem, fix="the profile above shows the phases it reached")
 
 
 @app.command()
@@ -79,7 +271,7 @@ def stage(
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     request = StageRequest(
-        sources=sources, dest=dest, readers=readers or default_readers(), chunk_size=chunk,
+        sources=sources, dest=dest, readers=default_readers() if readers is None else readers, chunk_size=chunk,
         manifest=manifest, write_manifest=write_manifest_to, verify=verify, rate_limit=rate,
         overwrite=overwrite, use_o_direct=not no_direct,
     )

@@ -133,5 +133,3 @@ def _timings(body: str) -> List[PhaseEvent]:
             out.append(PhaseEvent("elapsed", phase, "timings", float(value), label=key))
     return out
 
-
-SGLANG_LOG = SGLangLog()

@@ -51,12 +51,17 @@ class VLLMLog:
     name = "vllm"
 
     def __init__(self) -> None:
-        self._year = 2000  # a leap year, so 02-29 parses; only differences matter
+        self._year = 2000  # no year printed: start in a leap year (02-29 parses), add one at new year
+        self._month = 0
 
     def split(self, line: str) -> Optional[LogLine]:
         m = _LINE.match(line)
         if not m:
             return None
+        month = int(m.group("md")[:2])
+        if month + 6 < self._month:  # 12-31 → 01-01
+            self._year += 1
+        self._month = month
         year = int(m.group("year") or self._year)
         ts = epoch(datetime.strptime(f"{year}-{m.group('md')} {m.group('hms')}", "%Y-%m-%d %H:%M:%S"))
         if m.group("frac"):
@@ -114,4 +119,3 @@ def _rank(proc: Optional[str]) -> Optional[str]:
     return f"TP{m.group(1)}" if m else proc
 
 
-VLLM_LOG = VLLMLog()

@@ -344,7 +344,8 @@ class StageJob:
                 if last:
                     self._finish_file(state)
         except BaseException as exc:  # noqa: BLE001 — any failure stops the whole job
-            self._fail(exc)
+            # Drop the traceback: its frames hold views into the destination mmaps.
+            self._fail(exc.with_traceback(None))
         finally:
             bounce.close()
 
@@ -383,7 +384,10 @@ class StageJob:
 
     def _close_file(self, state: _FileState) -> None:
         if state.buf is not None:
-            state.buf.close()
+            try:
+                state.buf.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes with the last reference
             state.buf = None
         for attr in ("src_fd", "dest_fd"):
             fd = getattr(state, attr)
@@ -402,6 +406,21 @@ class StageJob:
         self._scheduler.close()
 
     def _supervise(self) -> None:
+        try:
+            self._settle()
+        except BaseException as exc:  # noqa: BLE001 — wait() must always return
+            with self._error_lock:
+                self._error = self._error or exc
+            self._result = None
+            try:
+                self._cleanup()
+            except OSError:
+                pass
+        finally:
+            self._events.put(None)
+            self._done.set()
+
+    def _settle(self) -> None:
         for thread in self._threads:
             thread.join()
         seconds = time.perf_counter() - self._t0
@@ -418,8 +437,6 @@ class StageJob:
                 chunk_size=self.chunk_size,
                 o_direct=all(f.o_direct for f in files),
             )
-        self._events.put(None)
-        self._done.set()
 
     def _cleanup(self) -> None:
         """Remove every file and folder this job created (partials and completed ones alike)."""

@@ -1,0 +1,528 @@
+"""Engine start-up log → timeline of fixed phases; statistics over runs; live runs of a command.
+
+Why fixed phase names: a report from SGLang 0.5.10 and one from vLLM 0.33 must line up in one
+table. The engine modules (engines/sglang.py, engines/vllm.py) turn lines into events; this module
+turns events into phase durations, the same way for every engine:
+
+- a phase the engine times itself ("elapsed=X s", "took X seconds") takes the slowest rank's figure;
+- otherwise it is timed from its begin/end lines (per rank, slowest rank) or from named points;
+- `unknown` is what is left of `total_seconds` after the named phases (never negative);
+- `stage` overlaps start-up: reported, never summed.
+
+`StartupProfiler` is incremental (feed lines with arrival times) so the launcher can feed it the
+engine's live output; `profile_file` and `run_live` are the two ways `mxlaunch profile` uses it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+from mxlaunch.engines import LOG_FORMATS, LogFormat, LogLine, PhaseEvent
+from mxlaunch.engines.base import mxlaunch_events
+from mxlaunch.errors import UsageError
+
+PHASES: Tuple[str, ...] = (
+    "process_startup",
+    "worker_spawn",
+    "dist_init",
+    "weight_loading",
+    "kv_cache_alloc",
+    "torch_compile",
+    "cuda_graph_capture",
+    "piecewise_cuda_graph_capture",
+    "http_startup",
+    "warmup",
+    "stage",
+    "unknown",
+)
+NOT_SUMMED = {"stage", "unknown"}
+ENGINES = ("auto", "sglang", "vllm")
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+_AUTO_VLLM_AFTER = 20  # vLLM-format lines with no SGLang line: it is vLLM (SGLang may import vLLM)
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+
+
+@dataclass
+class RunProfile:
+    """One run (or one merged multi-node run): what `--json` prints per run."""
+
+    source: str
+    engine: str
+    role: str  # "server" (prints the ready line), "worker" (worker node of a multi-node run)
+    ready: bool
+    total_seconds: float
+    phases: List[Phase] = field(default_factory=list)
+
+    def seconds(self, name: str) -> Optional[float]:
+        for p in self.phases:
+            if p.name == name:
+                return p.seconds
+        return None
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source,
+            "engine": self.engine,
+            "role": self.role,
+            "ready": self.ready,
+            "total_seconds": round(self.total_seconds, 3),
+            "phases": [{"name": p.name, "seconds": round(p.seconds, 3)} for p in self.phases],
+        }
+
+
+class StartupProfiler:
+    """Feeds on log lines (whole files or a live stream) and keeps the start-up timeline.
+
+    File mode: times come from the lines' own timestamps (a line without one takes the last seen);
+    total runs from the first timestamped engine line. Live mode (`feed(line, arrival=...)`, seconds
+    since the process started): arrival times are used and total runs from process start.
+    """
+
+    def __init__(self, engine: str = "auto", source: str = "", live: bool = False) -> None:
+        if engine not in ENGINES:
+            raise UsageError(f"unknown engine {engine!r}", fix="use --engine auto, sglang or vllm")
+        self.source = source
+        self.live = live
+        self.fmt: Optional[LogFormat] = None if engine == "auto" else LOG_FORMATS[engine]()
+        self._probe = {name: make() for name, make in LOG_FORMATS.items()}  # auto-detection only
+        self._pending: List[Tuple[str, Optional[float]]] = []  # auto mode, before the engine is known
+        self._vllm_votes = 0
+        self._partial = ""
+        self.t0: Optional[float] = 0.0 if live else None
+        self.last_t: Optional[float] = None
+        self.engine_lines = 0
+        self.elapsed: Dict[str, Dict[int, Dict[str, Dict[str, float]]]] = {}
+        self.begins: Dict[str, Dict[Optional[str], float]] = {}
+        self.ends: Dict[str, Dict[Optional[str], float]] = {}
+        self.marks: Dict[str, float] = {}
+        self.flags: set[str] = set()
+
+    # ---- input ----------------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Optional[str]:
+        return self.fmt.name if self.fmt else None
+
+    @property
+    def done(self) -> bool:
+        """Ready (or, on a worker node, its scheduler up): later lines are no longer start-up."""
+        return "ready" in self.marks or "worker_ready" in self.marks
+
+    @property
+    def ready(self) -> bool:
+        return self.done
+
+    def feed_text(self, text: str, arrival: Optional[float] = None) -> None:
+        """Feed a chunk of output; splits on \\n and on tqdm's \\r, keeps an unfinished tail."""
+        parts = _LINE_BREAK.split(self._partial + text)
+        self._partial = parts.pop()
+        for part in parts:
+            self.feed(part, arrival)
+
+    def flush(self, arrival: Optional[float] = None) -> None:
+        if self._partial:
+            line, self._partial = self._partial, ""
+            self.feed(line, arrival)
+
+    def feed(self, line: str, arrival: Optional[float] = None) -> List[PhaseEvent]:
+        """Feed one line; returns the start-up events it carried (for a live timeline)."""
+        if self.done:
+            return []
+        if self.fmt is None:
+            self._pending.append((line, arrival))
+            if not self._detect(line):
+                return []
+            pending, self._pending = self._pending, []
+            events: List[PhaseEvent] = []
+            for old, old_arrival in pending:
+                events += self._handle(old, old_arrival)
+            return events
+        return self._handle(line, arrival)
+
+    def _detect(self, line: str) -> bool:
+        if self._probe["sglang"].split(line):
+            self.fmt = LOG_FORMATS["sglang"]()
+            return True
+        parsed = self._probe["vllm"].split(line)
+        if parsed is not None:
+            self._vllm_votes += 1
+            if parsed.proc or self._probe["vllm"].events(parsed) or self._vllm_votes >= _AUTO_VLLM_AFTER:
+                self.fmt = LOG_FORMATS["vllm"]()
+        return self.fmt is not None
+
+    def _handle(self, raw: str, arrival: Optional[float]) -> List[PhaseEvent]:
+        assert self.fmt is not None
+        parsed = self.fmt.split(raw)
+        if parsed is not None:
+            self.engine_lines += 1
+            when = arrival if self.live else parsed.ts
+        else:
+            parsed = LogLine(ts=None, rank=None, message=self.fmt.bare_message(raw))
+            when = arrival if self.live else self.last_t
+        if when is None:  # file mode, before the first timestamp: nothing to time against
+            return []
+        if self.t0 is None:
+            self.t0 = when
+        self.last_t = when if self.last_t is None else max(self.last_t, when)
+        events = self.fmt.events(parsed) + mxlaunch_events(raw)
+        for ev in events:
+            self.record(ev, when)
+        return events
+
+    def record(self, ev: PhaseEvent, when: Optional[float] = None) -> None:
+        """Add one event; the launcher may call it directly (e.g. its own staging time)."""
+        if ev.kind == "elapsed" and ev.seconds is not None:
+            ranks = self.elapsed.setdefault(ev.name, {}).setdefault(ev.priority, {})
+            labels = ranks.setdefault(ev.rank or "", {})
+            labels[ev.label] = max(labels.get(ev.label, 0.0), ev.seconds)
+        elif when is None:
+            return
+        elif ev.kind == "begin":
+            self.begins.setdefault(ev.name, {}).setdefault(ev.rank, when)
+        elif ev.kind == "end":
+            self.ends.setdefault(ev.name, {})[ev.rank] = when
+        elif ev.kind == "mark":
+            self.marks.setdefault(ev.name, when)
+
+    # ---- output ---------------------------------------------------------------------------------
+
+    def _elapsed(self, name: str) -> Optional[float]:
+        by_priority = self.elapsed.get(name)
+        if not by_priority:
+            return None
+        ranks = by_priority[max(by_priority)]
+        return max(sum(labels.values()) for labels in ranks.values())
+
+    def _span(self, name: str) -> Optional[float]:
+        begins, ends = self.begins.get(name, {}), self.ends.get(name, {})
+        pairs = [ends[r] - begins[r] for r in begins if r in ends and ends[r] >= begins[r]]
+        if pairs:
+            return max(pairs)
+        if begins and ends and max(ends.values()) >= min(begins.values()):
+            return max(ends.values()) - min(begins.values())
+        if begins and not ends and not self.done and self.last_t is not None:
+            return max(0.0, self.last_t - min(begins.values()))  # still running when the log stops
+        return None
+
+    def _between(self, start: Optional[float], end: Optional[float]) -> Optional[float]:
+        if start is None or end is None or end < start:
+            return None
+        return end - start
+
+    def phase_seconds(self) -> Dict[str, float]:
+        """Named phases seen so far (no `unknown`); absent phases are left out."""
+        out: Dict[str, Optional[float]] = {}
+        first_begin = min(
+            [min(self.begins[n].values()) for n in ("dist_init", "weight_loading") if self.begins.get(n)],
+            default=None,
+        )
+        out["process_startup"] = self._between(self.t0, self.marks.get("spawn"))
+        out["worker_spawn"] = self._between(self.marks.get("spawn"), first_begin)
+        for name in ("dist_init", "weight_loading", "kv_cache_alloc", "torch_compile", "cuda_graph_capture",
+                     "piecewise_cuda_graph_capture", "stage"):
+            value = self._elapsed(name)
+            out[name] = value if value is not None else self._span(name)
+        init_engine = self._elapsed("init_engine")  # vLLM: compile + graphs + KV cache + profile run
+        if init_engine is not None:
+            inside = (out["torch_compile"] or 0.0) + (out["cuda_graph_capture"] or 0.0)
+            out["kv_cache_alloc"] = max(0.0, init_engine - inside)
+        out["http_startup"] = self._between(self.marks.get("engine_ready"), self.marks.get("http_up"))
+        out["warmup"] = self._between(self.marks.get("http_up"), self.marks.get("ready"))
+        return {k: v for k, v in out.items() if v is not None}
+
+    @property
+    def role(self) -> str:
+        return "worker" if ("role_worker" in self.marks or "worker_ready" in self.marks) else "server"
+
+    def result(self) -> RunProfile:
+        """The profile so far: a run that never got ready is still a profile (ready false)."""
+        self.flush()
+        if self.fmt is None and self._vllm_votes:  # only vLLM-format lines, too few to be sure earlier
+            self.fmt = LOG_FORMATS["vllm"]()
+            pending, self._pending = self._pending, []
+            for line, arrival in pending:
+                self._handle(line, arrival)
+        end = self.marks.get("ready", self.marks.get("worker_ready", self.last_t))
+        total = self._between(self.t0, end) or 0.0
+        named = self.phase_seconds()
+        summed = sum(v for k, v in named.items() if k not in NOT_SUMMED)
+        named["unknown"] = max(0.0, total - summed)
+        phases = [Phase(n, named[n]) for n in PHASES if n in named]
+        return RunProfile(self.source, self.engine or "unknown", self.role, self.ready, total, phases)
+
+
+# ---- files ---------------------------------------------------------------------------------------
+
+
+def read_log(path: Path) -> str:
+    """A log file's text; unreadable, empty or binary input is a usage error (exit 2)."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise UsageError(f"log file not found: {path}", fix="check the path given to --log")
+    except IsADirectoryError:
+        raise UsageError(f"{path} is a directory", fix="pass a log file to --log")
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}", fix="check the path and its permissions")
+    if not data.strip():
+        raise UsageError(f"{path} is empty", fix="pass the engine's start-up log (stdout+stderr)")
+    if b"\0" in data[:4096]:
+        raise UsageError(f"{path} is not a text log", fix="pass the engine's start-up log (stdout+stderr)")
+    return data.decode("utf-8", errors="replace")
+
+
+def profile_text(text: str, engine: str = "auto", source: str = "") -> RunProfile:
+    prof = StartupProfiler(engine=engine, source=source)
+    prof.feed_text(text)
+    result = prof.result()
+    if prof.engine_lines == 0:
+        which = "SGLang or vLLM" if engine == "auto" else ("SGLang" if engine == "sglang" else "vLLM")
+        raise UsageError(f"{source or 'input'}: no {which} log lines found",
+                         fix="pass an engine start-up log (or the right --engine)")
+    return result
+
+
+def profile_file(path: Path, engine: str = "auto") -> RunProfile:
+    return profile_text(read_log(path), engine=engine, source=str(path))
+
+
+def merge_nodes(runs: Sequence[RunProfile], source: Optional[str] = None) -> RunProfile:
+    """The nodes of one multi-node run → one run: the slowest node per phase; ready when all are."""
+    if not runs:
+        raise UsageError("nothing to merge", fix="pass one --log per node with --multinode")
+    merged: Dict[str, float] = {}
+    for run in runs:
+        for p in run.phases:
+            if p.name != "unknown":
+                merged[p.name] = max(merged.get(p.name, 0.0), p.seconds)
+    total = max(r.total_seconds for r in runs)
+    merged["unknown"] = max(0.0, total - sum(v for k, v in merged.items() if k not in NOT_SUMMED))
+    role = "server" if any(r.role == "server" for r in runs) else "worker"
+    engines = sorted({r.engine for r in runs})
+    return RunProfile(
+        source=source or " + ".join(r.source for r in runs),
+        engine=engines[0] if len(engines) == 1 else "/".join(engines),
+        role=role,
+        ready=all(r.ready for r in runs),
+        total_seconds=total,
+        phases=[Phase(n, merged[n]) for n in PHASES if n in merged],
+    )
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+
+def compute_stats(runs: Sequence[RunProfile]) -> Dict[str, Dict[str, float]]:
+    """mean, sample stddev (0 for one value), min, max and n per phase (and total_seconds)."""
+    values: Dict[str, List[float]] = {}
+    for run in runs:
+        for p in run.phases:
+            values.setdefault(p.name, []).append(p.seconds)
+        values.setdefault("total_seconds", []).append(run.total_seconds)
+    order = [n for n in PHASES if n in values] + ["total_seconds"]
+    return {name: _stat(values[name]) for name in order if name in values}
+
+
+def _stat(xs: List[float]) -> Dict[str, float]:
+    n = len(xs)
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    return {"mean": round(mean, 3), "std": round(std, 3), "min": round(min(xs), 3), "max": round(max(xs), 3), "n": n}
+
+
+def report(runs: Sequence[RunProfile]) -> dict:
+    """The `--json` document (cli.print_json adds "schema": 1)."""
+    return {"runs": [r.to_dict() for r in runs], "stats": compute_stats(runs)}
+
+
+# ---- live runs -----------------------------------------------------------------------------------
+
+
+def engine_from_argv(argv: Sequence[str]) -> str:
+    """A guess from the command line ("sglang" or "vllm" in it), else auto-detect from the output."""
+    joined = " ".join(argv).lower()
+    if "sglang" in joined:
+        return "sglang"
+    if "vllm" in joined:
+        return "vllm"
+    return "auto"
+
+
+def _read_lines(fd: int, start: float, out: "queue.Queue[Optional[Tuple[str, float]]]") -> None:
+    """Reader thread: stamp each complete line (\\n or tqdm's \\r) with its arrival time."""
+    tail = b""
+    try:
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            now = time.monotonic() - start
+            parts = re.split(rb"\r\n|\r|\n", tail + chunk)
+            tail = parts.pop()
+            for part in parts:
+                out.put((part.decode("utf-8", errors="replace"), now))
+    except OSError:
+        pass
+    finally:
+        if tail:
+            out.put((tail.decode("utf-8", errors="replace"), time.monotonic() - start))
+        out.put(None)
+
+
+def stop_group(proc: subprocess.Popen, grace: Tuple[float, float] = (15.0, 10.0)) -> None:
+    """Stop the command's whole process group: SIGINT, then SIGTERM, then SIGKILL."""
+    pgid = proc.pid  # started with start_new_session: its own group
+    for sig, wait in ((signal.SIGINT, grace[0]), (signal.SIGTERM, grace[1]), (signal.SIGKILL, 5.0)):
+        if not _group_alive(pgid) and proc.poll() is not None:
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(pgid):
+                return
+            time.sleep(0.05)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any live member left? Zombies count as gone (a container's PID 1 may never reap them)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc_root = Path("/proc")
+    if not proc_root.is_dir():
+        return True
+    for stat in proc_root.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def run_live(
+    argv: Sequence[str],
+    timeout: float,
+    engine: str = "auto",
+    on_event: Optional[Callable[[PhaseEvent, float], None]] = None,
+    grace: Tuple[float, float] = (15.0, 10.0),
+) -> Tuple[RunProfile, Optional[int]]:
+    """Run the command until ready (or exit, or timeout), stop it, and profile its output.
+
+    Returns the profile and the command's exit code if it exited on its own before ready.
+    """
+    if not argv:
+        raise UsageError("no command to run", fix="mxlaunch profile -- python -m vllm.entrypoints.openai.api_server ...")
+    if engine == "auto":
+        engine = engine_from_argv(argv)
+    prof = StartupProfiler(engine=engine, source=" ".join(argv), live=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    except (FileNotFoundError, PermissionError) as exc:
+        raise UsageError(f"cannot run {argv[0]}: {exc.strerror or exc}", fix="check the command after --")
+    assert proc.stdout is not None
+    lines: "queue.Queue[Optional[Tuple[str, float]]]" = queue.Queue()
+    reader = threading.Thread(target=_read_lines, args=(proc.stdout.fileno(), start, lines), daemon=True)
+    reader.start()
+    exited_early: Optional[int] = None
+    try:
+        deadline = start + timeout
+        while not prof.done:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                item = lines.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            if item is None:  # output closed: the command (and its children) ended before ready
+                exited_early = proc.wait()
+                break
+            for ev in prof.feed(item[0], item[1]):
+                if on_event:
+                    on_event(ev, item[1])
+    finally:
+        stop_group(proc, grace)
+        reader.join(timeout=5)
+        proc.stdout.close()
+    if not prof.done:  # the ready time is not extended by lines read after the stop
+        prof.last_t = max(prof.last_t or 0.0, min(time.monotonic() - start, timeout))
+    return prof.result(), exited_early
+
+
+def iter_runs(argv: Sequence[str], runs: int, timeout: float, engine: str = "auto",
+              grace: Tuple[float, float] = (15.0, 10.0)) -> Iterator[Tuple[int, RunProfile, Optional[int]]]:
+    for i in range(1, runs + 1):
+        profile, code = run_live(argv, timeout, engine=engine, grace=grace)
+        yield i, profile, code
+
+
+def not_ready_message(runs: Iterable[RunProfile]) -> Optional[str]:
+    bad = [r.source for r in runs if not r.ready]
+    if not bad:
+        return None
+    return f"{len(bad)} run(s) never reached ready: {', '.join(bad)}"
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+
+
+def render(runs: Sequence[RunProfile]) -> list:
+    """Rich tables: the runs; then one run's phases with % of total, or statistics over several runs."""
+    from rich.table import Table  # rich is a dependency; imported here to keep the model import-light
+
+    stats = compute_stats(runs)
+    names = [n for n in PHASES if n in stats]
+    summary = Table(title="runs", title_justify="left")
+    for col in ("#", "source", "engine", "role", "ready", "total s"):
+        summary.add_column(col, justify="right" if col in ("#", "total s") else "left", overflow="fold")
+    for i, r in enumerate(runs, 1):
+        summary.add_row(str(i), r.source, r.engine, r.role, "yes" if r.ready else "[red]no[/]", f"{r.total_seconds:.2f}")
+    table = Table(title="start-up phases (seconds)", title_justify="left")
+    table.add_column("phase", no_wrap=True, min_width=len("piecewise_cuda_graph_capture"))
+    if len(runs) == 1:
+        run = runs[0]
+        table.add_column("seconds", justify="right", no_wrap=True)
+        table.add_column("% of total", justify="right", no_wrap=True)
+        for name in names:
+            s = run.seconds(name) or 0.0
+            pct = "overlaps" if name == "stage" else (f"{100 * s / run.total_seconds:.1f}" if run.total_seconds else "-")
+            table.add_row(name, f"{s:.2f}", pct)
+        table.add_row("[bold]total[/]", f"[bold]{run.total_seconds:.2f}[/]", "100.0")
+        return [summary, table]
+    for col in ("mean", "std", "min", "max", "n"):  # per-run values: --json and --chart
+        table.add_column(col, justify="right", no_wrap=True)
+    for name in names + ["total_seconds"]:
+        st = stats[name]
+        label = "[bold]total[/]" if name == "total_seconds" else name
+        table.add_row(label, *(f"{st[k]:.2f}" for k in ("mean", "std", "min", "max")), str(st["n"]))
+    return [summary, table]
