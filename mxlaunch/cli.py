@@ -297,6 +297,31 @@ def stage(
         )
 
 
+@app.command()
+def doctor(
+    path: Path = typer.Option(Path("."), "--path", "-p", help="Folder to probe for O_DIRECT (artifact store, weights)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
+) -> None:
+    """What this node can do: O_DIRECT, /dev/shm, memory limits, Lustre, GPUs, NIXL, Slurm, engines."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from mxlaunch.doctor import as_dicts, run_checks
+
+    rows = run_checks(path)
+    if as_json:
+        print_json({"checks": as_dicts(rows)})
+        return
+    style = {"ok": "green", "missing": "yellow", "warn": "red", "info": "cyan"}
+    table = Table(title="mxlaunch doctor", show_lines=False)
+    for column in ("check", "status", "detail", "how to fix"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(escape(row.name), f"[{style.get(row.status, 'white')}]{row.status}[/]", escape(row.detail),
+                      escape(row.fix))
+    out.print(table)
+
+
 def main() -> None:
     """Console entry point: run the app and turn our errors into one line + exit code."""
     try:

@@ -1,0 +1,70 @@
+"""mxlaunch doctor: real probes on this machine, JSON shape, Slurm variables, bad paths."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mxlaunch import doctor
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mxlaunch.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def test_o_direct_probe_on_a_real_disk_folder(tmp_path: Path) -> None:
+    row = doctor.check_o_direct(tmp_path)
+    assert row.status == "ok" and "direct reads work" in row.detail
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+def test_o_direct_refusal_is_a_warning_with_the_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def refuse(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(doctor.os, "open", refuse)
+    row = doctor.check_o_direct(tmp_path)
+    assert row.status == "warn" and "buffered" in row.fix
+
+
+def test_json_lists_every_check_with_a_status(tmp_path: Path) -> None:
+    result = run_cli("doctor", "--path", str(tmp_path), "--json",
+                     env={"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1"})
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["schema"] == 1
+    rows = {row["name"]: row for row in data["checks"]}
+    assert {row["status"] for row in data["checks"]} <= {"ok", "missing", "warn", "info"}
+    assert rows[f"O_DIRECT on {tmp_path}"]["status"] == "ok"
+    assert rows["/dev/shm"]["detail"].startswith("tmpfs")
+    assert "SLURM_JOB_ID=4242" in rows["Slurm job"]["detail"] and "SLURM_NODEID=1" in rows["Slurm job"]["detail"]
+    for name in ("RAM", "CPU cores", "NUMA nodes", "lfs (Lustre)", "NIXL (p2p)", "vLLM", "SGLang"):
+        assert name in rows
+    for row in data["checks"]:
+        if row["status"] in ("missing", "warn"):
+            assert row["fix"], row  # every problem says how to fix it
+
+
+def test_table_output_keeps_extras_visible(tmp_path: Path) -> None:
+    result = run_cli("doctor", "--path", str(tmp_path))
+    assert result.returncode == 0
+    assert "mxlaunch doctor" in result.stdout
+    if doctor.check_nixl().status == "missing":
+        assert "[p2p]" in result.stdout  # rich markup must not swallow the extra's name
+
+
+def test_missing_path_is_usage_error() -> None:
+    result = run_cli("doctor", "--path", "/definitely/not/here")
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
