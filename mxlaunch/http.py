@@ -123,9 +123,10 @@ def wait_ready(url: str, wait_s: float, timeout: float = 10.0) -> tuple[str, dic
             if time.monotonic() >= deadline:
                 break
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
-    what = "cannot reach" if "Error" in last or "Timeout" in last else "not ready:"
     waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
-    raise UsageError(f"{what} server at {url} ({last}){waited}", WAIT_FIX)
+    if "Error" in last or "Timeout" in last:
+        raise UsageError(f"cannot reach server at {url} ({last}){waited}", WAIT_FIX)
+    raise UsageError(f"server at {url} is not ready ({last}){waited}", WAIT_FIX)
 
 
 def _models(resp: httpx.Response) -> list[dict]:
