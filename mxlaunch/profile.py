@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from mxlaunch.engines import LOG_FORMATS, LogFormat, LogLine, PhaseEvent
 from mxlaunch.engines.base import mxlaunch_events
@@ -477,13 +477,6 @@ def run_live(
     if not prof.done:  # the ready time is not extended by lines read after the stop
         prof.last_t = max(prof.last_t or 0.0, min(time.monotonic() - start, timeout))
     return prof.result(), exited_early
-
-
-def iter_runs(argv: Sequence[str], runs: int, timeout: float, engine: str = "auto",
-              grace: Tuple[float, float] = (15.0, 10.0)) -> Iterator[Tuple[int, RunProfile, Optional[int]]]:
-    for i in range(1, runs + 1):
-        profile, code = run_live(argv, timeout, engine=engine, grace=grace)
-        yield i, profile, code
 
 
 def not_ready_message(runs: Iterable[RunProfile]) -> Optional[str]:
