@@ -180,6 +180,7 @@ class FakeEngine:
                 self.wfile.flush()
 
         class Server(ThreadingHTTPServer):
+            block_on_close = False  # do not join handler threads of idle keep-alive connections
             def handle_error(self, request: Any, client_address: Any) -> None:
                 pass  # clients that hang up early (timeouts under test) are expected
 
