@@ -21,7 +21,7 @@ def write_chart(runs: Sequence[RunProfile], path: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         # The backslash keeps rich (cli.main prints errors with markup on) from eating "[chart]".
-        raise UsageError("--chart needs matplotlib", fix="pip install 'mxlaunch\\[chart]'")
+        raise UsageError("--chart needs matplotlib", fix="pip install 'mxlaunch[chart]'")
     stacked = [n for n in PHASES if n not in NOT_SUMMED] + ["unknown"]
     names = [n for n in stacked if any(r.seconds(n) for r in runs)]
     labels = [f"run {i}" + ("" if r.ready else " (not ready)") for i, r in enumerate(runs, 1)]

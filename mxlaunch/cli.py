@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from mxlaunch import __version__
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
@@ -257,6 +258,8 @@ def stage(
     rate_limit: Optional[str] = typer.Option(None, "--rate-limit", help="Cap total read rate, e.g. 2GiB (per second)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace destination files that exist."),
     no_direct: bool = typer.Option(False, "--no-direct", help="Use buffered reads (skip O_DIRECT)."),
+    per_file: Optional[int] = typer.Option(None, "--per-file", help="Most reads in flight per file (spreads readers over files)."),
+    write_mode: str = typer.Option("pwrite", "--write-mode", help="pwrite (read into a buffer, then write) or mmap (read into the mapped destination)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
     """Copy files into DEST with parallel O_DIRECT reads; each file appears (by rename) when complete."""
@@ -273,7 +276,8 @@ def stage(
     request = StageRequest(
         sources=sources, dest=dest, readers=default_readers() if readers is None else readers, chunk_size=chunk,
         manifest=manifest, write_manifest=write_manifest_to, verify=verify, rate_limit=rate,
-        overwrite=overwrite, use_o_direct=not no_direct,
+        overwrite=overwrite, use_o_direct=not no_direct, write_mode=write_mode,
+        per_file=per_file,
     )
     items, layouts = plan_items(request)
     total = sum(item.size for item in items)
@@ -327,7 +331,7 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except MxlaunchError as exc:
-        err.print(f"[bold red]error:[/] {exc.one_line()}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(exc.one_line())}", highlight=False)
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -340,7 +344,7 @@ def main() -> None:
     except Exception as exc:
         # Click's usage errors (typer vendors click, so match by shape, not by class).
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
-            err.print(f"[bold red]error:[/] {exc.format_message()} — see `mxlaunch --help`", highlight=False)
+            err.print(f"[bold red]error:[/] {escape(exc.format_message())} — see `mxlaunch --help`", highlight=False)
             sys.exit(EXIT_USAGE)
         raise
 

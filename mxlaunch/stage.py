@@ -35,6 +35,8 @@ class StageRequest:
     rate_limit: float | None = None
     overwrite: bool = False
     use_o_direct: bool = True
+    write_mode: str = "pwrite"
+    per_file: int | None = None
 
 
 def plan_items(request: StageRequest) -> tuple[list[CopyItem], list]:
@@ -64,6 +66,8 @@ def run_stage(
         rate_limit=request.rate_limit,
         overwrite=request.overwrite,
         use_o_direct=request.use_o_direct,
+        write_mode=request.write_mode,
+        per_file=request.per_file,
         on_progress=on_progress,
     )
     received: list[int] = []

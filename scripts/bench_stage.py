@@ -104,9 +104,10 @@ def run_one_child(cmd: list[str]) -> tuple[float, float, str]:
     return wall, usage.ru_utime + usage.ru_stime, out.decode()
 
 
-def method_mxlaunch(files: list[Path], dest: Path, readers: int, chunk: int) -> dict:
+def method_mxlaunch(files: list[Path], dest: Path, readers: int, chunk: int, mode: str, per_file: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--stage-worker", "--dest", str(dest),
-           "--readers", str(readers), "--chunk", str(chunk), *map(str, files)]
+           "--readers", str(readers), "--chunk", str(chunk), "--write-mode", mode, "--per-file", str(per_file),
+           *map(str, files)]
     wall, cpu, out = run_one_child(cmd)
     report = json.loads(out)
     return {"wall_s": wall, "cpu_s": cpu, "engine_s": report["seconds"], "o_direct": report["o_direct"]}
@@ -186,11 +187,14 @@ def stage_worker(argv: list[str]) -> None:
     parser.add_argument("--dest", required=True)
     parser.add_argument("--readers", type=int, required=True)
     parser.add_argument("--chunk", type=int, required=True)
+    parser.add_argument("--write-mode", default="pwrite")
+    parser.add_argument("--per-file", type=int, default=0)
     parser.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
     from mxlaunch.stage import StageRequest, plan_items, run_stage
 
-    request = StageRequest(sources=args.files, dest=Path(args.dest), readers=args.readers, chunk_size=args.chunk)
+    request = StageRequest(sources=args.files, dest=Path(args.dest), readers=args.readers, chunk_size=args.chunk,
+                           write_mode=args.write_mode, per_file=args.per_file or None)
     items, layouts = plan_items(request)
     result = run_stage(request, items, layouts)
     print(json.dumps({"seconds": result.seconds, "bytes": result.bytes, "o_direct": result.o_direct}))
@@ -208,6 +212,8 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--readers", default="1,4,16,64", help="reader-count sweep for mxlaunch")
     ap.add_argument("--chunk", default="16MiB")
+    ap.add_argument("--modes", default="pwrite,mmap", help="mxlaunch write modes to measure")
+    ap.add_argument("--per-file", default="0", help="per-file in-flight caps to sweep (0: none)")
     ap.add_argument("--dd-slices", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="runs per method; the best is reported")
     ap.add_argument("--fio", default=shutil.which("fio"), help="path to fio (skipped when missing)")
@@ -242,8 +248,13 @@ def main() -> None:
     write_probe = dest_write_probe(args.dest_root / "probe", min(total, 4 * GiB), 4)
     print(f"destination write probe: {write_probe:.2f} GiB/s", file=sys.stderr)
     for _ in range(args.repeats):
-        for readers in [int(r) for r in args.readers.split(",")]:
-            record("mxlaunch", f"readers={readers}", method_mxlaunch(files, fresh_dest("mx"), readers, chunk))
+        for mode in args.modes.split(","):
+            for cap in [int(c) for c in args.per_file.split(",")]:
+                for readers in [int(r) for r in args.readers.split(",")]:
+                    if cap and cap >= readers:
+                        continue  # the cap changes nothing
+                    label = f"{mode}, readers={readers}" + (f", per-file={cap}" if cap else "")
+                    record("mxlaunch", label, method_mxlaunch(files, fresh_dest("mx"), readers, chunk, mode, cap))
         record("dd-slices", f"{args.dd_slices}/file, bs=16M", method_dd(files, fresh_dest("dd"), args.dd_slices))
         record("cp", "", method_cp(files, fresh_dest("cp")))
         if args.fio:

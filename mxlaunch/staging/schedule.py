@@ -49,48 +49,66 @@ def cut_chunks(sizes: list[int], chunk_size: int, layouts: list[Layout | None] |
 
 
 class ChunkScheduler:
-    """Thread-safe hand-out of chunks with a bounded number in flight per target."""
+    """Thread-safe hand-out of chunks: bounded in flight per target (OST) and per file.
 
-    def __init__(self, chunks: list[Chunk], readers: int, depth_per_target: int | None = None) -> None:
-        self._pending: dict[str, deque[Chunk]] = {}
+    The per-file bound spreads readers over a few files at once — writes into one tmpfs file
+    serialize on its inode lock — while file order still decides who goes first.
+    """
+
+    def __init__(self, chunks: list[Chunk], readers: int, depth_per_target: int | None = None,
+                 per_file: int | None = None) -> None:
+        self._pending: dict[str, dict[int, deque[Chunk]]] = {}
         for chunk in chunks:
-            self._pending.setdefault(chunk.target, deque()).append(chunk)
+            self._pending.setdefault(chunk.target, {}).setdefault(chunk.file_index, deque()).append(chunk)
         targets = max(1, len(self._pending))
         self.depth = depth_per_target or max(1, math.ceil(readers / targets))
+        self.per_file = per_file or readers
         self._inflight: dict[str, int] = {t: 0 for t in self._pending}
+        self._file_inflight: dict[int, int] = {}
         self._left = len(chunks)
         self._cond = threading.Condition()
         self._closed = False
 
-    def _pick(self) -> str | None:
+    def _pick(self) -> tuple[str, int] | None:
         best: tuple[int, int, int] | None = None
-        best_target = None
-        for target, queue in self._pending.items():
-            if not queue or self._inflight[target] >= self.depth:
+        choice = None
+        for target, files in self._pending.items():
+            if self._inflight[target] >= self.depth:
                 continue
-            head = queue[0]
-            key = (self._inflight[target], head.file_index, head.offset)
-            if best is None or key < best:
-                best, best_target = key, target
-        return best_target
+            for file_index, queue in files.items():
+                if self._file_inflight.get(file_index, 0) >= self.per_file:
+                    continue
+                head = queue[0]
+                key = (self._inflight[target], head.file_index, head.offset)
+                if best is None or key < best:
+                    best, choice = key, (target, file_index)
+                break  # later files of this target only matter when earlier ones are capped
+        return choice
 
     def take(self) -> Chunk | None:
-        """Next chunk to read, blocking while every target with work is at its depth; None when done."""
+        """Next chunk to read, blocking while every target with work is at its bound; None when done."""
         with self._cond:
             while True:
                 if self._closed or self._left == 0:
                     return None
-                target = self._pick()
-                if target is not None:
+                choice = self._pick()
+                if choice is not None:
+                    target, file_index = choice
+                    files = self._pending[target]
+                    chunk = files[file_index].popleft()
+                    if not files[file_index]:
+                        del files[file_index]
                     self._inflight[target] += 1
+                    self._file_inflight[file_index] = self._file_inflight.get(file_index, 0) + 1
                     self._left -= 1
-                    return self._pending[target].popleft()
+                    return chunk
                 self._cond.wait()
 
     def done(self, chunk: Chunk) -> None:
         with self._cond:
             self._inflight[chunk.target] -= 1
-            self._cond.notify()
+            self._file_inflight[chunk.file_index] -= 1
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop handing out work (cancel / error): every waiting reader wakes and gets None."""

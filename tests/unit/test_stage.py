@@ -16,7 +16,7 @@ import pytest
 
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.staging import reader as reader_mod
-from mxlaunch.staging.reader import StageCancelled, StageJob, stage
+from mxlaunch.staging.reader import WRITE_MODES, StageCancelled, StageJob, stage
 from mxlaunch.staging.sources import expand_sources
 
 from tests.helpers.stage_data import sha256_of, shm_dir, tree_of, write_pattern_file
@@ -48,10 +48,11 @@ def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "mxlaunch.cli", *args], capture_output=True, text=True, **kwargs)
 
 
+@pytest.mark.parametrize("mode", WRITE_MODES)
 @pytest.mark.parametrize("chunk", [4096, 64 * 1024, 16 * MiB])
-def test_every_awkward_size_is_byte_exact(sources, dest, chunk: int) -> None:
+def test_every_awkward_size_is_byte_exact(sources, dest, chunk: int, mode: str) -> None:
     items = expand_sources([str(p) for p, _ in sources.values()])
-    result = stage(items, dest, readers=8, chunk_size=chunk)
+    result = stage(items, dest, readers=8, chunk_size=chunk, write_mode=mode)
     assert result.o_direct is True  # ext4 source: every read used O_DIRECT
     assert result.bytes == sum(SIZES)
     for name, (_, digest) in sources.items():
@@ -62,9 +63,11 @@ def test_every_awkward_size_is_byte_exact(sources, dest, chunk: int) -> None:
 def test_file_over_one_gib_is_byte_exact(tmp_path: Path, dest: Path) -> None:
     big = tmp_path / "big.bin"
     digest = write_pattern_file(big, (1 << 30) + 4097, seed=7)
-    result = stage(expand_sources([str(big)]), dest, readers=16)
-    assert result.bytes == (1 << 30) + 4097
-    assert sha256_of(dest / "big.bin") == digest
+    for mode in WRITE_MODES:
+        result = stage(expand_sources([str(big)]), dest, readers=16, write_mode=mode)
+        assert result.bytes == (1 << 30) + 4097
+        assert sha256_of(dest / "big.bin") == digest, mode
+        shutil.rmtree(dest)
 
 
 def test_directory_lands_under_its_basename_and_globs_expand(tmp_path: Path, dest: Path) -> None:
@@ -150,9 +153,11 @@ def test_reader_failure_midway_removes_everything(sources, dest, monkeypatch: py
 
     monkeypatch.setattr(reader_mod.os, "preadv", flaky_preadv)
     items = expand_sources([str(p) for p, _ in sources.values()])
-    with pytest.raises(CheckFailed, match="Input/output error"):
-        stage(items, dest, readers=4, chunk_size=64 * 1024)
-    assert not dest.exists()
+    for mode in WRITE_MODES:
+        calls["n"] = 0
+        with pytest.raises(CheckFailed, match="Input/output error"):
+            stage(items, dest, readers=4, chunk_size=64 * 1024, write_mode=mode)
+        assert not dest.exists()
 
 
 def test_source_shrinking_during_the_stage_fails_and_cleans_up(tmp_path: Path, dest: Path) -> None:
