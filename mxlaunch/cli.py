@@ -250,7 +250,7 @@ def profile_command(
 def stage(
     sources: List[str] = typer.Argument(..., help="Files, directories or globs to copy.", show_default=False),
     dest: Path = typer.Option(..., "--dest", "-d", help="Destination folder (e.g. /dev/shm/...)."),
-    readers: Optional[int] = typer.Option(None, "--readers", "-j", help="Parallel reader threads [default: 4×cores, 16–64]."),
+    readers: Optional[int] = typer.Option(None, "--readers", "-j", help="Parallel reader threads [default: 16]."),
     chunk_size: str = typer.Option("16MiB", "--chunk-size", help="Bytes per read request (multiple of 4 KiB)."),
     manifest: Optional[Path] = typer.Option(None, "--manifest", help="Check each copy against this manifest (path → bytes, xxh3_128)."),
     write_manifest_to: Optional[Path] = typer.Option(None, "--write-manifest", help="Write a manifest of the copies here."),
@@ -258,7 +258,7 @@ def stage(
     rate_limit: Optional[str] = typer.Option(None, "--rate-limit", help="Cap total read rate, e.g. 2GiB (per second)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace destination files that exist."),
     no_direct: bool = typer.Option(False, "--no-direct", help="Use buffered reads (skip O_DIRECT)."),
-    per_file: Optional[int] = typer.Option(None, "--per-file", help="Most reads in flight per file (spreads readers over files)."),
+    per_file: Optional[int] = typer.Option(None, "--per-file", help="Most reads in flight per file [default: readers/4]."),
     write_mode: str = typer.Option("pwrite", "--write-mode", help="pwrite (read into a buffer, then write) or mmap (read into the mapped destination)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
@@ -324,6 +324,102 @@ def doctor(
         table.add_row(escape(row.name), f"[{style.get(row.status, 'white')}]{row.status}[/]", escape(row.detail),
                       escape(row.fix))
     out.print(table)
+
+
+# ---- store: list / verify / rm snapshots in the artifact store (issue 3) ----
+
+store_app = typer.Typer(
+    help="See, check and remove snapshots in the artifact store.",
+    no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(store_app, name="store")
+_ARTIFACT_PATH_HELP = "Artifact store root [default: $MXLAUNCH_ARTIFACT_PATH, else ~/.cache/mxlaunch/store]."
+
+
+@store_app.command("list")
+def store_list(
+    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", help=_ARTIFACT_PATH_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the snapshots as JSON."),
+) -> None:
+    """Every snapshot in the store: model, engine, parallelism, size, created, status (ok/incomplete/claimed/refused)."""
+    from rich.table import Table
+
+    from mxlaunch.staging.capacity import format_bytes
+    from mxlaunch.store import Store
+
+    store = Store(artifact_path)
+    entries = store.list()
+    if as_json:
+        print_json({"root": str(store.root), "snapshots": [e.to_dict() for e in entries]})
+        return
+    table = Table(title=f"snapshots in {escape(str(store.root))}")
+    for col in ("id", "model", "engine", "tp/pp", "ranks", "size", "created", "status"):
+        table.add_column(col, justify="right" if col in ("ranks", "size") else "left",
+                         no_wrap=col in ("id", "size", "created"))
+    style = {"ok": "green", "claimed": "cyan", "incomplete": "yellow", "refused": "red"}
+    for e in entries:
+        d = e.to_dict()
+        engine = " ".join(str(x) for x in (d["engine"], d["engine_version"]) if x) or "-"
+        tp_pp = f"{d['tp'] or '-'}/{d['pp'] or '-'}" if d["tp"] or d["pp"] else "-"
+        status = f"[{style.get(e.status, 'white')}]{e.status}[/]"
+        if e.status == "claimed" and e.holder is not None:
+            status += f" ({escape(e.holder.describe())})"
+        table.add_row(e.source_id, escape(str(d["model"] or "-")), escape(engine), tp_pp, str(d["nranks"] or "-"),
+                      format_bytes(e.bytes), str(d["created_at"] or "-")[:16].replace("T", " "), status)
+    out.print(table)
+    for e in entries:
+        if e.status == "refused":
+            out.print(f"{e.source_id}: {escape(e.reason)}", highlight=False)
+
+
+@store_app.command("verify")
+def store_verify(
+    source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
+    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", help=_ARTIFACT_PATH_HELP),
+    quick: bool = typer.Option(False, "--quick", help="Check manifest, paths and sizes only (no checksums)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Check a snapshot: manifest, ranks, paths inside the store, sizes and xxh3_128 checksums (exit 1 on failure)."""
+    from mxlaunch.errors import CheckFailed, UsageError
+    from mxlaunch.staging.capacity import format_bytes
+    from mxlaunch.store import Store
+
+    store = Store(artifact_path)
+    if not store.folder(source_id).is_dir():
+        raise UsageError(f"no snapshot {source_id} in {store.root}", "see `mxlaunch store list`")
+    with err.status(f"verifying {source_id}"):
+        report = store.verify(source_id, full=not quick)
+    if as_json:
+        print_json(report.to_dict())
+    elif report.ok:
+        out.print(f"{source_id}: ok — {report.files} files, {format_bytes(report.bytes)}"
+                  f"{', checksums match' if report.full else ' (sizes only)'}", highlight=False)
+    else:
+        for problem in report.problems:
+            out.print(f"{source_id}: {escape(problem)}", highlight=False)
+    if not report.ok:
+        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        raise CheckFailed(f"snapshot {source_id} failed verification: {report.problems[0]}{more}",
+                          f"remove it with `mxlaunch store rm {source_id}`; the next launch captures it again")
+
+
+@store_app.command("rm")
+def store_rm(
+    source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
+    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", help=_ARTIFACT_PATH_HELP),
+    force: bool = typer.Option(False, "--force", help="Remove it even while a capture claims it."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Remove a snapshot (refused while a capture holds its claim, unless --force)."""
+    from mxlaunch.store import Store
+
+    store = Store(artifact_path)
+    store.remove(source_id, force=force)
+    if as_json:
+        print_json({"removed": source_id, "root": str(store.root)})
+    else:
+        out.print(f"removed {source_id} from {escape(str(store.root))}", highlight=False)
 
 
 def main() -> None:
