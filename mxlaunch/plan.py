@@ -1,0 +1,121 @@
+"""The plan file: how the launcher tells the in-engine plugin what to do.
+
+The launcher writes it (atomically) into the run folder and passes its path in `MXLAUNCH_PLAN`; every
+engine process (API server, engine core, each worker) reads it. Launcher and plugin talk only through
+this file and marker files in the run folder — no sockets, no shared state.
+
+    {
+      "schema": 1,
+      "strategy": "capture" | "staged" | "default",
+      "source_id": "0123456789abcdef",
+      "run_dir": "/dev/shm/mxlaunch-<uid>/<run>",      # markers live in <run_dir>/markers/
+      "capture_dir": "<store>/<id>/.tmp-.../ranks",    # capture: rank R writes <capture_dir>/<R>/*.safetensors
+      "ranks": {"0": [{"path": "/dev/shm/.../0/part-00000.safetensors", "bytes": 123}], ...},
+                                                       # staged: the files rank R loads, in order;
+                                                       # each appears by rename when complete
+      "wait_timeout_s": 600,                           # staged: give up waiting for a file after this
+      "fallback_ok": true                              # failure before any tensor lands → default loader
+    }
+
+Markers (written by the plugin, read by the launcher): `markers/loaded-<R>.json` once rank R's weights
+are in place ({"rank", "bytes", "seconds", "strategy"}), `markers/captured-<R>.json` once rank R's raw
+tensors are written, `markers/fallback-<R>.json` with {"reason"} when a rank fell back to the default
+loader. All are written by temp name + rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PLAN_ENV = "MXLAUNCH_PLAN"
+STRATEGIES = ("capture", "staged", "default")
+
+
+class PlanError(ValueError):
+    """The plan file is missing or malformed (the plugin then falls back to the default loader)."""
+
+
+@dataclass
+class RankFile:
+    path: str
+    bytes: int
+
+
+@dataclass
+class Plan:
+    strategy: str
+    source_id: str
+    run_dir: str
+    capture_dir: str | None = None
+    ranks: dict[str, list[RankFile]] = field(default_factory=dict)
+    wait_timeout_s: float = 600.0
+    fallback_ok: bool = True
+    schema: int = 1
+
+    @property
+    def markers_dir(self) -> Path:
+        return Path(self.run_dir) / "markers"
+
+    def files_for_rank(self, rank: int) -> list[RankFile]:
+        return self.ranks.get(str(rank), [])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
+    """Read the plan named by MXLAUNCH_PLAN (or `path`); None when no plan is set."""
+    path = path or os.environ.get(PLAN_ENV)
+    if not path:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read plan {path}: {exc}") from exc
+    if not isinstance(data, dict) or data.get("schema") != 1:
+        raise PlanError(f"plan {path} has no schema 1")
+    strategy = data.get("strategy")
+    if strategy not in STRATEGIES:
+        raise PlanError(f"plan {path}: unknown strategy {strategy!r}")
+    try:
+        ranks = {
+            str(rank): [RankFile(path=str(f["path"]), bytes=int(f["bytes"])) for f in files]
+            for rank, files in (data.get("ranks") or {}).items()
+        }
+        return Plan(
+            strategy=strategy,
+            source_id=str(data["source_id"]),
+            run_dir=str(data["run_dir"]),
+            capture_dir=data.get("capture_dir"),
+            ranks=ranks,
+            wait_timeout_s=float(data.get("wait_timeout_s", 600.0)),
+            fallback_ok=bool(data.get("fallback_ok", True)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"plan {path} is malformed: {exc}") from exc
+
+
+def write_json_atomic(path: str | os.PathLike[str], payload: dict | str) -> None:
+    """Temp file in the same folder + rename: readers never see half a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = payload if isinstance(payload, str) else json.dumps(payload, indent=2, sort_keys=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_marker(plan: Plan, kind: str, rank: int, payload: dict) -> Path:
+    """markers/<kind>-<rank>.json, atomically."""
+    path = plan.markers_dir / f"{kind}-{rank}.json"
+    write_json_atomic(path, {"rank": rank, **payload})
+    return path
