@@ -1,15 +1,17 @@
 """Engine-neutral shapes shared by the engine modules.
 
 Only what more than one engine module needs lives here. `profile` uses the log-line
-shapes below; the launch pipeline adds its own (LaunchSpec, ...) next to them.
+shapes below; the launch pipeline uses `LaunchSpec` (what a launch command asks for), which every
+engine's argv parser fills the same way.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol
 
 # ---- log lines ----------------------------------------------------------------------------------
 
@@ -78,3 +80,64 @@ def mxlaunch_events(text: str) -> List[PhaseEvent]:
     if m:
         return [PhaseEvent("elapsed", "stage", seconds=float(m.group(2)), priority=10)]
     return []
+
+
+# ---- launch commands ----------------------------------------------------------------------------
+
+
+@dataclass
+class LaunchSpec:
+    """What an engine's launch command asks for, in engine-neutral terms.
+
+    Filled by an engine module's argv parser (`engines.vllm.parse_vllm_argv`; SGLang's fills the same
+    fields). Values are the engine's *effective* settings: the command line, its `--config` file and the
+    engine's defaults, combined as the engine combines them. `argv` is the command exactly as given;
+    a plan's command is made from it by the engine module's rewrite function, never by hand.
+
+    Parallelism: `tp`, `pp`, `dp` are the group sizes; `expert_parallel` says whether MoE experts are
+    partitioned over an expert-parallel group and `ep` is that group's size (1 = experts are not split
+    over EP; vLLM's EP group is tp × dp, SGLang sets it with --ep-size). `nnodes`/`node_rank` place this
+    node in a multi-node run; `dp_size_local`/`dp_start_rank`/`headless` (None/False when not given)
+    say which DP replicas this node hosts.
+
+    `layout_extras` holds engine-specific settings that change the per-rank tensors (vLLM:
+    --hf-overrides, --model-impl) so that the source id covers them; only non-default values appear.
+    `unsafe_reasons` lists why mxlaunch must serve this command with the engine's default loader
+    (empty: a fast path may be tried). Each reason is one line a user can act on.
+    """
+
+    engine: str  # "vllm" | "sglang"
+    engine_version: Optional[str]  # None: the engine is not installed here (a login node)
+    launch_form: str  # "vllm serve", "python -m vllm.entrypoints.openai.api_server", ...
+    model: str  # as given on the command line (or in its config file)
+    model_path: Optional[str]  # resolved local directory (hub ids → the local hub-cache snapshot), or None
+    served_model_name: str  # the name clients use (the first one when several are given)
+    argv: List[str] = field(default_factory=list)
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    expert_parallel: bool = False
+    ep: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dp_size_local: Optional[int] = None
+    dp_start_rank: Optional[int] = None
+    headless: bool = False
+    dtype: str = "auto"
+    quantization: Optional[str] = None
+    load_format: str = "auto"
+    model_loader_extra_config: Optional[Dict[str, Any]] = None
+    host: Optional[str] = None
+    port: Optional[int] = None
+    revision: Optional[str] = None
+    layout_extras: Dict[str, Any] = field(default_factory=dict)
+    unsafe_reasons: List[str] = field(default_factory=list)
+
+    @property
+    def safe(self) -> bool:
+        """True when nothing forces the engine's default loader."""
+        return not self.unsafe_reasons
+
+    def to_json(self) -> Dict[str, Any]:
+        """A JSON-ready copy (lists and dicts copied, nothing shared with the spec)."""
+        return json.loads(json.dumps(asdict(self)))
