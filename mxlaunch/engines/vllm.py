@@ -129,8 +129,6 @@ def _rank(proc: Optional[str]) -> Optional[str]:
     return f"TP{m.group(1)}" if m else proc
 
 
-
-
 # ==== argv: launch command → LaunchSpec, and the command for a plan ===============================
 # What vLLM's own parser does (vllm/utils/argparse_utils.py FlexibleArgumentParser + the `serve`
 # parser built by entrypoints/.../cli_args.py make_arg_parser), mirrored without importing vLLM (the
