@@ -258,7 +258,7 @@ def stage(
     rate_limit: Optional[str] = typer.Option(None, "--rate-limit", help="Cap total read rate, e.g. 2GiB (per second)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace destination files that exist."),
     no_direct: bool = typer.Option(False, "--no-direct", help="Use buffered reads (skip O_DIRECT)."),
-    per_file: Optional[int] = typer.Option(None, "--per-file", help="Most reads in flight per file [default: readers/4]."),
+    per_file: Optional[int] = typer.Option(None, "--per-file", help="Most reads in flight per file [default: readers/8]."),
     write_mode: str = typer.Option("pwrite", "--write-mode", help="pwrite (read into a buffer, then write) or mmap (read into the mapped destination)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:

@@ -25,9 +25,10 @@ def default_readers() -> int:
 
 
 def default_per_file(readers: int) -> int:
-    """A quarter of the readers per file: a few files fill at once (tmpfs writes to one file
-    serialize on its inode lock) while the first file still lands first."""
-    return max(1, readers // 4)
+    """Two reads in flight per file (at 16 readers): writes into one tmpfs file serialize on its inode
+    lock, so more waiters per file only burn CPU (per-file 4 → 2 cut CPU/GiB 0.81 → 0.71 on the 2×H200
+    host at the same speed); the first file still lands first."""
+    return max(1, readers // 8)
 
 
 @dataclass
