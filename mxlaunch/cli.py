@@ -370,7 +370,7 @@ def store_list(
     out.print(table)
     for e in entries:
         if e.status == "refused":
-            out.print(f"{e.source_id}: {escape(e.reason)}", highlight=False)
+            out.print(f"{e.source_id}: {escape(e.reason)}", highlight=False, soft_wrap=True)
 
 
 @store_app.command("verify")
@@ -397,7 +397,7 @@ def store_verify(
                   f"{', checksums match' if report.full else ' (sizes only)'}", highlight=False)
     else:
         for problem in report.problems:
-            out.print(f"{source_id}: {escape(problem)}", highlight=False)
+            out.print(f"{source_id}: {escape(problem)}", highlight=False, soft_wrap=True)
     if not report.ok:
         more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
         raise CheckFailed(f"snapshot {source_id} failed verification: {report.problems[0]}{more}",

@@ -1,0 +1,105 @@
+"""What every coordinator offers: claims with a lease, so N replicas racing on a new model capture it once.
+
+A backend (the shared filesystem in `file.py`, later Redis) implements `Coordinator`; the launcher and
+the store only talk to these protocols. A claim is an optimisation, not the safety net: the store's
+manifest publish is exactly-once on its own, so even two captures of one source id publish one snapshot.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Protocol, runtime_checkable
+
+SCHEMA = 1
+
+# Source ids (and capture ids) become file and key names: keep them to one safe path component.
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def valid_id(name: object) -> bool:
+    """True for one safe path component: letters, digits, '.', '_', '-', not starting with a dot."""
+    return isinstance(name, str) and bool(_ID_RE.match(name)) and ".." not in name
+
+
+@dataclass(frozen=True)
+class ClaimInfo:
+    """Who holds a claim and until when (the JSON record stored by a backend)."""
+
+    source_id: str
+    token: str
+    host: str
+    pid: int
+    boot_id: str
+    start_time: int  # the holder's process start time (clock ticks since boot; 0 when unknown)
+    created_at: float  # epoch seconds
+    expires_at: float  # epoch seconds; the lease ends here unless a heartbeat extends it
+    ttl_s: float
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. {"capture_id": ...} for a replica's other nodes
+    released: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: object) -> Optional["ClaimInfo"]:
+        """Validate a stored record; None when it is not one (a reader treats that as unknown, not as free)."""
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            return None
+        try:
+            info = cls(
+                source_id=data["source_id"], token=data["token"], host=data["host"], pid=data["pid"],
+                boot_id=data["boot_id"], start_time=data["start_time"], created_at=float(data["created_at"]),
+                expires_at=float(data["expires_at"]), ttl_s=float(data["ttl_s"]), extra=data.get("extra") or {},
+                released=data.get("released", False),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        ok = (
+            valid_id(info.source_id) and isinstance(info.token, str) and isinstance(info.host, str)
+            and isinstance(info.pid, int) and isinstance(info.boot_id, str) and isinstance(info.start_time, int)
+            and isinstance(info.extra, dict) and isinstance(info.released, bool)
+        )
+        return info if ok else None
+
+    def remaining_s(self, now: float | None = None) -> float:
+        return self.expires_at - (time.time() if now is None else now)
+
+    def describe(self) -> str:
+        left = self.remaining_s()
+        lease = f"lease {left:.0f} s left" if left >= 0 else f"lease expired {-left:.0f} s ago"
+        return f"{self.host} pid {self.pid} ({lease})"
+
+
+@runtime_checkable
+class Claim(Protocol):
+    """A held claim. `heartbeat()` extends the lease; False means the claim is lost (stop capturing)."""
+
+    source_id: str
+    token: str
+
+    @property
+    def info(self) -> ClaimInfo: ...
+
+    @property
+    def lost(self) -> bool: ...
+
+    def heartbeat(self) -> bool: ...
+
+    def keep_alive(self, interval_s: float | None = None) -> None: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class Coordinator(Protocol):
+    """The claim registry: one winner per source id; a dead holder's claim can be taken over."""
+
+    def try_claim(self, source_id: str, ttl_s: float = 30.0, *, extra: dict[str, Any] | None = None) -> Optional[Claim]:
+        """The claim when this caller wins, None when a live holder has it."""
+        ...
+
+    def holder(self, source_id: str) -> Optional[ClaimInfo]:
+        """The live holder of a claim, or None (free, or its holder is gone)."""
+        ...
