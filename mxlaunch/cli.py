@@ -422,6 +422,57 @@ def store_rm(
         out.print(f"removed {source_id} from {escape(str(store.root))}", highlight=False)
 
 
+@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+def launch(
+    command: List[str] = typer.Argument(None, help="The engine's own command, after --.", show_default=False),
+    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", envvar="MXLAUNCH_ARTIFACT_PATH",
+                                                 help="Artifact store root [default: ~/.cache/mxlaunch/store]."),
+    strategy: str = typer.Option("auto", "--strategy", help="auto | staged | capture | default."),
+    capture_only: bool = typer.Option(False, "--capture-only", help="Serve until the snapshot is published, then stop (exit 0)."),
+    ready_timeout: float = typer.Option(1800.0, "--ready-timeout", help="Seconds to wait for the engine to be ready."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
+    readers: int = typer.Option(16, "--readers", help="Parallel staging readers."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
+    as_json: bool = typer.Option(False, "--json", help="JSON plan (dry run) or JSON-lines events."),
+) -> None:
+    """Run an engine command with the fastest correct weight path: staged snapshot, capture, or default."""
+    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
+
+    opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
+                         ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json)
+    plan = make_plan(list(command or []), opts)
+    if dry_run:
+        if as_json:
+            print_json(plan.to_json())
+        else:
+            out.print(f"strategy [bold]{plan.strategy}[/]: {escape(plan.reason)}")
+            out.print(f"source id {plan.source_id} · engine {plan.spec.engine} {plan.spec.engine_version or '(not installed)'}"
+                      f" · tp {plan.spec.tp} pp {plan.spec.pp} dp {plan.spec.dp}")
+            out.print("command: " + escape(" ".join(plan.argv)))
+            if plan.stage_files:
+                out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
+        return
+    if capture_only and plan.strategy != "capture":
+        from mxlaunch.errors import UsageError
+
+        raise UsageError(f"--capture-only: nothing to capture ({plan.reason})", "drop --capture-only to serve")
+
+    def emit(event: str, **fields: object) -> None:
+        if as_json:
+            print_json({"event": event, **fields})
+        else:
+            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("argv", "log_tail"))
+            err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)
+            if fields.get("log_tail"):
+                err.print(escape(str(fields["log_tail"])), highlight=False)
+
+    def echo(line: str) -> None:
+        (sys.stderr if as_json else sys.stdout).write(line + "\n")
+
+    code = Launcher(plan, opts, emit=emit, echo=echo).run()
+    raise typer.Exit(code)
+
+
 def main() -> None:
     """Console entry point: run the app and turn our errors into one line + exit code."""
     try:

