@@ -460,6 +460,11 @@ def launch(
     def emit(event: str, **fields: object) -> None:
         if as_json:
             print_json({"event": event, **fields})
+        elif event == "ready":
+            phases = fields.get("phases") or {}
+            shown = " · ".join(f"{name} {sec:.2f}s" for name, sec in phases.items() if sec)  # type: ignore[union-attr]
+            err.print(f"[bold green]mxlaunch ready[/] in {fields['seconds']:.1f} s (strategy {fields['strategy']}): "
+                      f"{escape(shown)}", highlight=False)
         else:
             detail = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("argv", "log_tail"))
             err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)

@@ -266,6 +266,10 @@ class Launcher:
         self.published = False
         self.stage_result = None
         self.stage_error: Optional[str] = None
+        self._profile_lock = threading.Lock()
+        from mxlaunch.profile import StartupProfiler
+
+        self.profiler = StartupProfiler(engine=plan.spec.engine, source="engine.log", live=True)
 
     # -- setup --
 
@@ -348,7 +352,9 @@ class Launcher:
                 self.stage_result = result
                 self.emit("staged", bytes=result.bytes, seconds=round(result.seconds, 3),
                           gib_per_s=round(result.gib_per_s, 3), o_direct=result.o_direct)
-                self.echo(f"mxlaunch: staged {result.bytes / (1 << 30):.2f} GiB in {result.seconds:.2f} s")
+                line = f"mxlaunch: staged {result.bytes / (1 << 30):.2f} GiB in {result.seconds:.2f} s"
+                self.echo(line)
+                self._feed_profile(line)
             except Exception as exc:  # noqa: BLE001 — reported to the plugin through the abort marker
                 self.stage_error = getattr(exc, "message", str(exc))
                 write_json_atomic(self.shm_dir / "markers" / "abort.json", {"reason": self.stage_error})
@@ -385,17 +391,18 @@ class Launcher:
                 signal.signal(sig, handler)
             self._cleanup()
 
-    def _pump(self, proc: subprocess.Popen, log: Any) -> None:
-        from mxlaunch.profile import StartupProfiler
+    def _feed_profile(self, line: str) -> None:
+        with self._profile_lock:
+            self.profiler.feed(line, arrival=time.monotonic() - self.t0)
 
-        self.profiler = StartupProfiler(engine=self.plan.spec.engine, source=str(self.log_dir / "engine.log"), live=True)
+    def _pump(self, proc: subprocess.Popen, log: Any) -> None:
         assert proc.stdout is not None
         for raw in iter(proc.stdout.readline, b""):
             log.write(raw)
             log.flush()
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             self.echo(line)
-            self.profiler.feed(line, arrival=time.monotonic() - self.t0)
+            self._feed_profile(line)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signals.append(signum)
@@ -478,7 +485,11 @@ class Launcher:
 
     def _report_ready(self) -> None:
         seconds = self.ready_at - self.t0
-        self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy)
+        with self._profile_lock:
+            timeline = self.profiler.result()
+        phases = {p.name: round(p.seconds, 3) for p in timeline.phases}
+        self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases)
+        self.timeline = timeline
 
     def _engine_exited(self, code: int) -> int:
         if self.ready_at is None and not self.signals:
