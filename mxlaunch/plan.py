@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from mxlaunch.coord.file import write_json_atomic as _atomic_json
 
 PLAN_ENV = "MXLAUNCH_PLAN"
 STRATEGIES = ("capture", "staged", "default")
@@ -100,18 +101,10 @@ def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
 
 
 def write_json_atomic(path: str | os.PathLike[str], payload: dict | str) -> None:
-    """Temp file in the same folder + rename: readers never see half a file."""
+    """Temp file in the same folder + rename (the store's helper): readers never see half a file."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    text = payload if isinstance(payload, str) else json.dumps(payload, indent=2, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _atomic_json(target, json.loads(payload) if isinstance(payload, str) else payload)
 
 
 def write_marker(plan: Plan, kind: str, rank: int, payload: dict) -> Path:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from mxlaunch.coord.file import write_json_atomic
 
 from mxlaunch.errors import UsageError
 
@@ -50,19 +51,4 @@ def write_manifest(path: str | os.PathLike[str], entries: dict[str, dict]) -> No
     """Write via a temp file in the same folder and an atomic rename: never half-written."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    payload = json.dumps(dict(sorted(entries.items())), indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(payload)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    write_json_atomic(target, dict(sorted(entries.items())))
