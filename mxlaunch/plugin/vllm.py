@@ -1,0 +1,315 @@
+"""vLLM adapter of the in-engine plugin: load format "mxlaunch".
+
+vLLM calls the `vllm.general_plugins` entry point `mxlaunch = "mxlaunch.plugin.vllm:register"` in the API
+server, the engine core and every worker. `register()` is cheap there: it imports nothing heavy and does
+no torch work. When `vllm.model_executor.model_loader` is already imported it registers the loader class
+at once; otherwise it leaves a one-shot import hook that registers it right after vLLM imports that
+module (only workers do — this spares the API server ~1 s of imports on the start-up path).
+
+`--load-format mxlaunch` then makes vLLM's worker build the model as usual (BaseModelLoader.load_model:
+initialize_model → load_weights → process_weights_after_loading); our `load_weights` does, per the plan
+named by MXLAUNCH_PLAN (mxlaunch/plan.py):
+
+    capture  vLLM's default weight loading, then this rank's raw tensors → <capture_dir>/<rank>/part-*.safetensors
+             (before post-processing), marker captured-<rank>
+    staged   wait for each file of this rank, copy its tensors in by name, check the fill;
+             log "mxlaunch: rank R loaded N GiB in X s (strategy staged)"
+    default  vLLM's default weight loading
+    no plan  vLLM's default weight loading, with a warning
+
+After vLLM's own post-processing `load_model` writes marker loaded-<rank> ({bytes, seconds, strategy}).
+A failure before the first tensor lands falls back to the default loader (marker fallback-<rank>) when
+the plan allows it; after that the worker raises and vLLM stops — partial weights are never served.
+
+**Rank** = the worker's global rank: torch.distributed's rank when it is initialized, else vLLM's world
+group rank, else 0. vLLM lays ranks out as ExternalDP × DP × PP × PCP × TP, so with prefill-context
+parallelism 1: rank = dp_rank·(PP·TP) + pp_rank·TP + tp_rank (TP fastest). TP=2: ranks 0 and 1 are TP
+ranks 0 and 1; PP=2 × TP=2: rank 2 is pp_rank 1, tp_rank 0. DP replicas offset the rank by DP·PP·TP
+(only when vLLM starts DP workers in one world: several nodes or DP > 1). The markers also carry
+tp_rank/pp_rank/dp_rank as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import importlib.util
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+LOAD_FORMAT = "mxlaunch"
+_TARGET = "vllm.model_executor.model_loader"
+# Keys DefaultModelLoader accepts in --model-loader-extra-config; others are ours and never reach it.
+_DEFAULT_EXTRA_KEYS = ("enable_multithread_load", "num_threads", "enable_weights_track")
+
+log = logging.getLogger("vllm.mxlaunch")  # under vLLM's "vllm" logger: its handler, prefix and format
+
+_registered = False
+_loader_cls: type | None = None
+
+
+# ---- registration --------------------------------------------------------------------------------------
+
+
+def register() -> None:
+    """The vllm.general_plugins entry point; never raises (a plugin must not take vLLM down)."""
+    try:
+        module = sys.modules.get(_TARGET)
+        if module is not None and hasattr(module, "register_model_loader"):
+            _register_now()
+        elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterOnImport())
+    except Exception as exc:  # noqa: BLE001
+        log.warning("mxlaunch: could not register load format %r: %s", LOAD_FORMAT, exc)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """One shot: when vLLM imports its model_loader package, register our loader right after."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != _TARGET:
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        real_exec = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            real_exec(module)
+            try:
+                _register_now()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("mxlaunch: could not register load format %r: %s", LOAD_FORMAT, exc)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _register_now() -> None:
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(loader_class())
+    _registered = True
+
+
+# ---- rank ----------------------------------------------------------------------------------------------
+
+
+def global_rank() -> int:
+    """This worker's global rank (see the module docstring for the TP/PP/DP mapping)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from vllm.distributed import parallel_state
+
+        if getattr(parallel_state, "_WORLD", None) is not None:
+            return int(parallel_state.get_world_group().rank)
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
+
+
+def _layout() -> dict[str, int]:
+    """tp/pp/dp ranks as vLLM reports them (for the markers; absent when not initialized)."""
+    out: dict[str, int] = {}
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        for key, getter in (("tp_rank", "get_tp_group"), ("pp_rank", "get_pp_group"), ("dp_rank", "get_dp_group")):
+            try:
+                out[key] = int(getattr(ps, getter)().rank_in_group)
+            except Exception:  # noqa: BLE001
+                pass
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+# ---- the loader ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What load_weights did; load_model writes the loaded marker from it after post-processing."""
+
+    strategy: str  # staged | capture | default
+    bytes: int
+    seconds: float
+    plan: Any = None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f}"
+
+
+def loader_class() -> type:
+    """Build (once) the BaseModelLoader subclass; vLLM is imported only here, inside the engine."""
+    global _loader_cls
+    if _loader_cls is not None:
+        return _loader_cls
+
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from mxlaunch.plan import PlanError, load_plan, write_marker
+
+    class MxlaunchModelLoader(BaseModelLoader):
+        """--load-format mxlaunch: capture or staged restore per MXLAUNCH_PLAN; vLLM's default otherwise."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            extra = load_config.model_loader_extra_config or {}
+            self._default_config = dataclasses.replace(
+                load_config,
+                load_format="auto",
+                model_loader_extra_config={k: v for k, v in dict(extra).items() if k in _DEFAULT_EXTRA_KEYS},
+            )
+            self._default: Any = None
+            self._outcome: Outcome | None = None
+
+        # -- vLLM's default weights path, handed a config with a format it knows --
+        def default_loader(self) -> Any:
+            if self._default is None:
+                self._default = DefaultModelLoader(self._default_config)
+            return self._default
+
+        def _read_plan(self) -> tuple[Any, str | None]:
+            try:
+                return load_plan(), None
+            except PlanError as exc:
+                return None, str(exc)
+
+        def download_model(self, model_config: Any) -> None:
+            plan, _ = self._read_plan()
+            if plan is not None and plan.strategy == "staged":
+                return  # the weights come from the snapshot; a fallback downloads then
+            self.default_loader().download_model(model_config)
+
+        def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+            self._outcome = None
+            model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            outcome = self._outcome
+            if outcome is not None and outcome.plan is not None:
+                rank = global_rank()
+                _safe_marker(write_marker, outcome.plan, "loaded", rank,
+                             {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 4),
+                              "strategy": outcome.strategy, **_layout()})
+            return model
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            rank = global_rank()
+            plan, plan_error = self._read_plan()
+            if plan_error is not None:
+                log.warning("mxlaunch: rank %d falls back to vLLM's default loader: %s", rank, plan_error)
+                self._outcome = self._default_load(model, model_config, plan=None)
+                return
+            if plan is None:
+                log.warning("mxlaunch: --load-format mxlaunch without %s: rank %d loads with vLLM's default "
+                            "loader (start the engine through `mxlaunch launch` to use snapshots)",
+                            "MXLAUNCH_PLAN", rank)
+                self._outcome = self._default_load(model, model_config, plan=None)
+                return
+            if plan.strategy == "capture":
+                self._outcome = self._capture(model, model_config, plan, rank)
+            elif plan.strategy == "staged":
+                self._outcome = self._staged(model, model_config, plan, rank)
+            else:
+                self._outcome = self._default_load(model, model_config, plan=plan)
+
+        def _default_load(self, model: Any, model_config: Any, plan: Any) -> Outcome:
+            started = time.perf_counter()
+            self.default_loader().load_weights(model, model_config)
+            return Outcome("default", _model_bytes(model), time.perf_counter() - started, plan)
+
+        def _fall_back(self, model: Any, model_config: Any, plan: Any, rank: int, reason: str) -> Outcome:
+            log.warning("mxlaunch: rank %d falls back to vLLM's default loader: %s", rank, reason)
+            _safe_marker(write_marker, plan, "fallback", rank, {"reason": reason, "strategy": plan.strategy})
+            return self._default_load(model, model_config, plan)
+
+        def _capture(self, model: Any, model_config: Any, plan: Any, rank: int) -> Outcome:
+            from mxlaunch.plugin.loader import CaptureError, capture_tensors, module_tensors
+
+            outcome = self._default_load(model, model_config, plan)
+            outcome.strategy = "capture"
+            if not plan.capture_dir:
+                reason = "capture: the plan names no capture_dir; serving without capturing"
+                log.warning("mxlaunch: rank %d: %s", rank, reason)
+                _safe_marker(write_marker, plan, "fallback", rank, {"reason": reason, "strategy": "capture"})
+                return outcome
+            out_dir = Path(plan.capture_dir) / str(rank)
+            try:
+                result = capture_tensors(module_tensors(model), out_dir,
+                                         metadata={"mxlaunch.rank": str(rank), "mxlaunch.source_id": plan.source_id})
+            except CaptureError as exc:
+                reason = f"capture failed, serving without a snapshot: {exc}"
+                log.warning("mxlaunch: rank %d: %s", rank, reason)
+                _safe_marker(write_marker, plan, "fallback", rank, {"reason": reason, "strategy": "capture"})
+                return outcome
+            files = [{"name": p.name, "path": str(p), "bytes": p.stat().st_size} for p in result.files]
+            log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s "
+                     "(added to this first start; vLLM's weight loading took %.2f s)",
+                     rank, _gib(result.bytes), result.tensors, len(files), out_dir, result.seconds, outcome.seconds)
+            _safe_marker(write_marker, plan, "captured", rank,
+                         {"files": files, "bytes": result.bytes, "tensors": result.tensors,
+                          "seconds": round(result.seconds, 4), "load_seconds": round(outcome.seconds, 4), **_layout()})
+            return outcome
+
+        def _staged(self, model: Any, model_config: Any, plan: Any, rank: int) -> Outcome:
+            from mxlaunch.plugin.loader import RestoreError, module_tensors, restore_tensors
+
+            files = plan.files_for_rank(rank)
+            if not files:
+                reason = f"the plan lists no files for rank {rank}"
+                if plan.fallback_ok:
+                    return self._fall_back(model, model_config, plan, rank, reason)
+                raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
+            try:
+                result = restore_tensors(module_tensors(model), [(f.path, f.bytes) for f in files],
+                                         wait_timeout_s=plan.wait_timeout_s)
+            except RestoreError as exc:
+                if not exc.landed and plan.fallback_ok:
+                    return self._fall_back(model, model_config, plan, rank, f"staged restore failed before any "
+                                           f"tensor landed: {exc}")
+                where = "after tensors landed" if exc.landed else "and the plan forbids falling back"
+                raise RuntimeError(f"mxlaunch: rank {rank}: staged restore failed {where}: {exc} — stopping "
+                                   "rather than serving partial weights") from exc
+            log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, _gib(result.bytes),
+                     result.seconds)
+            return Outcome("staged", result.bytes, result.seconds, plan)
+
+    MxlaunchModelLoader.__module__ = __name__
+    MxlaunchModelLoader.__qualname__ = "MxlaunchModelLoader"
+    _loader_cls = MxlaunchModelLoader
+    return _loader_cls
+
+
+def _model_bytes(model: Any) -> int:
+    from mxlaunch.plugin.loader import group_tensors, module_tensors
+
+    return sum(g.tensor.numel() * g.tensor.element_size() for g in group_tensors(module_tensors(model)))
+
+
+def _safe_marker(write_marker: Any, plan: Any, kind: str, rank: int, payload: dict) -> None:
+    try:
+        write_marker(plan, kind, rank, payload)
+    except OSError as exc:
+        log.warning("mxlaunch: rank %d could not write marker %s: %s", rank, kind, exc)
+
+
+__all__ = ["LOAD_FORMAT", "global_rank", "loader_class", "register"]
