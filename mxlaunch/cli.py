@@ -481,7 +481,9 @@ def launch(
 def main() -> None:
     """Console entry point: run the app and turn our errors into one line + exit code."""
     try:
-        app(standalone_mode=False)
+        # Non-standalone click returns the code of a `typer.Exit` instead of raising it.
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
     except MxlaunchError as exc:
         err.print(f"[bold red]error:[/] {escape(exc.one_line())}", highlight=False)
         sys.exit(exc.exit_code)

@@ -29,7 +29,7 @@ import httpx
 from mxlaunch.coord.file import pid_alive, process_start_time
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.vllm import engine_python, is_vllm_command, parse_vllm_argv, rewrite_vllm_argv, vllm_version
-from mxlaunch.errors import UsageError
+from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile, write_json_atomic
 from mxlaunch.store import SnapshotFile, SnapshotMeta, Store
@@ -186,6 +186,9 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
         return plan("staged", f"snapshot {sid} found in {store.root}", files, found.snapshot.folder)
     if opts.strategy == "staged":
         return plan("default", f"no usable snapshot: {found.reason}")
+    if (store.root / sid / "manifest.json").exists():  # published but refused: never capture over it
+        return plan("default", f"{found.reason}; serving with the default loader "
+                               f"(remove it with `mxlaunch store rm {sid}` to capture again)")
     holder = store.coordinator.holder(sid)
     if holder is not None:
         return plan("default", f"another replica is capturing {sid} ({holder.describe()}); serving with the default loader")
@@ -297,8 +300,15 @@ class Launcher:
                                 snapshot_version=SNAPSHOT_VERSION)
             nranks = spec.tp * spec.pp
             ranks = sorted({r["snapshot_rank"] for r in self.plan.local_ranks})
-            self.writer = store.begin_capture(self.plan.source_id, meta, nranks=nranks, nnodes=1 if spec.dp > 1 else spec.nnodes,
-                                              node_rank=0 if spec.dp > 1 else spec.node_rank, ranks=ranks)
+            try:
+                self.writer = store.begin_capture(
+                    self.plan.source_id, meta, nranks=nranks, nnodes=1 if spec.dp > 1 else spec.nnodes,
+                    node_rank=0 if spec.dp > 1 else spec.node_rank, ranks=ranks)
+            except MxlaunchError as exc:
+                claim.release()
+                self.claim = None
+                self._downgrade(f"cannot capture: {exc.one_line()}")
+                return self._prepare_default(plan)
             plan.capture_dir = str(self.writer.capture_dir)
         elif self.plan.strategy == "staged":
             stage_root = self.shm_dir / "stage"

