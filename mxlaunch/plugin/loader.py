@@ -363,6 +363,7 @@ class RestoreResult:
     files: int
     seconds: float       # from the call to the last byte in place (waits included)
     wait_seconds: float  # of which spent waiting for files to appear
+    copy_bytes: int = 0  # bytes that went through dest.copy_() instead of preadv (CUDA, strided)
 
 
 class _Fill:
@@ -460,7 +461,9 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
         done += got
 
 
-def _copy_file(header: FileHeader, plan: list[tuple[FileEntry, Group]], pool: ThreadPoolExecutor | None) -> None:
+def _copy_file(header: FileHeader, plan: list[tuple[FileEntry, Group]], pool: ThreadPoolExecutor | None) -> int:
+    """Copy the file's tensors into their groups; returns the bytes that went through copy_() (not preadv)."""
+    copied = 0
     fd = os.open(header.path, os.O_RDONLY)
     mm: mmap.mmap | None = None
     try:
@@ -480,6 +483,7 @@ def _copy_file(header: FileHeader, plan: list[tuple[FileEntry, Group]], pool: Th
                 src = torch.frombuffer(mm, dtype=torch.uint8, count=entry.end - entry.begin, offset=entry.begin)
             src = src.view(entry.dtype).view(entry.shape)
             group.tensor.copy_(src)  # CUDA or strided destinations: the engine's own device copy
+            copied += entry.end - entry.begin
             del src
         if pool is None or len(jobs) < 2:
             for view, offset in jobs:
@@ -489,6 +493,7 @@ def _copy_file(header: FileHeader, plan: list[tuple[FileEntry, Group]], pool: Th
                 future.result()
         if mm is not None and any(g.tensor.device.type == "cuda" for _, g in plan):
             torch.cuda.synchronize()
+        return copied
     finally:
         if mm is not None:
             try:
@@ -532,6 +537,7 @@ def restore_tensors(
             raise LayoutMismatch(f"the snapshot lacks {len(missing)} tensor(s) of the model: {_few(missing)}")
     landed = False
     nbytes = 0
+    copy_bytes = 0
     n_threads = threads or default_threads()
     pool = ThreadPoolExecutor(n_threads, thread_name_prefix="mxlaunch-restore") if n_threads > 1 else None
     try:
@@ -547,7 +553,7 @@ def restore_tensors(
                 raise
             landed = landed or bool(plan)
             try:
-                _copy_file(header, plan, pool)
+                copy_bytes += _copy_file(header, plan, pool)
             except RestoreError as exc:
                 exc.landed = True
                 raise
@@ -568,7 +574,7 @@ def restore_tensors(
         raise LayoutMismatch(f"the snapshot lacks {len(missing)} tensor(s) of the model: {_few(missing)}",
                              landed=landed)
     return RestoreResult(bytes=nbytes, tensors=len(fill.groups), files=len(specs),
-                         seconds=time.perf_counter() - started, wait_seconds=waited)
+                         seconds=time.perf_counter() - started, wait_seconds=waited, copy_bytes=copy_bytes)
 
 
 __all__ = [

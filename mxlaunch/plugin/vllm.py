@@ -152,6 +152,7 @@ class Outcome:
     bytes: int
     seconds: float
     plan: Any = None
+    extra: dict = dataclasses.field(default_factory=dict)
 
 
 def _gib(n: int) -> str:
@@ -209,7 +210,7 @@ def loader_class() -> type:
                 rank = global_rank()
                 _safe_marker(write_marker, outcome.plan, "loaded", rank,
                              {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 4),
-                              "strategy": outcome.strategy, **_layout()})
+                              "strategy": outcome.strategy, **outcome.extra, **_layout()})
             return model
 
         def load_weights(self, model: Any, model_config: Any) -> None:
@@ -291,7 +292,10 @@ def loader_class() -> type:
                                    "rather than serving partial weights") from exc
             log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, _gib(result.bytes),
                      result.seconds)
-            return Outcome("staged", result.bytes, result.seconds, plan)
+            return Outcome("staged", result.bytes, result.seconds, plan,
+                           {"wait_seconds": round(result.wait_seconds, 4), "files": result.files,
+                            "copy_bytes": result.copy_bytes,
+                            "tensors": result.tensors})
 
     MxlaunchModelLoader.__module__ = __name__
     MxlaunchModelLoader.__qualname__ = "MxlaunchModelLoader"
@@ -308,7 +312,7 @@ def _model_bytes(model: Any) -> int:
 def _safe_marker(write_marker: Any, plan: Any, kind: str, rank: int, payload: dict) -> None:
     try:
         write_marker(plan, kind, rank, payload)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 — a marker must never take the engine down
         log.warning("mxlaunch: rank %d could not write marker %s: %s", rank, kind, exc)
 
 
