@@ -470,6 +470,13 @@ class Launcher:
                 self.loaded.add(rank)
                 shutil.rmtree(self.shm_dir / "stage" / str(rank), ignore_errors=True)
                 self.emit("fallback", rank=rank, reason=_read_marker(path).get("reason", "?"))
+                if self.writer is not None and not self.published:
+                    # a rank that could not capture means no snapshot: free the claim for someone else now
+                    self.writer.abort()
+                    self.writer = None
+                    if self.claim is not None:
+                        self.claim.release()
+                        self.claim = None
             elif kind == "captured" and rank not in self.captured and self.writer is not None:
                 self.captured.add(rank)
                 self.emit("captured", rank=rank)

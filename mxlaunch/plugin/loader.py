@@ -510,6 +510,7 @@ def restore_tensors(
     wait_timeout_s: float = 600.0,
     threads: int | None = None,
     on_file: Callable[[FileHeader, float], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> RestoreResult:
     """Fill the `named` tensors from `files`, in order, waiting for each to appear.
 
@@ -524,7 +525,7 @@ def restore_tensors(
         raise LayoutMismatch("the snapshot lists no files for this rank")
     headers: dict[int, FileHeader] = {}
     # Up-front: every file already in place (at least the first, waited for) is checked before a byte lands.
-    waited = wait_for_file(specs[0][0], wait_timeout_s)
+    waited = wait_for_file(specs[0][0], wait_timeout_s, cancelled=cancelled)
     pending: dict[int, str] = {}
     for i, (path, size) in enumerate(specs):
         if i and not path.exists():
@@ -543,7 +544,7 @@ def restore_tensors(
     try:
         for i, (path, size) in enumerate(specs):
             if i not in headers:
-                waited += wait_for_file(path, max(0.0, wait_timeout_s), landed=landed)
+                waited += wait_for_file(path, max(0.0, wait_timeout_s), landed=landed, cancelled=cancelled)
                 headers[i] = read_header(path, size)
             header = headers[i]
             try:

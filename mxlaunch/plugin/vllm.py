@@ -32,6 +32,7 @@ tp_rank/pp_rank/dp_rank as vLLM reports them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import importlib.abc
 import importlib.util
 import logging
@@ -282,8 +283,10 @@ def loader_class() -> type:
                 raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
             try:
                 result = restore_tensors(module_tensors(model), [(f.path, f.bytes) for f in files],
-                                         wait_timeout_s=plan.wait_timeout_s)
+                                         wait_timeout_s=plan.wait_timeout_s, cancelled=lambda: _aborted(plan))
             except RestoreError as exc:
+                if _aborted(plan):
+                    exc = RestoreError(f"the launcher aborted staging: {_abort_reason(plan)}", landed=exc.landed)
                 if not exc.landed and plan.fallback_ok:
                     return self._fall_back(model, model_config, plan, rank, f"staged restore failed before any "
                                            f"tensor landed: {exc}")
@@ -317,3 +320,15 @@ def _safe_marker(write_marker: Any, plan: Any, kind: str, rank: int, payload: di
 
 
 __all__ = ["LOAD_FORMAT", "global_rank", "loader_class", "register"]
+
+
+def _aborted(plan: Plan) -> bool:
+    """The launcher writes markers/abort.json when staging failed: stop waiting for files."""
+    return (plan.markers_dir / "abort.json").exists()
+
+
+def _abort_reason(plan: Plan) -> str:
+    try:
+        return str(json.loads((plan.markers_dir / "abort.json").read_text()).get("reason", "no reason given"))
+    except (OSError, ValueError, AttributeError):
+        return "no reason given"

@@ -98,6 +98,48 @@ def test_a_truncated_snapshot_is_refused_and_the_default_loader_serves(tiny_mode
         launch.stop()
 
 
+def test_a_flipped_byte_fails_staging_and_the_engine_falls_back(tiny_model: Path, gold_file: Path,
+                                                                 store_root: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "store"
+    shutil.copytree(store_root, broken, symlinks=True)
+    part = next(p for p in broken.rglob("*.safetensors") if "/ranks/" in str(p))
+    with open(part, "r+b") as fh:  # same size, one byte different, well past the header
+        fh.seek(part.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    launch = LaunchProcess(tiny_model, broken)
+    try:
+        plan = launch.wait_event("plan", 120)
+        assert plan["strategy"] == "staged", plan  # the quick lookup checks sizes, not bytes
+        fallback = launch.wait_event("fallback", READY_S)
+        assert "checksum" in fallback["reason"] or "abort" in fallback["reason"], fallback
+        launch.wait_event("ready", READY_S)
+        compare(launch.url, gold_file)  # the default loader served: still exact
+    finally:
+        launch.stop()
+    assert not Path(plan["run_dir"]).exists()
+
+
+def test_two_launches_racing_on_a_new_model_capture_once_and_both_serve(tiny_model: Path, gold_file: Path,
+                                                                          tmp_path: Path) -> None:
+    store = tmp_path / "race-store"
+    first, second = LaunchProcess(tiny_model, store), LaunchProcess(tiny_model, store)
+    try:
+        plans = [first.wait_event("plan", 120), second.wait_event("plan", 120)]
+        assert sorted(p["strategy"] for p in plans) == ["capture", "default"], plans
+        for launch in (first, second):
+            launch.wait_event("ready", READY_S)
+            compare(launch.url, gold_file)
+        capturer = first if plans[0]["strategy"] == "capture" else second
+        capturer.wait_event("published", 60)
+    finally:
+        first.stop()
+        second.stop()
+    published = [p for p in store.iterdir() if (p / MANIFEST).exists()]
+    assert len(published) == 1
+
+
 def test_sigkill_of_the_engine_ends_the_launch_with_its_code_and_cleans_up(tiny_model: Path, store_root: Path) -> None:
     launch = LaunchProcess(tiny_model, store_root)
     plan = launch.wait_event("plan", 120)

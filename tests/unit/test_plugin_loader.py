@@ -252,6 +252,18 @@ def test_file_that_never_appears_times_out(tmp_path: Path) -> None:
     assert err.value.landed is False and isinstance(err.value, RestoreError)
 
 
+def test_an_abort_stops_the_wait_before_the_timeout(tmp_path: Path) -> None:
+    # The launcher writes markers/abort.json when staging fails; the plugin passes that check as `cancelled`.
+    abort = tmp_path / "abort.json"
+    threading.Timer(0.2, abort.write_text, args=("{}",)).start()
+    started = time.monotonic()
+    with pytest.raises(RestoreError, match="cancelled while waiting") as err:
+        restore_tensors(module_tensors(Tiny(seed=None)), [tmp_path / "never.safetensors"], wait_timeout_s=30,
+                        cancelled=abort.exists)
+    assert time.monotonic() - started < 5
+    assert err.value.landed is False
+
+
 def test_second_file_never_appears_after_first_landed(tmp_path: Path) -> None:
     files = capture_tensors(module_tensors(Tiny()), tmp_path, part_bytes=1024, fsync=False).files
     with pytest.raises(SnapshotTimeout) as err:
