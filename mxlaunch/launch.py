@@ -378,9 +378,7 @@ class Launcher:
         code = 1
         previous = {}
         try:
-            plan = self._prepare()
-            if plan.strategy == "default" and self.plan.strategy != "default":
-                self.plan.strategy = "default"
+            self._prepare()
             argv = self.plan.argv
             self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
                       argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"))
@@ -498,7 +496,6 @@ class Launcher:
             if self.claim is not None:
                 self.claim.release()
                 self.claim = None
-            self.writer_done = True
 
     def _report_ready(self) -> None:
         seconds = self.ready_at - self.t0
