@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_stage import drop_caches  # noqa: E402  (one way to drop the page cache for every benchmark)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 LOADING = re.compile(r"Loading weights took ([0-9.]+) seconds")
 LOADED = re.compile(r"mxlaunch: rank 0 loaded ([0-9.]+) GiB in ([0-9.]+) s")
@@ -43,15 +45,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def vllm_cmd(model: Path, port: int) -> list[str]:
