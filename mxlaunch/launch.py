@@ -311,11 +311,16 @@ class Launcher:
                 return self._prepare_default(plan)
             plan.capture_dir = str(self.writer.capture_dir)
         elif self.plan.strategy == "staged":
+            # Files are staged once per snapshot rank; every local worker (its global rank, as the plugin
+            # sees it) is pointed at its snapshot rank's files — DP replicas share them.
             stage_root = self.shm_dir / "stage"
+            by_snapshot: dict[int, list[RankFile]] = {}
             for f in self.plan.stage_files:
                 rank = _rank_of(f.path)
-                plan.ranks.setdefault(str(rank), []).append(
+                by_snapshot.setdefault(rank, []).append(
                     RankFile(path=str(stage_root / str(rank) / Path(f.path).name), bytes=f.bytes))
+            for worker in self.plan.local_ranks:
+                plan.ranks[str(worker["rank"])] = by_snapshot.get(worker["snapshot_rank"], [])
         write_json_atomic(self.shm_dir / "plan.json", plan.to_json())
         return plan
 
@@ -462,11 +467,11 @@ class Launcher:
             rank = int(rank_text)
             if kind == "loaded" and rank not in self.loaded:
                 self.loaded.add(rank)
-                shutil.rmtree(self.shm_dir / "stage" / str(rank), ignore_errors=True)  # free /dev/shm now
+                self._free_stage(rank)  # give /dev/shm back as soon as no worker needs the files
                 self.emit("loaded", rank=rank, **_read_marker(path))
             elif kind == "fallback" and rank not in self.loaded:
                 self.loaded.add(rank)
-                shutil.rmtree(self.shm_dir / "stage" / str(rank), ignore_errors=True)
+                self._free_stage(rank)
                 self.emit("fallback", rank=rank, reason=_read_marker(path).get("reason", "?"))
                 if self.writer is not None and not self.published:
                     # a rank that could not capture means no snapshot: free the claim for someone else now
@@ -480,6 +485,13 @@ class Launcher:
                 self.emit("captured", rank=rank)
                 if self.captured >= set(self.writer.ranks):
                     self._publish()
+
+    def _free_stage(self, rank: int) -> None:
+        """Remove a snapshot rank's staged files once every local worker that reads them has loaded."""
+        snapshot_rank = next((w["snapshot_rank"] for w in self.plan.local_ranks if w["rank"] == rank), rank)
+        sharing = {w["rank"] for w in self.plan.local_ranks if w["snapshot_rank"] == snapshot_rank}
+        if sharing <= self.loaded:
+            shutil.rmtree(self.shm_dir / "stage" / str(snapshot_rank), ignore_errors=True)
 
     def _publish(self) -> None:
         assert self.writer is not None

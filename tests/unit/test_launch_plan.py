@@ -155,3 +155,34 @@ def test_stale_run_folders_of_dead_launchers_are_removed(tmp_path: Path) -> None
     removed = remove_stale_runs(tmp_path)
     assert removed == [tmp_path / "old"]
     assert (tmp_path / "mine").exists()
+
+
+def test_dp_replicas_point_their_workers_at_shared_staged_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxlaunch import launch as launch_mod
+    from mxlaunch.launch import Launcher
+    from mxlaunch.plan import load_plan
+
+    model = write_checkpoint(tmp_path / "model")
+    store = Store(tmp_path / "store")
+    opts = LaunchOptions(artifact_path=store.root)
+    first = make_plan(serve(model, "-tp", "2", "-dp", "2"), opts, store)
+    publish(store, first.source_id, nranks=2)
+    plan = make_plan(serve(model, "-tp", "2", "-dp", "2"), opts, store)
+    assert plan.strategy == "staged" and len(plan.stage_files) == 2  # staged once, not per replica
+    monkeypatch.setattr(launch_mod, "SHM_ROOT", tmp_path / "shm")
+    run_opts = LaunchOptions(artifact_path=store.root, run_dir=tmp_path / "logs")
+    runner = Launcher(plan, run_opts, emit=lambda *a, **k: None, echo=lambda line: None, store=store)
+    runner._prepare()
+    written = load_plan(runner.shm_dir / "plan.json")
+    assert written is not None
+    names = {rank: [Path(f.path).parent.name for f in files] for rank, files in written.ranks.items()}
+    assert names == {"0": ["0"], "1": ["1"], "2": ["0"], "3": ["1"]}  # global rank → snapshot rank's files
+    (runner.shm_dir / "stage" / "0").mkdir(parents=True)
+    runner.loaded.add(0)
+    runner._free_stage(0)
+    assert (runner.shm_dir / "stage" / "0").exists()  # DP replica 1's rank 2 still needs them
+    runner.loaded.add(2)
+    runner._free_stage(2)
+    assert not (runner.shm_dir / "stage" / "0").exists()
+    runner._cleanup()
+    assert not runner.shm_dir.exists()
