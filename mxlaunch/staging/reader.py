@@ -14,6 +14,8 @@ import errno
 import mmap
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +38,10 @@ DEFAULT_CHUNK = 16 << 20
 #            cheapest in CPU on the 2×H200 host (docs/benchmarks.md).
 #   mmap   — O_DIRECT read straight into a shared mapping of the destination (no memcpy, but every
 #            destination page is faulted in through get_user_pages, which contends across threads).
-WRITE_MODES = ("pwrite", "mmap")
+#   procs  — pwrite's reads and writes done by reader *processes* (staging/worker.py), one per reader
+#            thread: separate address spaces do not contend on one process's memory locks.
+WRITE_MODES = ("pwrite", "mmap", "procs")
+WORKER = Path(__file__).with_name("worker.py")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -364,6 +369,9 @@ class StageJob:
             view.release()
 
     def _reader_loop(self) -> None:
+        if self.write_mode == "procs":
+            self._worker_loop()
+            return
         size = self.chunk_size if self.write_mode == "pwrite" else ALIGN
         bounce = mmap.mmap(-1, size)
         if size >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("MXLAUNCH_NO_THP") is None:
@@ -399,6 +407,53 @@ class StageJob:
             self._fail(exc.with_traceback(None))
         finally:
             bounce.close()
+
+    def _worker_loop(self) -> None:
+        """One reader thread driving one reader process over pipes (the thread only waits)."""
+        worker = None
+        try:
+            worker = subprocess.Popen([sys.executable, "-S", "-I", str(WORKER), str(self.chunk_size)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            assert worker.stdin is not None and worker.stdout is not None
+            while not self._cancel.is_set():
+                chunk = self._scheduler.take()
+                if chunk is None:
+                    return
+                try:
+                    if self._limiter:
+                        self._limiter.acquire(chunk.length)
+                    if self._cancel.is_set():
+                        return
+                    state = self._files[chunk.file_index]
+                    worker.stdin.write(f"{state.item.src}\t{state.partial}\t{chunk.offset}\t{chunk.length}\t"
+                                       f"{int(state.o_direct and self.use_o_direct)}\n")
+                    answer = worker.stdout.readline().rstrip("\n").split("\t")
+                finally:
+                    self._scheduler.done(chunk)
+                if answer[0] == "ok":
+                    if answer[1] == "0":
+                        state.o_direct = False
+                elif answer[0] == "err":
+                    raise OSError(int(answer[1]), answer[2] if len(answer) > 2 else "read failed", str(state.item.src))
+                else:
+                    raise OSError(errno.EIO, "a reader process died", str(state.item.src))
+                if self.on_progress:
+                    self.on_progress(chunk.length)
+                with state.lock:
+                    state.remaining -= 1
+                    last = state.remaining == 0
+                if last:
+                    self._finish_file(state)
+        except BaseException as exc:  # noqa: BLE001 — any failure stops the whole job
+            self._fail(exc.with_traceback(None))
+        finally:
+            if worker is not None:
+                try:
+                    worker.stdin.close()  # type: ignore[union-attr]
+                    worker.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired, ValueError):
+                    worker.kill()
+                    worker.wait()
 
     def _finish_file(self, state: _FileState) -> None:
         digest = None
