@@ -24,7 +24,7 @@ def test_bench_numbers_are_sane(vllm_server: ServerProcess) -> None:
         ttft, itl, e2e = lv["ttft_ms"], lv["itl_ms"], lv["e2e_ms"]
         assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"]
         assert 0 <= itl["p50"] <= itl["p90"] <= itl["p99"] and itl["n"] > 0
-        assert e2e["p50"] > ttft["p50"]
+        assert e2e["p50"] >= ttft["p50"]  # equal when a request's tokens arrive in one chunk (a loaded server)
         assert lv["requests_per_s"] > 0 and lv["output_tokens_per_s"] > 0
 
 
