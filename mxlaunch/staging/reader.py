@@ -368,6 +368,29 @@ class StageJob:
         finally:
             view.release()
 
+    def _run_chunks(self, read: Callable[[Chunk], None]) -> None:
+        """Take chunks until none are left (or the job stops); `read` moves one chunk's bytes."""
+        while not self._cancel.is_set():
+            chunk = self._scheduler.take()
+            if chunk is None:
+                return
+            try:
+                if self._limiter:
+                    self._limiter.acquire(chunk.length)
+                if self._cancel.is_set():
+                    return
+                read(chunk)
+            finally:
+                self._scheduler.done(chunk)
+            if self.on_progress:
+                self.on_progress(chunk.length)
+            state = self._files[chunk.file_index]
+            with state.lock:
+                state.remaining -= 1
+                last = state.remaining == 0
+            if last:
+                self._finish_file(state)
+
     def _reader_loop(self) -> None:
         if self.write_mode == "procs":
             self._worker_loop()
@@ -375,33 +398,14 @@ class StageJob:
         size = self.chunk_size if self.write_mode == "pwrite" else ALIGN
         bounce = mmap.mmap(-1, size)
         if size >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("MXLAUNCH_NO_THP") is None:
-            # 2 MiB pages: O_DIRECT pins the buffer per folio, not per 4 KiB page — far less kernel CPU.
+            # 2 MiB pages: O_DIRECT pins the buffer per folio, not per 4 KiB page — less kernel CPU.
             try:
                 bounce.madvise(mmap.MADV_HUGEPAGE)
             except OSError:
                 pass
         bounce.write(b"\0" * size)  # fault the pages in once, here, not on every read
         try:
-            while not self._cancel.is_set():
-                chunk = self._scheduler.take()
-                if chunk is None:
-                    return
-                try:
-                    if self._limiter:
-                        self._limiter.acquire(chunk.length)
-                    if self._cancel.is_set():
-                        return
-                    self._read_chunk(chunk, bounce)
-                finally:
-                    self._scheduler.done(chunk)
-                if self.on_progress:
-                    self.on_progress(chunk.length)
-                state = self._files[chunk.file_index]
-                with state.lock:
-                    state.remaining -= 1
-                    last = state.remaining == 0
-                if last:
-                    self._finish_file(state)
+            self._run_chunks(lambda chunk: self._read_chunk(chunk, bounce))
         except BaseException as exc:  # noqa: BLE001 — any failure stops the whole job
             # Drop the traceback: its frames hold views into the destination mmaps.
             self._fail(exc.with_traceback(None))
@@ -414,36 +418,7 @@ class StageJob:
         try:
             worker = subprocess.Popen([sys.executable, "-S", "-I", str(WORKER), str(self.chunk_size)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-            assert worker.stdin is not None and worker.stdout is not None
-            while not self._cancel.is_set():
-                chunk = self._scheduler.take()
-                if chunk is None:
-                    return
-                try:
-                    if self._limiter:
-                        self._limiter.acquire(chunk.length)
-                    if self._cancel.is_set():
-                        return
-                    state = self._files[chunk.file_index]
-                    worker.stdin.write(f"{state.item.src}\t{state.partial}\t{chunk.offset}\t{chunk.length}\t"
-                                       f"{int(state.o_direct and self.use_o_direct)}\n")
-                    answer = worker.stdout.readline().rstrip("\n").split("\t")
-                finally:
-                    self._scheduler.done(chunk)
-                if answer[0] == "ok":
-                    if answer[1] == "0":
-                        state.o_direct = False
-                elif answer[0] == "err":
-                    raise OSError(int(answer[1]), answer[2] if len(answer) > 2 else "read failed", str(state.item.src))
-                else:
-                    raise OSError(errno.EIO, "a reader process died", str(state.item.src))
-                if self.on_progress:
-                    self.on_progress(chunk.length)
-                with state.lock:
-                    state.remaining -= 1
-                    last = state.remaining == 0
-                if last:
-                    self._finish_file(state)
+            self._run_chunks(lambda chunk: self._read_via_worker(worker, chunk))
         except BaseException as exc:  # noqa: BLE001 — any failure stops the whole job
             self._fail(exc.with_traceback(None))
         finally:
@@ -454,6 +429,20 @@ class StageJob:
                 except (OSError, subprocess.TimeoutExpired, ValueError):
                     worker.kill()
                     worker.wait()
+
+    def _read_via_worker(self, worker: subprocess.Popen, chunk: Chunk) -> None:
+        state = self._files[chunk.file_index]
+        assert worker.stdin is not None and worker.stdout is not None
+        worker.stdin.write(f"{state.item.src}\t{state.partial}\t{chunk.offset}\t{chunk.length}\t"
+                           f"{int(state.o_direct and self.use_o_direct)}\n")
+        answer = worker.stdout.readline().rstrip("\n").split("\t")
+        if answer[0] == "ok":
+            if answer[1] == "0":
+                state.o_direct = False
+        elif answer[0] == "err":
+            raise OSError(int(answer[1]), answer[2] if len(answer) > 2 else "read failed", str(state.item.src))
+        else:
+            raise OSError(errno.EIO, "a reader process died", str(state.item.src))
 
     def _finish_file(self, state: _FileState) -> None:
         digest = None
