@@ -270,6 +270,7 @@ class Launcher:
         self.stage_result = None
         self.stage_error: Optional[str] = None
         self._profile_lock = threading.Lock()
+        self._shm_before: set[str] = set()
         from mxlaunch.profile import StartupProfiler
 
         self.profiler = StartupProfiler(engine=plan.spec.engine, source="engine.log", live=True)
@@ -389,6 +390,7 @@ class Launcher:
                       argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"))
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, self._on_signal)
+            self._shm_before = _shm_entries()
             self._start_stage()  # staging and the engine start together
             log = open(self.log_dir / "engine.log", "wb")
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env(),
@@ -561,6 +563,60 @@ class Launcher:
             shm_user_root().rmdir()
         except OSError:
             pass
+        leaked = remove_orphaned_engine_shm(self._shm_before)
+        if leaked:
+            self.emit("cleanup", message=f"removed {len(leaked)} shared-memory segment(s) the engine left in "
+                                         f"/dev/shm: {', '.join(leaked)}")
+
+
+# Python multiprocessing's shared memory (vLLM's message queues use it) and its named semaphores.
+ENGINE_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM_ROOT))
+    except OSError:
+        return set()
+
+
+def _mapped_paths() -> set[str]:
+    """Files any live process has mapped (from /proc/*/maps; unreadable processes are skipped)."""
+    mapped: set[str] = set()
+    root = f"{SHM_ROOT}/"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as fh:
+                for line in fh:
+                    if root in line:
+                        mapped.add(line.split(None, 5)[-1].strip().removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return mapped
+
+
+def remove_orphaned_engine_shm(before: set[str]) -> list[str]:
+    """Shared-memory segments that appeared during this run, are ours, and nobody maps any more.
+
+    A crashed or SIGKILLed engine cannot unlink its segments (vLLM's are ~200 MB each); they would
+    stay in /dev/shm — which is RAM — until reboot."""
+    new = [n for n in _shm_entries() - before if n.startswith(ENGINE_SHM_PREFIXES)]
+    if not new:
+        return []
+    mapped = _mapped_paths()
+    removed = []
+    for name in sorted(new):
+        path = SHM_ROOT / name
+        try:
+            if path.stat().st_uid != os.getuid() or str(path) in mapped:
+                continue
+            path.unlink()
+            removed.append(name)
+        except OSError:
+            continue
+    return removed
 
 
 def _rank_of(path: Path) -> int:

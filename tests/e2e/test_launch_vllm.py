@@ -141,6 +141,7 @@ def test_two_launches_racing_on_a_new_model_capture_once_and_both_serve(tiny_mod
 
 
 def test_sigkill_of_the_engine_ends_the_launch_with_its_code_and_cleans_up(tiny_model: Path, store_root: Path) -> None:
+    shm_before = set(os.listdir("/dev/shm"))
     launch = LaunchProcess(tiny_model, store_root)
     plan = launch.wait_event("plan", 120)
     try:
@@ -154,3 +155,6 @@ def test_sigkill_of_the_engine_ends_the_launch_with_its_code_and_cleans_up(tiny_
     assert code == 128 + signal.SIGKILL
     assert launch.wait_event("exit", 5)["code"] == -signal.SIGKILL
     assert_gone(launch, plan["run_dir"], procs)
+    # the killed engine could not unlink its shared-memory segments; the launcher did
+    leaked = [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")]
+    assert leaked == [], leaked

@@ -186,3 +186,21 @@ def test_dp_replicas_point_their_workers_at_shared_staged_files(tmp_path: Path, 
     assert not (runner.shm_dir / "stage" / "0").exists()
     runner._cleanup()
     assert not runner.shm_dir.exists()
+
+
+def test_orphaned_engine_shared_memory_is_removed_but_live_or_old_segments_stay(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import mmap
+
+    from mxlaunch import launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "SHM_ROOT", tmp_path)
+    (tmp_path / "psm_old").write_bytes(b"x" * 4096)  # there before the run: not ours to judge
+    before = launch_mod._shm_entries()
+    (tmp_path / "psm_orphan").write_bytes(b"x" * 4096)  # the killed engine's
+    (tmp_path / "psm_live").write_bytes(b"x" * 4096)  # still mapped by a live process (this one)
+    (tmp_path / "other_file").write_bytes(b"x")  # not an engine segment
+    with open(tmp_path / "psm_live", "r+b") as fh, mmap.mmap(fh.fileno(), 4096):
+        removed = launch_mod.remove_orphaned_engine_shm(before)
+    assert removed == ["psm_orphan"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_file", "psm_live", "psm_old"]
