@@ -317,6 +317,15 @@ _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 
 
+def _one_value(toks: list, i: int, eq: bool, val: Any, org: Any) -> Optional[tuple]:
+    """(values, origins, next index) for a flag at toks[i] that takes one value; None when none follows."""
+    if eq:
+        return [val], [org], i + 1
+    if i + 1 < len(toks) and not _is_flag(toks[i + 1][0]):
+        return [toks[i + 1][0]], [org, toks[i + 1][1]], i + 2
+    return None
+
+
 def _is_flag(tok: str) -> bool:
     """argparse's test: '-x…' is a flag unless it is '-', a negative number or contains a space."""
     return tok.startswith("-") and tok != "-" and not _NEGATIVE_NUMBER.match(tok) and " " not in tok
@@ -428,24 +437,15 @@ def _scan(toks: List[Tuple[str, Optional[int]]]) -> _Scan:
                     raise _bad(flag, "needs at least one value", f"write {flag} VALUE [VALUE …]")
             out.opts.append(_Opt(flag, head, vals, origins))
             continue
+        taken = _one_value(toks, i, eq, val, org) if flag in OPTIONAL_VALUE_FLAGS or flag in _READ else None
         if flag in OPTIONAL_VALUE_FLAGS:
-            if eq:
-                out.opts.append(_Opt(flag, head, [val], [org]))
-                i += 1
-            elif i + 1 < n and not _is_flag(toks[i + 1][0]):
-                out.opts.append(_Opt(flag, head, [toks[i + 1][0]], [org, toks[i + 1][1]]))
-                i += 2
-            else:
-                out.opts.append(_Opt(flag, head, [], [org]))
-                i += 1
+            values, origins, i = taken or ([], [org], i + 1)
+            out.opts.append(_Opt(flag, head, values, origins))
             continue
         if flag in _READ:  # a value flag mxlaunch reads: the value must be there
-            if eq:
-                out.opts.append(_Opt(flag, head, [val], [org]))
-                i += 1
-            elif i + 1 < n and not _is_flag(toks[i + 1][0]):
-                out.opts.append(_Opt(flag, head, [toks[i + 1][0]], [org, toks[i + 1][1]]))
-                i += 2
+            if taken:
+                values, origins, i = taken
+                out.opts.append(_Opt(flag, head, values, origins))
             else:
                 spec = _READ[flag]
                 shown = flag if head == flag else f"{head} ({flag})"
