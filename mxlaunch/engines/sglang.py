@@ -133,3 +133,23 @@ def _timings(body: str) -> List[PhaseEvent]:
             out.append(PhaseEvent("elapsed", phase, "timings", float(value), label=key))
     return out
 
+
+
+# ==== argv ========================================================================================
+
+SERVER_MODULE = "sglang.launch_server"
+_PY = re.compile(r"^python(\d+(\.\d+)?)?$")
+
+
+def is_sglang_command(argv: List[str]) -> bool:
+    """`python -m sglang.launch_server ...` or `sglang serve ...`."""
+    if not argv:
+        return False
+    import os
+
+    exe = os.path.basename(argv[0])
+    if exe == "sglang":
+        return len(argv) > 1 and argv[1] == "serve"
+    if _PY.match(exe):
+        return "-m" in argv and argv.index("-m") + 1 < len(argv) and argv[argv.index("-m") + 1] == SERVER_MODULE
+    return False
