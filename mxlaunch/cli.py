@@ -431,7 +431,7 @@ def launch(
     capture_only: bool = typer.Option(False, "--capture-only", help="Serve until the snapshot is published, then stop (exit 0)."),
     ready_timeout: float = typer.Option(1800.0, "--ready-timeout", help="Seconds to wait for the engine to be ready."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
-    readers: int = typer.Option(16, "--readers", help="Parallel staging readers."),
+    readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 16; in a Slurm job 2 per CPU of the node, 4–16]."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
     as_json: bool = typer.Option(False, "--json", help="JSON plan (dry run) or JSON-lines events."),
 ) -> None:
@@ -441,6 +441,8 @@ def launch(
     opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json)
     plan = make_plan(list(command or []), opts)
+    if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
+        err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
     if dry_run:
         if as_json:
             print_json(plan.to_json())
@@ -474,6 +476,8 @@ def launch(
     def echo(line: str) -> None:
         (sys.stderr if as_json else sys.stdout).write(line + "\n")
 
+    if plan.slurm and as_json:
+        emit("slurm", **plan.slurm)
     code = Launcher(plan, opts, emit=emit, echo=echo).run()
     raise typer.Exit(code)
 

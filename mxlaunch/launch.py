@@ -27,11 +27,13 @@ from typing import Any, Callable, Optional
 import httpx
 
 from mxlaunch.coord.file import pid_alive, process_start_time
+from mxlaunch.engines import detect_engine
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.vllm import engine_python, is_vllm_command, parse_vllm_argv, rewrite_vllm_argv, vllm_version
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile, write_json_atomic
+from mxlaunch.slurm import DEFAULT_READERS, adapt_launch
 from mxlaunch.store import SnapshotFile, SnapshotMeta, Store
 
 STRATEGIES = ("auto", "staged", "capture", "default")
@@ -49,7 +51,7 @@ class LaunchOptions:
     capture_only: bool = False
     ready_timeout: float = 1800.0
     run_dir: Optional[Path] = None
-    readers: int = 16
+    readers: Optional[int] = None  # None: 16, or sized to SLURM_CPUS_ON_NODE in a Slurm job (make_plan sets it)
     as_json: bool = False
 
 
@@ -67,6 +69,7 @@ class LaunchPlan:
     local_ranks: list[dict]
     stage_files: list[SnapshotFile] = field(default_factory=list)
     snapshot_folder: Optional[Path] = None
+    slurm: Optional[dict] = None  # what the Slurm environment changed (mxlaunch/slurm.py); None outside Slurm
 
     @property
     def stage_bytes(self) -> int:
@@ -94,6 +97,7 @@ class LaunchPlan:
             "stage_bytes": self.stage_bytes,
             "device_type": self.device_type,
             "identity": self.identity,
+            "slurm": self.slurm,
         }
 
 
@@ -154,6 +158,8 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     """Decide the strategy. Takes no claim and writes nothing (the dry run prints exactly this)."""
     if opts.strategy not in STRATEGIES:
         raise UsageError(f"--strategy {opts.strategy!r} is not one of {', '.join(STRATEGIES)}", "pick one of them")
+    job = adapt_launch(argv, detect_engine(argv), opts.readers)  # Slurm: multi-node flags, stage readers
+    argv, opts.readers = job.argv, job.readers
     spec = parse_command(argv)
     device = device_type_for(spec)
     fields = identity_fields(spec, device_type=device, snapshot_format=SNAPSHOT_FORMAT,
@@ -163,7 +169,8 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
 
     def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
         new_argv = argv if strategy == "default" else rewrite_vllm_argv(spec, load_format=LOAD_FORMAT, extra_config=None)
-        return LaunchPlan(spec, device, sid, fields, strategy, reason, list(new_argv), ranks, files or [], folder)
+        return LaunchPlan(spec, device, sid, fields, strategy, reason, list(new_argv), ranks, files or [], folder,
+                          job.to_json())
 
     if opts.strategy == "default":
         return plan("default", "asked for with --strategy default")
@@ -357,8 +364,9 @@ class Launcher:
             items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
             expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
-        job = StageJob(items, self.shm_dir / "stage", readers=self.opts.readers, expected=expected,
-                       per_file=max(1, self.opts.readers // 8), reserve_bytes=reserve)
+        readers = self.opts.readers or DEFAULT_READERS
+        job = StageJob(items, self.shm_dir / "stage", readers=readers, expected=expected,
+                       per_file=max(1, readers // 8), reserve_bytes=reserve)
         job.start()
         self.stage_job = job
 
@@ -434,13 +442,17 @@ class Launcher:
         url = f"http://{_client_host(self.plan.spec.host)}:{self.plan.spec.port or 8000}/health"
         deadline = self.t0 + self.opts.ready_timeout
         client = httpx.Client(timeout=2.0)
+        http = serves_http(self.plan.spec)
+        if not http:
+            self.emit("worker-node", message=f"node {self.plan.spec.node_rank} of {self.plan.spec.nnodes} runs workers "
+                                             "only (no HTTP server): serving until the engine exits")
         try:
             while True:
                 code = self.proc.poll()
                 self._check_markers()
                 if code is not None:
                     return self._engine_exited(code)
-                if self.ready_at is None:
+                if self.ready_at is None and http:
                     if _healthy(client, url):
                         self.ready_at = time.monotonic()
                         self._report_ready()
@@ -617,6 +629,12 @@ def remove_orphaned_engine_shm(before: set[str]) -> list[str]:
         except OSError:
             continue
     return removed
+
+
+def serves_http(spec: LaunchSpec) -> bool:
+    """False on the worker nodes of a multi-node run (vLLM --headless; SGLang node rank > 0): they
+    never answer /health, so readiness is not awaited there and the ready timeout does not apply."""
+    return not (spec.headless or (spec.engine == "sglang" and spec.nnodes > 1 and spec.node_rank > 0))
 
 
 def _rank_of(path: Path) -> int:
