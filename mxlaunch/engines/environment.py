@@ -1,0 +1,112 @@
+"""What an engine command needs from the machine, whatever the engine: its interpreter, its installed
+version and the model's local folder. Never imports an engine (the launcher may run on a login node)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterable, List, Optional, Tuple
+
+PYTHON_EXE = re.compile(r"^python(\d+(\.\d+)?)?$")
+_REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
+
+
+# ---- hub cache --------------------------------------------------------------------------------------
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps downloads: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "huggingface" / "hub"
+
+
+def resolve_model_path(model: str, revision: Optional[str] = None) -> Tuple[Optional[str], Optional[str]]:
+    """(local directory, None) for a model directory or a hub id found in the local hub cache;
+    (None, reason) otherwise. Never touches the network."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return str(p.resolve()), None
+    if p.is_file():
+        return None, f"model {model} is a single file (GGUF?): mxlaunch snapshots need a model directory"
+    if not _REPO_ID.match(model) or model.startswith((".", "/", "~")):
+        return None, f"model {model} is neither a local directory nor a hub id"
+    repo = hub_cache_dir() / ("models--" + model.replace("/", "--"))
+    rev = revision or "main"
+    commit = None
+    ref = repo / "refs" / rev
+    if ref.is_file():
+        commit = ref.read_text(encoding="utf-8").strip()
+    elif re.fullmatch(r"[0-9a-f]{40}", rev):
+        commit = rev
+    snap = repo / "snapshots" / commit if commit else None
+    if snap is None or not snap.is_dir():
+        where = f"revision {revision}" if revision else "refs/main"
+        return None, f"model {model} is not in the local hub cache ({repo}, {where}); download it first to use a snapshot"
+    return str(snap.resolve()), None
+
+
+# ---- interpreter and version --------------------------------------------------------------------------
+
+
+def same_env(python: str) -> bool:
+    """Is `python` the launcher's own interpreter (same bin folder)?"""
+    exe = shutil.which(python) or python
+    return os.path.dirname(os.path.abspath(exe)) == os.path.dirname(os.path.abspath(sys.executable))
+
+
+def engine_python(argv: List[str]) -> Optional[str]:
+    """The interpreter that will run the engine: argv[0] for the `python -m` forms, the console
+    script's shebang for `vllm serve` / `sglang serve`; None when it cannot be told (then the
+    launcher's own is assumed)."""
+    exe = shutil.which(argv[0]) if argv else None
+    if not exe:
+        return None
+    if PYTHON_EXE.match(os.path.basename(argv[0])):
+        return exe
+    try:
+        with open(exe, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None
+    if first.startswith(b"#!"):
+        parts = first[2:].decode(errors="replace").split()
+        if parts and PYTHON_EXE.match(os.path.basename(parts[0])):
+            return parts[0]
+    return None
+
+
+def installed_version(dists: Iterable[str], python: Optional[str] = None) -> Optional[str]:
+    """The version of the first installed distribution of `dists`, from package metadata only.
+
+    `python`: the engine's interpreter when it is not the launcher's own (asked in a subprocess).
+    None when none is installed there (a login node)."""
+    dists = tuple(dists)
+    if python is None or same_env(python):
+        for dist in dists:
+            try:
+                return importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return None
+    code = (
+        "import importlib.metadata as m\n"
+        f"for d in {dists!r}:\n"
+        "    try:\n        print(m.version(d)); break\n"
+        "    except m.PackageNotFoundError:\n        pass\n"
+    )
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = r.stdout.strip()
+    return out or None
