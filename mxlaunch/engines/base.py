@@ -129,6 +129,7 @@ class LaunchSpec:
     model_loader_extra_config: Optional[Dict[str, Any]] = None
     host: Optional[str] = None
     port: Optional[int] = None
+    device: Optional[str] = None  # the command's --device (SGLang), None when not given
     revision: Optional[str] = None
     layout_extras: Dict[str, Any] = field(default_factory=dict)
     unsafe_reasons: List[str] = field(default_factory=list)

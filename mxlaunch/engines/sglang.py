@@ -1,7 +1,7 @@
 """SGLang: what mxlaunch knows about it from outside the engine process.
 
-Sections: "log lines" (start-up phases, ready line, worker-node line; used by `profile` and the
-launcher's timeline). The launch work adds argv parsing below in its own section.
+This module reads its start-up log lines (phases, ready line, worker-node line; used by `profile` and
+the launcher's timeline); engines/sglang_argv.py reads its launch commands.
 """
 
 from __future__ import annotations
@@ -132,24 +132,3 @@ def _timings(body: str) -> List[PhaseEvent]:
             phase = "piecewise_cuda_graph_capture" if key == "prefill" else "cuda_graph_capture"
             out.append(PhaseEvent("elapsed", phase, "timings", float(value), label=key))
     return out
-
-
-
-# ==== argv ========================================================================================
-
-SERVER_MODULE = "sglang.launch_server"
-_PY = re.compile(r"^python(\d+(\.\d+)?)?$")
-
-
-def is_sglang_command(argv: List[str]) -> bool:
-    """`python -m sglang.launch_server ...` or `sglang serve ...`."""
-    if not argv:
-        return False
-    import os
-
-    exe = os.path.basename(argv[0])
-    if exe == "sglang":
-        return len(argv) > 1 and argv[1] == "serve"
-    if _PY.match(exe):
-        return "-m" in argv and argv.index("-m") + 1 < len(argv) and argv[argv.index("-m") + 1] == SERVER_MODULE
-    return False

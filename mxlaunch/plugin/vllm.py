@@ -32,14 +32,10 @@ tp_rank/pp_rank/dp_rank as vLLM reports them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import importlib.abc
 import importlib.util
 import logging
-import os
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
 LOAD_FORMAT = "mxlaunch"
@@ -145,21 +141,6 @@ def _layout() -> dict[str, int]:
 # ---- the loader ----------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Outcome:
-    """What load_weights did; load_model writes the loaded marker from it after post-processing."""
-
-    strategy: str  # staged | capture | default
-    bytes: int
-    seconds: float
-    plan: Any = None
-    extra: dict = dataclasses.field(default_factory=dict)
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f}"
-
-
 def loader_class() -> type:
     """Build (once) the BaseModelLoader subclass; vLLM is imported only here, inside the engine."""
     global _loader_cls
@@ -169,7 +150,8 @@ def loader_class() -> type:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from mxlaunch.plan import PlanError, load_plan, write_marker
+    from mxlaunch.plan import PlanError, load_plan
+    from mxlaunch.plugin.rank_load import RankLoad
 
     class MxlaunchModelLoader(BaseModelLoader):
         """--load-format mxlaunch: capture or staged restore per MXLAUNCH_PLAN; vLLM's default otherwise."""
@@ -183,7 +165,8 @@ def loader_class() -> type:
                 model_loader_extra_config={k: v for k, v in dict(extra).items() if k in _DEFAULT_EXTRA_KEYS},
             )
             self._default: Any = None
-            self._outcome: Outcome | None = None
+            self._outcome: Any = None
+            self._rank_load: Any = None
 
         # -- vLLM's default weights path, handed a config with a format it knows --
         def default_loader(self) -> Any:
@@ -206,12 +189,8 @@ def loader_class() -> type:
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             self._outcome = None
             model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            outcome = self._outcome
-            if outcome is not None and outcome.plan is not None:
-                rank = global_rank()
-                _safe_marker(write_marker, outcome.plan, "loaded", rank,
-                             {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 4),
-                              "strategy": outcome.strategy, **outcome.extra, **_layout()})
+            if self._outcome is not None:  # after vLLM's post-processing
+                self._rank_load.write_loaded(self._outcome)
             return model
 
         def load_weights(self, model: Any, model_config: Any) -> None:
@@ -219,86 +198,13 @@ def loader_class() -> type:
             plan, plan_error = self._read_plan()
             if plan_error is not None:
                 log.warning("mxlaunch: rank %d falls back to vLLM's default loader: %s", rank, plan_error)
-                self._outcome = self._default_load(model, model_config, plan=None)
-                return
-            if plan is None:
+            elif plan is None:
                 log.warning("mxlaunch: --load-format mxlaunch without %s: rank %d loads with vLLM's default "
                             "loader (start the engine through `mxlaunch launch` to use snapshots)",
                             "MXLAUNCH_PLAN", rank)
-                self._outcome = self._default_load(model, model_config, plan=None)
-                return
-            if plan.strategy == "capture":
-                self._outcome = self._capture(model, model_config, plan, rank)
-            elif plan.strategy == "staged":
-                self._outcome = self._staged(model, model_config, plan, rank)
-            else:
-                self._outcome = self._default_load(model, model_config, plan=plan)
-
-        def _default_load(self, model: Any, model_config: Any, plan: Any) -> Outcome:
-            started = time.perf_counter()
-            self.default_loader().load_weights(model, model_config)
-            return Outcome("default", _model_bytes(model), time.perf_counter() - started, plan)
-
-        def _fall_back(self, model: Any, model_config: Any, plan: Any, rank: int, reason: str) -> Outcome:
-            log.warning("mxlaunch: rank %d falls back to vLLM's default loader: %s", rank, reason)
-            _safe_marker(write_marker, plan, "fallback", rank, {"reason": reason, "strategy": plan.strategy})
-            return self._default_load(model, model_config, plan)
-
-        def _capture(self, model: Any, model_config: Any, plan: Any, rank: int) -> Outcome:
-            from mxlaunch.plugin.loader import CaptureError, capture_tensors, module_tensors
-
-            outcome = self._default_load(model, model_config, plan)
-            outcome.strategy = "capture"
-            if not plan.capture_dir:
-                reason = "capture: the plan names no capture_dir; serving without capturing"
-                log.warning("mxlaunch: rank %d: %s", rank, reason)
-                _safe_marker(write_marker, plan, "fallback", rank, {"reason": reason, "strategy": "capture"})
-                return outcome
-            out_dir = Path(plan.capture_dir) / str(rank)
-            try:
-                result = capture_tensors(module_tensors(model), out_dir,
-                                         metadata={"mxlaunch.rank": str(rank), "mxlaunch.source_id": plan.source_id})
-            except CaptureError as exc:
-                reason = f"capture failed, serving without a snapshot: {exc}"
-                log.warning("mxlaunch: rank %d: %s", rank, reason)
-                _safe_marker(write_marker, plan, "fallback", rank, {"reason": reason, "strategy": "capture"})
-                return outcome
-            files = [{"name": p.name, "path": str(p), "bytes": p.stat().st_size} for p in result.files]
-            log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s "
-                     "(added to this first start; vLLM's weight loading took %.2f s)",
-                     rank, _gib(result.bytes), result.tensors, len(files), out_dir, result.seconds, outcome.seconds)
-            _safe_marker(write_marker, plan, "captured", rank,
-                         {"files": files, "bytes": result.bytes, "tensors": result.tensors,
-                          "seconds": round(result.seconds, 4), "load_seconds": round(outcome.seconds, 4), **_layout()})
-            return outcome
-
-        def _staged(self, model: Any, model_config: Any, plan: Any, rank: int) -> Outcome:
-            from mxlaunch.plugin.loader import RestoreError, module_tensors, restore_tensors
-
-            files = plan.files_for_rank(rank)
-            if not files:
-                reason = f"the plan lists no files for rank {rank}"
-                if plan.fallback_ok:
-                    return self._fall_back(model, model_config, plan, rank, reason)
-                raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
-            try:
-                result = restore_tensors(module_tensors(model), [(f.path, f.bytes) for f in files],
-                                         wait_timeout_s=plan.wait_timeout_s, cancelled=lambda: _aborted(plan))
-            except RestoreError as exc:
-                if _aborted(plan):
-                    exc = RestoreError(f"the launcher aborted staging: {_abort_reason(plan)}", landed=exc.landed)
-                if not exc.landed and plan.fallback_ok:
-                    return self._fall_back(model, model_config, plan, rank, f"staged restore failed before any "
-                                           f"tensor landed: {exc}")
-                where = "after tensors landed" if exc.landed else "and the plan forbids falling back"
-                raise RuntimeError(f"mxlaunch: rank {rank}: staged restore failed {where}: {exc} — stopping "
-                                   "rather than serving partial weights") from exc
-            log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, _gib(result.bytes),
-                     result.seconds)
-            return Outcome("staged", result.bytes, result.seconds, plan,
-                           {"wait_seconds": round(result.wait_seconds, 4), "files": result.files,
-                            "copy_bytes": result.copy_bytes,
-                            "tensors": result.tensors})
+            self._rank_load = RankLoad(model, plan, rank, lambda: self.default_loader().load_weights(model, model_config),
+                                       engine="vLLM", log=log, layout=_layout)
+            self._outcome = self._rank_load.run()
 
     MxlaunchModelLoader.__module__ = __name__
     MxlaunchModelLoader.__qualname__ = "MxlaunchModelLoader"
@@ -306,29 +212,4 @@ def loader_class() -> type:
     return _loader_cls
 
 
-def _model_bytes(model: Any) -> int:
-    from mxlaunch.plugin.loader import group_tensors, module_tensors
-
-    return sum(g.tensor.numel() * g.tensor.element_size() for g in group_tensors(module_tensors(model)))
-
-
-def _safe_marker(write_marker: Any, plan: Any, kind: str, rank: int, payload: dict) -> None:
-    try:
-        write_marker(plan, kind, rank, payload)
-    except Exception as exc:  # noqa: BLE001 — a marker must never take the engine down
-        log.warning("mxlaunch: rank %d could not write marker %s: %s", rank, kind, exc)
-
-
 __all__ = ["LOAD_FORMAT", "global_rank", "loader_class", "register"]
-
-
-def _aborted(plan: Plan) -> bool:
-    """The launcher writes markers/abort.json when staging failed: stop waiting for files."""
-    return (plan.markers_dir / "abort.json").exists()
-
-
-def _abort_reason(plan: Plan) -> str:
-    try:
-        return str(json.loads((plan.markers_dir / "abort.json").read_text()).get("reason", "no reason given"))
-    except (OSError, ValueError, AttributeError):
-        return "no reason given"

