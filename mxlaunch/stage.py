@@ -45,6 +45,8 @@ class StageRequest:
     use_o_direct: bool = True
     write_mode: str = "pwrite"
     per_file: int | None = None
+    writers: int | None = None
+    huge_pages: bool = True
 
 
 def plan_items(request: StageRequest) -> tuple[list[CopyItem], list]:
@@ -76,6 +78,8 @@ def run_stage(
         use_o_direct=request.use_o_direct,
         write_mode=request.write_mode,
         per_file=request.per_file or default_per_file(request.readers),
+        writers=request.writers,
+        huge_pages=request.huge_pages,
         on_progress=on_progress,
     )
     received: list[int] = []

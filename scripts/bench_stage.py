@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,13 +106,15 @@ def run_one_child(cmd: list[str]) -> tuple[float, float, str]:
     return wall, usage.ru_utime + usage.ru_stime, out.decode()
 
 
-def method_mxlaunch(files: list[Path], dest: Path, readers: int, chunk: int, mode: str, per_file: int) -> dict:
+def method_mxlaunch(files: list[Path], dest: Path, cfg: "MxConfig", chunk: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--stage-worker", "--dest", str(dest),
-           "--readers", str(readers), "--chunk", str(chunk), "--write-mode", mode, "--per-file", str(per_file),
+           "--readers", str(cfg.readers), "--chunk", str(chunk), "--write-mode", cfg.mode,
+           "--per-file", str(cfg.per_file), "--writers", str(cfg.writers), "--huge", str(int(cfg.huge)),
            *map(str, files)]
     wall, cpu, out = run_one_child(cmd)
     report = json.loads(out)
-    return {"wall_s": wall, "cpu_s": cpu, "engine_s": report["seconds"], "o_direct": report["o_direct"]}
+    return {"wall_s": wall, "cpu_s": cpu, "engine_s": report["seconds"], "o_direct": report["o_direct"],
+            "huge_bytes": report.get("huge_bytes", 0), "huge_note": report.get("huge_note")}
 
 
 def method_dd(files: list[Path], dest: Path, slices_per_file: int) -> dict:
@@ -182,19 +185,73 @@ def dest_write_probe(dest_root: Path, total: int, threads: int) -> float:
     return (per // len(buf)) * len(buf) * threads / GiB / seconds
 
 
-def mx_configs(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+@dataclass(frozen=True)
+class MxConfig:
+    """One mxlaunch configuration: 'mode:readers:per_file[:writers[:huge]]' (0 = engine default/none)."""
+
+    mode: str
+    readers: int
+    per_file: int = 0
+    writers: int = 0
+    huge: bool = True
+
+    @classmethod
+    def parse(cls, spec: str) -> "MxConfig":
+        parts = spec.split(":")
+        mode, readers, cap = parts[0], int(parts[1]), int(parts[2])
+        writers = int(parts[3]) if len(parts) > 3 else 0
+        huge = bool(int(parts[4])) if len(parts) > 4 else True
+        return cls(mode, readers, cap, writers, huge)
+
+    def label(self) -> str:
+        text = f"{self.mode}, readers={self.readers}"
+        text += f", per-file={self.per_file}" if self.per_file else ""
+        text += f", writers={self.writers}" if self.writers else ""
+        return text + ("" if self.huge else ", 4 KiB pages")
+
+
+def mx_configs(args: argparse.Namespace) -> list[MxConfig]:
     if args.configs:
-        out = []
-        for spec in args.configs.split(";"):
-            mode, readers, cap = spec.split(":")
-            out.append((mode, int(readers), int(cap)))
-        return out
+        return [MxConfig.parse(spec) for spec in args.configs.split(";")]
     out = []
     for mode in args.modes.split(","):
         for cap in [int(c) for c in args.per_file.split(",")]:
             for readers in [int(r) for r in args.readers.split(",")]:
                 if not cap or cap < readers:  # a cap ≥ readers changes nothing
-                    out.append((mode, readers, cap))
+                    out.append(MxConfig(mode, readers, cap))
+    return out
+
+
+def dest_page_probe(dest_root: Path, total: int) -> dict:
+    """CPU s per GiB of filling a fresh tmpfs file from memory (one thread, page cache just dropped):
+    4 KiB pages (pwrite) vs 2 MiB pages made by MADV_COLLAPSE first (what mxlaunch does), so the
+    destination's own cost is on record next to each method's."""
+    from mxlaunch.staging.hugepages import HUGE, FileMapping, HugePager
+
+    dest_root.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(16 * MiB)
+    out = {}
+    for name in ("4k_pwrite", "collapse_then_pwrite"):
+        drop_caches()
+        time.sleep(3)  # what a stage right after a cache drop meets (freed memory settles/is reported)
+        path = dest_root / "page-probe"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(fd, total)
+        mapping = FileMapping(fd, total)
+        pager = HugePager(max_cpu_s_per_gib=1e9, probe_bytes=0)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        for off in range(0, total, len(block)):
+            if name != "4k_pwrite":
+                pager.prepare(mapping, fd, off, off + len(block))
+            os.pwrite(fd, block, off)
+        cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+        mapping.close()
+        os.close(fd)
+        path.unlink()
+        out[name] = {"cpu_s_per_gib": cpu / (total / GiB), "wall_s_per_gib": wall / (total / GiB),
+                     "collapsed": pager.collapsed, "note": pager.reason}
+        print(f"destination page probe {name}: {out[name]['cpu_s_per_gib']:.3f} CPU s/GiB", file=sys.stderr)
+    shutil.rmtree(dest_root, ignore_errors=True)
     return out
 
 
@@ -206,15 +263,19 @@ def stage_worker(argv: list[str]) -> None:
     parser.add_argument("--chunk", type=int, required=True)
     parser.add_argument("--write-mode", default="pwrite")
     parser.add_argument("--per-file", type=int, default=0)
+    parser.add_argument("--writers", type=int, default=0)
+    parser.add_argument("--huge", type=int, default=1)
     parser.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
     from mxlaunch.stage import StageRequest, plan_items, run_stage
 
     request = StageRequest(sources=args.files, dest=Path(args.dest), readers=args.readers, chunk_size=args.chunk,
-                           write_mode=args.write_mode, per_file=args.per_file or None)
+                           write_mode=args.write_mode, per_file=args.per_file or None,
+                           writers=args.writers or None, huge_pages=bool(args.huge))
     items, layouts = plan_items(request)
     result = run_stage(request, items, layouts)
-    print(json.dumps({"seconds": result.seconds, "bytes": result.bytes, "o_direct": result.o_direct}))
+    print(json.dumps({"seconds": result.seconds, "bytes": result.bytes, "o_direct": result.o_direct,
+                      "huge_bytes": result.huge_bytes, "huge_note": result.huge_note}))
 
 
 def main() -> None:
@@ -241,8 +302,11 @@ def main() -> None:
     ap.add_argument("--machine", default=None, help="machine description for the record")
     ap.add_argument("--out", type=Path, default=Path("bench_stage.json"))
     ap.add_argument("--keep-src", action="store_true")
+    ap.add_argument("--page-probe", action="store_true",
+                    help="also measure the CPU cost of filling tmpfs with 4 KiB vs 2 MiB pages")
     args = ap.parse_args()
 
+    load_start = os.getloadavg()
     total = parse_size(args.total)
     chunk = parse_size(args.chunk)
     files = make_files(args.src_dir, total, args.files)
@@ -266,10 +330,10 @@ def main() -> None:
 
     write_probe = dest_write_probe(args.dest_root / "probe", min(total, 4 * GiB), 4)
     print(f"destination write probe: {write_probe:.2f} GiB/s", file=sys.stderr)
+    page_probe = dest_page_probe(args.dest_root / "pages", min(total, 2 * GiB)) if args.page_probe else None
     for _ in range(args.repeats):
-        for mode, readers, cap in mx_configs(args):
-            label = f"{mode}, readers={readers}" + (f", per-file={cap}" if cap else "")
-            record("mxlaunch", label, method_mxlaunch(files, fresh_dest("mx"), readers, chunk, mode, cap))
+        for cfg in mx_configs(args):
+            record("mxlaunch", cfg.label(), method_mxlaunch(files, fresh_dest("mx"), cfg, chunk))
         record("dd-slices", f"{args.dd_slices}/file, bs=16M", method_dd(files, fresh_dest("dd"), args.dd_slices))
         record("cp", "", method_cp(files, fresh_dest("cp")))
         if args.fio:
@@ -306,6 +370,8 @@ def main() -> None:
         "bytes": nbytes,
         "page_cache_dropped": cache_dropped,
         "dest_write_gib_per_s": write_probe,
+        "dest_page_probe": page_probe,
+        "load_average": {"start": load_start, "end": os.getloadavg()},
         "results": results,
         "table": table,
         "best": {"mxlaunch": mx, "dd-slices": dd, "fio": fio, "cp": best("cp")},

@@ -10,6 +10,7 @@ file and folder this job created is removed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -25,7 +26,8 @@ from typing import Callable, Iterator
 import xxhash
 
 from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
-from mxlaunch.staging.capacity import capacity_of, format_bytes
+from mxlaunch.staging.capacity import MEMORY_BACKED_FS, capacity_of, format_bytes, fs_type_of
+from mxlaunch.staging.hugepages import HUGE, FileMapping, HugePager
 from mxlaunch.staging.lustre import Layout
 from mxlaunch.staging.schedule import Chunk, ChunkScheduler, cut_chunks
 from mxlaunch.staging.sources import PARTIAL_SUFFIX, CopyItem
@@ -37,7 +39,8 @@ DEFAULT_CHUNK = 16 << 20
 #            the kernel; the buffer's pages are never faulted again). Default: measured fastest and
 #            cheapest in CPU on the 2×H200 host (docs/benchmarks.md).
 #   mmap   — O_DIRECT read straight into a shared mapping of the destination (no memcpy, but every
-#            destination page is faulted in through get_user_pages, which contends across threads).
+#            4 KiB destination page is faulted in through get_user_pages, which contends across
+#            threads; cheap where the destination is collapsed into 2 MiB pages — hugepages.py).
 #   procs  — pwrite's reads and writes done by reader *processes* (staging/worker.py), one per reader
 #            thread: separate address spaces do not contend on one process's memory locks.
 WRITE_MODES = ("pwrite", "mmap", "procs")
@@ -72,6 +75,8 @@ class StageResult:
     readers: int
     chunk_size: int
     o_direct: bool
+    huge_bytes: int = 0  # bytes that landed in 2 MiB pages (hugepages.py)
+    huge_note: str | None = None  # why 2 MiB pages were not (or no longer) used
 
     @property
     def gib_per_s(self) -> float:
@@ -87,7 +92,7 @@ class _FileState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     src_fd: int | None = None
     dest_fd: int | None = None
-    buf: mmap.mmap | None = None
+    mapping: FileMapping | None = None  # aligned map of the destination (mmap mode, 2 MiB pages)
     o_direct: bool = True
     done: bool = False
 
@@ -109,6 +114,14 @@ class _RateLimiter:
         delay = start - time.monotonic()
         if delay > 0:
             self.cancelled.wait(delay)
+
+
+def _prefault(buf: mmap.mmap) -> None:
+    """Fault a reused buffer in once, up front (MADV_POPULATE_WRITE, Linux ≥ 5.14: no Python copy)."""
+    try:
+        buf.madvise(23)  # MADV_POPULATE_WRITE
+    except (OSError, ValueError):
+        buf.write(b"\0" * len(buf))
 
 
 def _hash_file_buffered(path: Path) -> str:
@@ -146,6 +159,8 @@ class StageJob:
         use_o_direct: bool = True,
         write_mode: str = "pwrite",
         per_file: int | None = None,
+        writers: int | None = None,
+        huge_pages: bool = True,
         on_progress: Callable[[int], None] | None = None,
     ) -> None:
         if readers < 1:
@@ -171,6 +186,14 @@ class StageJob:
         if per_file is not None and per_file < 1:
             raise UsageError(f"--per-file must be ≥ 1, got {per_file}", "pass a positive count or leave it out")
         self.per_file = per_file
+        if writers is not None and writers < 1:
+            raise UsageError(f"--writers must be ≥ 1, got {writers}", "pass a positive count or leave it out")
+        # At most `writers` copies into the destination at once (pwrite mode): reads stay many and
+        # deep, while the CPU work of filling tmpfs pages is not fought over by every reader.
+        self._write_gate = threading.BoundedSemaphore(writers) if writers else None
+        self.writers = writers
+        self.huge_pages = huge_pages
+        self._pager = HugePager(enabled=False)
         self.on_progress = on_progress
         self._cancel = threading.Event()
         self._limiter = _RateLimiter(rate_limit, self._cancel) if rate_limit else None
@@ -259,6 +282,10 @@ class StageJob:
 
     def _prepare_files(self) -> None:
         self._mkdirs(self.dest)
+        if self.huge_pages and fs_type_of(self.dest) in MEMORY_BACKED_FS - {"ramfs"}:
+            self._pager = HugePager()
+        elif self.huge_pages:
+            self._pager.reason = "the destination is not tmpfs"
         for item in self.items:
             final = self.dest / item.rel
             self._mkdirs(final.parent)
@@ -269,8 +296,8 @@ class StageJob:
             state.dest_fd = fd
             if item.size:
                 os.ftruncate(fd, item.size)
-                if self.write_mode == "mmap":
-                    state.buf = mmap.mmap(fd, item.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                if self.write_mode == "mmap" or (self._pager.enabled and item.size >= HUGE):
+                    state.mapping = FileMapping(fd, item.size)
             self._files.append(state)
         sizes = [s.item.size for s in self._files]
         counts = [0] * len(sizes)
@@ -317,13 +344,20 @@ class StageJob:
                               f"{state.item.size} (did it change while staging?)")
             got += n
 
+    def _collapse(self, state: _FileState, chunk: Chunk) -> None:
+        """Give the chunk's whole 2 MiB blocks one huge page each before any byte lands there."""
+        if state.mapping is not None and state.dest_fd is not None:
+            self._pager.prepare(state.mapping, state.dest_fd, chunk.offset, chunk.offset + chunk.length)
+
     def _read_chunk(self, chunk: Chunk, bounce: mmap.mmap) -> None:
         state = self._files[chunk.file_index]
         fd = self._open_source(state)
-        if state.buf is None:  # pwrite mode
+        if self.write_mode != "mmap":
             self._read_chunk_via_buffer(chunk, state, fd, bounce)
             return
-        view = memoryview(state.buf)[chunk.offset : chunk.offset + chunk.length]
+        assert state.mapping is not None
+        self._collapse(state, chunk)
+        view = state.mapping.view[chunk.offset : chunk.offset + chunk.length]
         try:
             direct_len = chunk.length - (chunk.length % ALIGN) if state.o_direct else chunk.length
             try:
@@ -362,9 +396,11 @@ class StageJob:
                 fd = self._fall_back_to_buffered(state)
                 self._read_into(fd, view[: chunk.length], chunk.offset, state)
             assert state.dest_fd is not None
-            done = 0
-            while done < chunk.length:
-                done += os.pwrite(state.dest_fd, view[done : chunk.length], chunk.offset + done)
+            with self._write_gate or contextlib.nullcontext():
+                self._collapse(state, chunk)
+                done = 0
+                while done < chunk.length:
+                    done += os.pwrite(state.dest_fd, view[done : chunk.length], chunk.offset + done)
         finally:
             view.release()
 
@@ -403,7 +439,7 @@ class StageJob:
                 bounce.madvise(mmap.MADV_HUGEPAGE)
             except OSError:
                 pass
-        bounce.write(b"\0" * size)  # fault the pages in once, here, not on every read
+        _prefault(bounce)
         try:
             self._run_chunks(lambda chunk: self._read_chunk(chunk, bounce))
         except BaseException as exc:  # noqa: BLE001 — any failure stops the whole job
@@ -433,6 +469,7 @@ class StageJob:
     def _read_via_worker(self, worker: subprocess.Popen, chunk: Chunk) -> None:
         state = self._files[chunk.file_index]
         assert worker.stdin is not None and worker.stdout is not None
+        self._collapse(state, chunk)  # the mapping lives here; the worker's pwrite lands in the huge pages
         worker.stdin.write(f"{state.item.src}\t{state.partial}\t{chunk.offset}\t{chunk.length}\t"
                            f"{int(state.o_direct and self.use_o_direct)}\n")
         answer = worker.stdout.readline().rstrip("\n").split("\t")
@@ -480,19 +517,16 @@ class StageJob:
     def _hash_dest(self, state: _FileState) -> str:
         if state.item.size == 0:
             return xxhash.xxh3_128().hexdigest()
-        if state.buf is not None:
-            return xxhash.xxh3_128(state.buf).hexdigest()
+        if state.mapping is not None:
+            return xxhash.xxh3_128(state.mapping.view).hexdigest()
         assert state.dest_fd is not None
         with mmap.mmap(state.dest_fd, state.item.size, mmap.MAP_SHARED, mmap.PROT_READ) as mapped:
             return xxhash.xxh3_128(mapped).hexdigest()
 
     def _close_file(self, state: _FileState) -> None:
-        if state.buf is not None:
-            try:
-                state.buf.close()
-            except BufferError:
-                pass  # a view is still alive somewhere; the mapping goes with the last reference
-            state.buf = None
+        if state.mapping is not None:
+            state.mapping.close()  # only once no reader uses this file (its last chunk is in, or all joined)
+            state.mapping = None
         for attr in ("src_fd", "dest_fd"):
             fd = getattr(state, attr)
             if fd is not None:
@@ -540,6 +574,8 @@ class StageJob:
                 readers=self.readers,
                 chunk_size=self.chunk_size,
                 o_direct=all(f.o_direct for f in files),
+                huge_bytes=self._pager.collapsed,
+                huge_note=self._pager.reason,
             )
 
     def _cleanup(self) -> None:
