@@ -35,6 +35,16 @@ def option_table() -> dict[str, str]:
     return table
 
 
+def config_unsupported() -> list[str]:
+    """--config keys SGLang's ConfigArgumentMerger refuses (custom multi-value actions such as --lora-paths)."""
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return sorted(ConfigArgumentMerger(parser).unsupported_actions)
+
+
 def main() -> None:
     table = option_table()
     version = importlib.metadata.version("sglang")
@@ -54,6 +64,9 @@ def main() -> None:
         print(f"    # arity {arity}: {len(names)} options")
         print("    **dict.fromkeys(" + repr(names).replace("', '", "',\n        '") + f", {arity!r}),")
     print("}")
+    print()
+    print("# --config keys (dashes as underscores) that SGLang's ConfigArgumentMerger refuses")
+    print(f"CONFIG_UNSUPPORTED = frozenset({config_unsupported()!r})")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import PYTHON_EXE, engine_python, installed_version, resolve_model_path
-from mxlaunch.engines.sglang_flags import OPTIONS
+from mxlaunch.engines.sglang_flags import CONFIG_UNSUPPORTED, OPTIONS
 from mxlaunch.errors import UsageError
 
 ENGINE = "sglang"
@@ -206,6 +206,9 @@ def _config_tokens(path: str) -> List[str]:
     toks: List[str] = []
     for key, value in data.items():
         flag = f"--{key}"
+        if str(key).replace("-", "_") in CONFIG_UNSUPPORTED:
+            raise UsageError(f"--config {path}: SGLang does not accept {key!r} in a config file",
+                             f"pass --{str(key).replace('_', '-')} on the command line instead")
         if isinstance(value, bool):
             if OPTIONS.get(_resolve_quiet(flag)) == "0":
                 toks += [flag] if value else []

@@ -573,3 +573,6 @@ OPTIONS = {
     # arity ?: 1 options
     **dict.fromkeys(['--model-checksum'], '?'),
 }
+
+# --config keys (dashes as underscores) that SGLang's ConfigArgumentMerger refuses
+CONFIG_UNSUPPORTED = frozenset(['dcp_replicate_q_proj', 'disable_cuda_graph', 'dllm_fdfo', 'enable_decoder_swa_bounded_replay', 'enable_dp_attention', 'enable_dsa_fused_indexer', 'enable_fused_qk_norm_rope', 'enable_tf32_matmul', 'enable_tp_lm_head_all_to_all', 'experts_shared_outer_loras', 'lora_paths', 'lora_strict_loading', 'mm_enable_dp_encoder', 'no_dcp_replicate_q_proj', 'no_dllm_fdfo', 'no_enable_decoder_swa_bounded_replay', 'no_enable_dsa_fused_indexer', 'no_enable_fused_qk_norm_rope', 'no_enable_tf32_matmul', 'no_enable_tp_lm_head_all_to_all', 'no_experts_shared_outer_loras', 'no_lora_strict_loading', 'no_mm_enable_dp_encoder', 'no_ple_offload_embedding', 'no_speculative_enable_w4a4_mxfp4_megamoe', 'ple_offload_embedding', 'speculative_enable_w4a4_mxfp4_megamoe'])
