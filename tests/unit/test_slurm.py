@@ -41,7 +41,9 @@ VLLM_API = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m
     ("n[08-10]", ["n08", "n09", "n10"]),  # padding kept
     ("n[001-002,010]", ["n001", "n002", "n010"]),
     ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),  # several groups multiply, leftmost slowest
-    ("a[1-2],b,c[05-06]-ib", ["a1", "a2", "b", "c05-ib", "c06-ib"]),
+    ("a[1-2],b,c[05-06]-ib", ["a1", "a2", "b", "c05-ib", "c06-ib"]),  # a suffix: Slurm 22.05 refuses it, we read it
+    ("n[1-2]-[3-4]", ["n1-3", "n1-4", "n2-3", "n2-4"]),
+    ("n[1-2],n[2-3]", ["n1", "n2", "n2", "n3"]),  # duplicates stay, as in scontrol show hostnames
     ("gpu[3]", ["gpu3"]),
     ("x-1.cluster,y", ["x-1.cluster", "y"]),
 ])
