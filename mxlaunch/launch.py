@@ -222,8 +222,9 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
         refusal = sglang_argv.snapshot_format_refusal(spec, opts.snapshot_format)
         if refusal:
             raise UsageError(refusal, "use --snapshot-format raw (the default), which keeps tensors before post-processing")
-        return plan("default", f"--snapshot-format {opts.snapshot_format}: capture and restore of SGLang's stock "
-                               "formats are not wired into launch yet; serving with the default loader")
+        if opts.snapshot_format == "presharded":
+            return plan("default", "--snapshot-format presharded: capture and restore of SGLang's presharded dump "
+                                   "are not wired into launch yet; serving with the default loader")
     if not plugin_reachable(argv, spec.engine):
         return plan("default", "mxlaunch is not installed in the engine's Python, so its loader plugin cannot load "
                                "(pip install mxlaunch there)")
@@ -341,7 +342,7 @@ class Launcher:
                           {"pid": os.getpid(), "start_time": process_start_time(os.getpid())})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         plan = Plan(strategy=self.plan.strategy, source_id=self.plan.source_id, run_dir=str(self.shm_dir),
-                    wait_timeout_s=self.opts.ready_timeout)
+                    wait_timeout_s=self.opts.ready_timeout, snapshot_format=self.plan.snapshot_format)
         if self.plan.strategy == "capture":
             store = self.store or Store(self.opts.artifact_path)
             self.store = store

@@ -14,7 +14,8 @@ this file and marker files in the run folder — no sockets, no shared state.
                                                        # staged: the files rank R loads, in order;
                                                        # each appears by rename when complete
       "wait_timeout_s": 600,                           # staged: give up waiting for a file after this
-      "fallback_ok": true                              # failure before any tensor lands → default loader
+      "fallback_ok": true,                             # failure before any tensor lands → default loader
+      "snapshot_format": "mxlaunch-raw"                # or "sglang-sharded_state": SGLang's own dump/loader
     }
 
 Markers (written by the plugin, read by the launcher): `markers/loaded-<R>.json` once rank R's weights
@@ -55,6 +56,7 @@ class Plan:
     ranks: dict[str, list[RankFile]] = field(default_factory=dict)
     wait_timeout_s: float = 600.0
     fallback_ok: bool = True
+    snapshot_format: str = "mxlaunch-raw"
     schema: int = 1
 
     @property
@@ -95,6 +97,7 @@ def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
             ranks=ranks,
             wait_timeout_s=float(data.get("wait_timeout_s", 600.0)),
             fallback_ok=bool(data.get("fallback_ok", True)),
+            snapshot_format=str(data.get("snapshot_format", "mxlaunch-raw")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan {path} is malformed: {exc}") from exc

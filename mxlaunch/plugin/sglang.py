@@ -16,7 +16,9 @@ capture or staged, it hands back MxlaunchSGLangLoader, a DefaultModelLoader whos
     then     SGLang's post-processing (quant repacking, AMX packing) as usual
 
 and `load_model` writes marker loaded-<rank> afterwards. Any other loader SGLang picked (GGUF,
-sharded_state, ModelOpt, ...) is left alone and the rank reports a fallback.
+sharded_state, ModelOpt, ...) is left alone and the rank reports a fallback. With
+`--snapshot-format sharded_state` the snapshot is SGLang's own sharded_state dump instead
+(plugin/sglang_sharded.py).
 
 **Rank** = dp_rank·(TP·PP) + SGLang's world rank (tp_size·pp_rank + tp_rank, `spawn_world_rank`); DP
 replicas are separate worlds in SGLang, attention-DP is not a replica (dp_rank counts as 0 there).
@@ -31,6 +33,7 @@ from typing import Any
 from mxlaunch.plan import PLAN_ENV
 
 TARGET = "sglang.srt.model_loader.loader.get_model_loader"
+SHARDED_STATE = "sglang-sharded_state"  # the plan's snapshot_format for SGLang's own sharded_state dump
 log = logging.getLogger("sglang.mxlaunch")
 
 _loader_cls: type | None = None
@@ -70,6 +73,10 @@ def around_get_model_loader(original: Any, load_config: Any, model_config: Any =
 
         safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": plan.strategy}, log)
         return loader
+    if plan.snapshot_format == SHARDED_STATE:
+        from mxlaunch.plugin.sglang_sharded import sharded_loader
+
+        return sharded_loader(load_config, plan, original=loader)
     return loader_class()(load_config, plan)
 
 

@@ -1,0 +1,135 @@
+"""`--snapshot-format sharded_state`: SGLang's own sharded_state dump as the snapshot, SGLang's own
+ShardedStateLoader to read it back.
+
+capture  SGLang's default load (weights *and* post-processing), then `ShardedStateLoader.save_model`
+         writes this rank's state dict as model-rank-<tp_rank>-part-<n>.safetensors into
+         <capture_dir>/<rank>/; markers captured-<rank> and loaded-<rank>
+staged   wait until every staged file of this rank has landed (a failure before that falls back to
+         SGLang's default loader), then ShardedStateLoader.load_model reads them from the staged folder;
+         marker loaded-<rank>
+
+Riskier than raw, and guarded before launch (engines/sglang_argv.snapshot_format_refusal): the dump holds
+post-processed weights, which some quantized and MLA models cannot reload. Unlike raw, the engine starts
+reading only once all of a rank's files are staged (SGLang's loader globs the folder).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from mxlaunch.plugin.rank_load import aborted, gib, model_bytes, safe_marker
+
+log = logging.getLogger("sglang.mxlaunch")
+
+
+def sharded_loader(load_config: Any, plan: Any, *, original: Any) -> Any:
+    """The loader for this rank: capture around SGLang's default one, or its ShardedStateLoader on the
+    staged files; `original` (SGLang's own choice) when the files never arrived and the plan allows it."""
+    from mxlaunch.plugin.sglang import global_rank
+
+    rank = global_rank()
+    if plan.strategy == "capture":
+        return _capture_class()(load_config, plan, rank)
+    files = plan.files_for_rank(rank)
+    reason = _wait_for_files(plan, files, rank)
+    if reason is None:
+        return _restore_class()(load_config, plan, rank, Path(files[0].path).parent)
+    if not plan.fallback_ok:
+        raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
+    log.warning("mxlaunch: rank %d falls back to SGLang's default loader: %s", rank, reason)
+    safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": plan.strategy}, log)
+    return original
+
+
+def _wait_for_files(plan: Any, files: list, rank: int) -> str | None:
+    """None when every file of the rank has landed, else why not."""
+    from mxlaunch.plugin.loader import RestoreError, wait_for_file
+
+    if not files:
+        return f"the plan lists no files for rank {rank}"
+    try:
+        for f in files:
+            wait_for_file(f.path, plan.wait_timeout_s, cancelled=lambda: aborted(plan))
+    except RestoreError as exc:
+        return f"sharded_state restore failed before loading: {exc}"
+    sizes = {f.path: Path(f.path).stat().st_size for f in files}
+    wrong = [p for p, f in zip(sizes, files) if sizes[p] != f.bytes]
+    if wrong:
+        return f"{wrong[0]} has {sizes[wrong[0]]} bytes, the snapshot says otherwise"
+    return None
+
+
+def _capture_class() -> type:
+    from sglang.srt.model_loader.loader import DefaultModelLoader, ShardedStateLoader
+
+    class ShardedCaptureLoader(DefaultModelLoader):
+        """SGLang's default load, then its own sharded_state dump of this rank."""
+
+        def __init__(self, load_config: Any, plan: Any, rank: int) -> None:
+            super().__init__(load_config)
+            self._plan, self._rank = plan, rank
+
+        def load_model(self, *, model_config: Any, device_config: Any) -> Any:
+            started = time.perf_counter()
+            model = super().load_model(model_config=model_config, device_config=device_config)
+            load_seconds = time.perf_counter() - started
+            plan, rank = self._plan, self._rank
+            out = Path(plan.capture_dir or "") / str(rank)
+            try:
+                if not plan.capture_dir:
+                    raise RuntimeError("the plan names no capture_dir")
+                out.mkdir(parents=True, exist_ok=True)
+                t0 = time.perf_counter()
+                ShardedStateLoader.save_model(model, str(out))
+                paths = sorted(out.glob("*.safetensors"))
+                files = [{"name": p.name, "path": str(p), "bytes": p.stat().st_size} for p in paths]
+                size = sum(f["bytes"] for f in files)
+                log.info("mxlaunch: rank %d captured %s GiB as SGLang sharded_state (%d files) into %s in %.2f s",
+                         rank, gib(size), len(files), out, time.perf_counter() - t0)
+                safe_marker(plan, "captured", rank, {"files": files, "bytes": size, "format": "sharded_state",
+                                                     "load_seconds": round(load_seconds, 4)}, log)
+            except Exception as exc:  # noqa: BLE001 — serving goes on without a snapshot
+                reason = f"sharded_state capture failed, serving without a snapshot: {exc}"
+                log.warning("mxlaunch: rank %d: %s", rank, reason)
+                safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "capture"}, log)
+            safe_marker(plan, "loaded", rank, {"bytes": model_bytes(model), "seconds": round(load_seconds, 4),
+                                               "strategy": "capture"}, log)
+            return model
+
+    return ShardedCaptureLoader
+
+
+def _restore_class() -> type:
+    import dataclasses
+
+    from sglang.srt.configs.load_config import LoadFormat
+    from sglang.srt.model_loader.loader import ShardedStateLoader
+
+    class StagedShardedStateLoader(ShardedStateLoader):
+        """SGLang's ShardedStateLoader, reading this rank's staged folder instead of the model folder."""
+
+        def __init__(self, load_config: Any, plan: Any, rank: int, folder: Path) -> None:
+            super().__init__(dataclasses.replace(load_config, load_format=LoadFormat.SHARDED_STATE,
+                                                 model_loader_extra_config={}))
+            self._plan, self._rank, self._folder = plan, rank, folder
+
+        def download_model(self, model_config: Any) -> None:
+            return None  # the weights are staged
+
+        def _prepare_weights(self, model_name_or_path: str, revision: Any) -> str:
+            return str(self._folder)
+
+        def load_model(self, *, model_config: Any, device_config: Any) -> Any:
+            started = time.perf_counter()
+            model = super().load_model(model_config=model_config, device_config=device_config)
+            seconds = time.perf_counter() - started
+            size = sum(f.bytes for f in self._plan.files_for_rank(self._rank))
+            log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", self._rank, gib(size), seconds)
+            safe_marker(self._plan, "loaded", self._rank, {"bytes": size, "seconds": round(seconds, 4),
+                                                           "strategy": "staged", "format": "sharded_state"}, log)
+            return model
+
+    return StagedShardedStateLoader
