@@ -644,7 +644,9 @@ def _shm_entries() -> set[str]:
 
 
 def _mapped_paths() -> set[str]:
-    """Files any live process has mapped (from /proc/*/maps; unreadable processes are skipped)."""
+    """Files any live process has mapped (from /proc/*/maps; unreadable processes are skipped): their
+    paths and "inode:<n>" entries — glibc's sem_open maps a temp file and then links it to sem.<name>,
+    so a live named semaphore shows under the temp name and only its inode identifies it."""
     mapped: set[str] = set()
     root = f"{SHM_ROOT}/"
     for pid in os.listdir("/proc"):
@@ -654,8 +656,10 @@ def _mapped_paths() -> set[str]:
             with open(f"/proc/{pid}/maps") as fh:
                 for line in fh:
                     if root in line:
-                        mapped.add(line.split(None, 5)[-1].strip().removesuffix(" (deleted)"))
-        except OSError:
+                        fields = line.split(None, 5)
+                        mapped.add(fields[-1].strip().removesuffix(" (deleted)"))
+                        mapped.add(f"inode:{fields[4]}")
+        except (OSError, IndexError):
             continue
     return mapped
 
@@ -673,7 +677,8 @@ def remove_orphaned_engine_shm(before: set[str]) -> list[str]:
     for name in sorted(new):
         path = SHM_ROOT / name
         try:
-            if path.stat().st_uid != os.getuid() or str(path) in mapped:
+            st = path.stat()
+            if st.st_uid != os.getuid() or str(path) in mapped or f"inode:{st.st_ino}" in mapped:
                 continue
             path.unlink()
             removed.append(name)

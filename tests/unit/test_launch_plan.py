@@ -204,3 +204,19 @@ def test_orphaned_engine_shared_memory_is_removed_but_live_or_old_segments_stay(
         removed = launch_mod.remove_orphaned_engine_shm(before)
     assert removed == ["psm_orphan"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other_file", "psm_live", "psm_old"]
+
+
+def test_a_live_named_semaphore_of_another_engine_is_not_removed() -> None:
+    """glibc's sem_open maps a temp file and links it to sem.<name>: /proc/*/maps names the temp file
+    (deleted), so only the inode tells that a live process (another engine starting on this node)
+    still uses /dev/shm/sem.mp-*. Removing it makes that engine's spawned workers fail."""
+    import multiprocessing
+
+    from mxlaunch import launch as launch_mod
+
+    before = launch_mod._shm_entries()
+    lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, held by this live process
+    name = "sem" + lock._semlock.name.replace("/", ".")
+    assert name in launch_mod._shm_entries()
+    removed = launch_mod.remove_orphaned_engine_shm(before)
+    assert name not in removed and name in launch_mod._shm_entries()
