@@ -517,6 +517,12 @@ class Launcher:
                     self._stop_engine()
                     self.proc.wait()
                     return 0
+                if self.opts.capture_only and self.claim is None:  # downgraded, a rank fell back, publish failed
+                    self.emit("error", message="--capture-only: this run will not publish a snapshot (see the fallback "
+                                               "or error above); stopping the engine")
+                    self._stop_engine()
+                    self.proc.wait()
+                    return 1
                 time.sleep(0.25)
         finally:
             client.close()

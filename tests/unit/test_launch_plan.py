@@ -220,3 +220,31 @@ def test_a_live_named_semaphore_of_another_engine_is_not_removed() -> None:
     assert name in launch_mod._shm_entries()
     removed = launch_mod.remove_orphaned_engine_shm(before)
     assert name not in removed and name in launch_mod._shm_entries()
+
+
+def test_capture_only_that_loses_the_claim_stops_with_1_instead_of_serving_on(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --capture-only run downgraded at start (another replica took the claim after the plan) can
+    never publish: it must end (exit 1), or a capture job would serve until its time limit."""
+    from mxlaunch import launch as launch_mod
+    from mxlaunch.launch import Launcher
+
+    fake = Path(__file__).resolve().parent / "fixtures_logs" / "fake_vllm_engine.py"
+    store = Store(tmp_path / "store")
+    plan = make_plan(serve(write_checkpoint(tmp_path / "model")), LaunchOptions(artifact_path=store.root), store)
+    assert plan.strategy == "capture"
+    plan.argv = plan.spec.argv = [PY, str(fake), "--mode", "ready"]
+    rival = store.coordinator.try_claim(plan.source_id, ttl_s=60)
+    assert rival is not None
+    monkeypatch.setattr(launch_mod, "SHM_ROOT", tmp_path / "shm")
+    events: list[tuple[str, dict]] = []
+    opts = LaunchOptions(artifact_path=store.root, capture_only=True, run_dir=tmp_path / "logs", ready_timeout=120)
+    runner = Launcher(plan, opts, emit=lambda e, **f: events.append((e, f)), echo=lambda line: None, store=store)
+    try:
+        code = runner.run()
+    finally:
+        rival.release()
+    assert code == 1
+    names = [e for e, _ in events]
+    assert "fallback" in names and any(e == "error" and "--capture-only" in f["message"] for e, f in events), events
+    assert runner.proc is not None and runner.proc.poll() is not None
