@@ -446,7 +446,7 @@ class Launcher:
             self._prepare()
             argv = self.plan.argv
             self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
-                      argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"))
+                      snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"))
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, self._on_signal)
             self._shm_before = _shm_entries()

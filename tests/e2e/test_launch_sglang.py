@@ -134,3 +134,37 @@ def test_sigterm_to_the_launcher_leaves_no_files_and_no_schedulers(tiny_model: P
     while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
         assert time.monotonic() < deadline, [p.pid for p in procs if p.is_running()]
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def sharded_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mxstore-sglang-sharded")
+
+
+def test_sharded_state_capture_then_restore_serve_exactly(tiny_model: Path, sglang_gold: Path,
+                                                          sharded_store: Path) -> None:
+    """--snapshot-format sharded_state: SGLang's own dump and loader, compared the same way as raw."""
+    fmt = ("--snapshot-format", "sharded_state")
+    capture = LaunchProcess(tiny_model, sharded_store, engine="sglang", launch_args=fmt)
+    try:
+        plan = capture.wait_event("plan", 120)
+        assert plan["strategy"] == "capture" and plan["snapshot_format"] == "sglang-sharded_state", plan
+        capture.wait_event("ready", READY_S)
+        capture.wait_event("published", 60)
+        compare(capture.url, sglang_gold)
+    finally:
+        capture.stop()
+    names = sorted(p.name for p in (sharded_store / plan["source_id"]).rglob("*.safetensors"))
+    assert names == ["model-rank-0-part-0.safetensors"], names  # SGLang's own file naming
+
+    restore = LaunchProcess(tiny_model, sharded_store, engine="sglang", launch_args=fmt)
+    try:
+        staged = restore.wait_event("plan", 120)
+        assert staged["strategy"] == "staged" and staged["source_id"] == plan["source_id"], staged
+        loaded = restore.wait_event("loaded", READY_S)
+        assert loaded["strategy"] == "staged" and loaded["format"] == "sharded_state", loaded
+        restore.wait_event("ready", READY_S)
+        compare(restore.url, sglang_gold)
+        assert restore.event("fallback") is None
+    finally:
+        restore.stop()
