@@ -250,7 +250,7 @@ def profile_command(
 def stage(
     sources: List[str] = typer.Argument(..., help="Files, directories or globs to copy.", show_default=False),
     dest: Path = typer.Option(..., "--dest", "-d", help="Destination folder (e.g. /dev/shm/...)."),
-    readers: Optional[int] = typer.Option(None, "--readers", "-j", help="Parallel reader threads [default: 16]."),
+    readers: Optional[int] = typer.Option(None, "--readers", "-j", help="Parallel reader threads [default: 32]."),
     chunk_size: str = typer.Option("16MiB", "--chunk-size", help="Bytes per read request (multiple of 4 KiB)."),
     manifest: Optional[Path] = typer.Option(None, "--manifest", help="Check each copy against this manifest (path → bytes, xxh3_128)."),
     write_manifest_to: Optional[Path] = typer.Option(None, "--write-manifest", help="Write a manifest of the copies here."),
@@ -258,8 +258,9 @@ def stage(
     rate_limit: Optional[str] = typer.Option(None, "--rate-limit", help="Cap total read rate, e.g. 2GiB (per second)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace destination files that exist."),
     no_direct: bool = typer.Option(False, "--no-direct", help="Use buffered reads (skip O_DIRECT)."),
-    per_file: Optional[int] = typer.Option(None, "--per-file", help="Most reads in flight per file [default: readers/8]."),
-    write_mode: str = typer.Option("pwrite", "--write-mode", help="pwrite (read into a buffer, then write) or mmap (read into the mapped destination)."),
+    per_file: Optional[int] = typer.Option(None, "--per-file", help="Most reads in flight per file [default: readers/4 in mmap mode, readers/8 otherwise]."),
+    write_mode: str = typer.Option("mmap", "--write-mode", help="mmap (read into the mapped destination), pwrite (read into a buffer, then write) or procs (pwrite in reader processes)."),
+    no_huge_pages: bool = typer.Option(False, "--no-huge-pages", help="Keep tmpfs destinations in 4 KiB pages (no MADV_COLLAPSE)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
     """Copy files into DEST with parallel O_DIRECT reads; each file appears (by rename) when complete."""
@@ -277,7 +278,7 @@ def stage(
         sources=sources, dest=dest, readers=default_readers() if readers is None else readers, chunk_size=chunk,
         manifest=manifest, write_manifest=write_manifest_to, verify=verify, rate_limit=rate,
         overwrite=overwrite, use_o_direct=not no_direct, write_mode=write_mode,
-        per_file=per_file,
+        per_file=per_file, huge_pages=not no_huge_pages,
     )
     items, layouts = plan_items(request)
     total = sum(item.size for item in items)

@@ -19,16 +19,18 @@ from mxlaunch.staging.sources import CopyItem, expand_sources
 
 
 def default_readers() -> int:
-    """16 requests in flight: the best median on the 2×H200 host's disk (docs/benchmarks.md);
-    more readers bought no speed there and cost CPU. Lustre clients with many OSTs may want more."""
-    return 16
+    """32 requests in flight: with reads landing straight in 2 MiB destination pages a reader thread
+    costs almost nothing but its request, and 32 (8 per file) was the best median on the 2×H200
+    host's disk (docs/benchmarks.md, 2026-11-30). Lustre clients with many OSTs may want more."""
+    return 32
 
 
-def default_per_file(readers: int) -> int:
-    """Two reads in flight per file (at 16 readers): writes into one tmpfs file serialize on its inode
-    lock, so more waiters per file only burn CPU (per-file 4 → 2 cut CPU/GiB 0.81 → 0.71 on the 2×H200
-    host at the same speed); the first file still lands first."""
-    return max(1, readers // 8)
+def default_per_file(readers: int, write_mode: str = "mmap") -> int:
+    """Reads in flight per file. mmap mode: readers/4 (8 at 32) — reads into collapsed 2 MiB pages
+    do not serialize on the file, they only need depth. pwrite/procs: readers/8 — their tmpfs writes
+    into one file serialize on its inode lock, so more waiters only burn CPU (per-file 4 → 2 cut
+    CPU/GiB 0.81 → 0.71 on the 2×H200 host at the same speed). Either way the first file lands first."""
+    return max(1, readers // (4 if write_mode == "mmap" else 8))
 
 
 @dataclass
@@ -43,9 +45,8 @@ class StageRequest:
     rate_limit: float | None = None
     overwrite: bool = False
     use_o_direct: bool = True
-    write_mode: str = "pwrite"
+    write_mode: str = "mmap"
     per_file: int | None = None
-    writers: int | None = None
     huge_pages: bool = True
 
 
@@ -77,8 +78,7 @@ def run_stage(
         overwrite=request.overwrite,
         use_o_direct=request.use_o_direct,
         write_mode=request.write_mode,
-        per_file=request.per_file or default_per_file(request.readers),
-        writers=request.writers,
+        per_file=request.per_file or default_per_file(request.readers, request.write_mode),
         huge_pages=request.huge_pages,
         on_progress=on_progress,
     )

@@ -109,7 +109,7 @@ def run_one_child(cmd: list[str]) -> tuple[float, float, str]:
 def method_mxlaunch(files: list[Path], dest: Path, cfg: "MxConfig", chunk: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--stage-worker", "--dest", str(dest),
            "--readers", str(cfg.readers), "--chunk", str(chunk), "--write-mode", cfg.mode,
-           "--per-file", str(cfg.per_file), "--writers", str(cfg.writers), "--huge", str(int(cfg.huge)),
+           "--per-file", str(cfg.per_file), "--huge", str(int(cfg.huge)),
            *map(str, files)]
     wall, cpu, out = run_one_child(cmd)
     report = json.loads(out)
@@ -187,26 +187,23 @@ def dest_write_probe(dest_root: Path, total: int, threads: int) -> float:
 
 @dataclass(frozen=True)
 class MxConfig:
-    """One mxlaunch configuration: 'mode:readers:per_file[:writers[:huge]]' (0 = engine default/none)."""
+    """One mxlaunch configuration: 'mode:readers:per_file[:huge]' (per_file 0: none; huge 0: 4 KiB pages)."""
 
     mode: str
     readers: int
     per_file: int = 0
-    writers: int = 0
     huge: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> "MxConfig":
         parts = spec.split(":")
         mode, readers, cap = parts[0], int(parts[1]), int(parts[2])
-        writers = int(parts[3]) if len(parts) > 3 else 0
-        huge = bool(int(parts[4])) if len(parts) > 4 else True
-        return cls(mode, readers, cap, writers, huge)
+        huge = bool(int(parts[3])) if len(parts) > 3 else True
+        return cls(mode, readers, cap, huge)
 
     def label(self) -> str:
         text = f"{self.mode}, readers={self.readers}"
         text += f", per-file={self.per_file}" if self.per_file else ""
-        text += f", writers={self.writers}" if self.writers else ""
         return text + ("" if self.huge else ", 4 KiB pages")
 
 
@@ -263,7 +260,6 @@ def stage_worker(argv: list[str]) -> None:
     parser.add_argument("--chunk", type=int, required=True)
     parser.add_argument("--write-mode", default="pwrite")
     parser.add_argument("--per-file", type=int, default=0)
-    parser.add_argument("--writers", type=int, default=0)
     parser.add_argument("--huge", type=int, default=1)
     parser.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
@@ -271,7 +267,7 @@ def stage_worker(argv: list[str]) -> None:
 
     request = StageRequest(sources=args.files, dest=Path(args.dest), readers=args.readers, chunk_size=args.chunk,
                            write_mode=args.write_mode, per_file=args.per_file or None,
-                           writers=args.writers or None, huge_pages=bool(args.huge))
+                           huge_pages=bool(args.huge))
     items, layouts = plan_items(request)
     result = run_stage(request, items, layouts)
     print(json.dumps({"seconds": result.seconds, "bytes": result.bytes, "o_direct": result.o_direct,

@@ -80,16 +80,26 @@ class HugePager:
     Shared by all readers of a job. The first collapses are a probe, done by one thread at a time
     (the others write 4 KiB pages meanwhile), so an expensive verdict costs one chunk, not one per
     reader. After the probe, a running average over the last `window` bytes keeps watching: memory
-    can get dearer mid-job (compaction), and then collapsing stops.
+    can get dearer mid-job (compaction), and then collapsing stops. At most `concurrent` collapses
+    run at once: collapses of one file share its page-cache lock, and 32 readers collapsing together
+    spun their way past the cost limit on the 2×H200 host (docs/benchmarks.md); one collapse fills
+    2 MiB pages at several GiB/s, so a few slots keep ahead of any disk.
+
+    `max_cpu_s_per_gib` is what 4 KiB pages would cost instead, minus a margin: 0.3 when the bytes
+    are copied in with pwrite (a 4 KiB tmpfs page costs 0.4–0.6 CPU s/GiB to allocate and fill, a
+    collapsed one ~0.1 to fill), 0.9 when O_DIRECT reads land in the mapping (4 KiB pages are then
+    faulted in and zeroed one by one: ~1 CPU s/GiB; on the 2-core VM collapses at 0.6–0.7 s/GiB
+    still cut the stage's CPU per GiB from 1.25 to 0.8 while they lasted).
     """
 
     def __init__(self, enabled: bool = True, max_cpu_s_per_gib: float = 0.3, probe_bytes: int = 32 << 20,
-                 window: int = 256 << 20) -> None:
+                 window: int = 256 << 20, concurrent: int = 4) -> None:
         self.enabled = enabled
         self.max_cost = max_cpu_s_per_gib / (1 << 30)  # CPU s per byte
         self.probe_bytes = probe_bytes
         self.window = window
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(concurrent)
         self._probing = False
         self._bytes = 0  # bytes collapsed so far
         self._avg = 0.0  # running average CPU s per byte
@@ -116,12 +126,15 @@ class HugePager:
                     return False
                 self._probing = True
         try:
-            t0 = time.thread_time()
-            for off in range(lo, hi, HUGE):
-                os.pwrite(fd, b"\0", off)
-            rc = _libc.madvise(mapping.addr + lo, hi - lo, MADV_COLLAPSE)
-            err = ctypes.get_errno() if rc else 0
-            cost = time.thread_time() - t0
+            with self._slots:
+                if not self.enabled:
+                    return False
+                t0 = time.thread_time()
+                for off in range(lo, hi, HUGE):
+                    os.pwrite(fd, b"\0", off)
+                rc = _libc.madvise(mapping.addr + lo, hi - lo, MADV_COLLAPSE)
+                err = ctypes.get_errno() if rc else 0
+                cost = time.thread_time() - t0
         finally:
             if in_probe:
                 with self._lock:

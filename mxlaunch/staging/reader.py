@@ -1,16 +1,17 @@
 """Parallel positional reads straight into the destination: the staging engine.
 
 Reader threads take chunks from the scheduler and `os.preadv` them (the GIL is released during the
-syscall) with O_DIRECT into a shared mmap of `<dest>.partial`, so each byte is copied once: disk →
-destination page. A file appears under its final name by rename only when every chunk is in (and its
-checksum matched, when one was asked for); the rename is the ready signal for consumers, and
-`StageJob.completed()` reports the same events in-process. On error or cancel, readers stop and every
-file and folder this job created is removed.
+syscall) with O_DIRECT into a shared mapping of `<dest>.partial`, so each byte is copied once: disk →
+destination page. Where the destination is tmpfs, each chunk's 2 MiB blocks are first collapsed into
+huge pages (hugepages.py), which takes the per-4-KiB page cost — the CPU floor of staging — away.
+A file appears under its final name by rename only when every chunk is in (and its checksum matched,
+when one was asked for); the rename is the ready signal for consumers, and `StageJob.completed()`
+reports the same events in-process. On error or cancel, readers stop and every file and folder this
+job created is removed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
@@ -35,12 +36,13 @@ from mxlaunch.staging.sources import PARTIAL_SUFFIX, CopyItem
 ALIGN = 4096
 DEFAULT_CHUNK = 16 << 20
 # How bytes reach the destination file:
+#   mmap   — O_DIRECT read straight into a shared mapping of the destination: no memcpy and no
+#            bounce buffer. Default: with the destination collapsed into 2 MiB pages (hugepages.py)
+#            it took 0.23–0.26× dd's CPU per GiB on the 2×H200 host at 1.05–1.08× dd's speed; where
+#            2 MiB pages are dear and it falls back to 4 KiB pages, every page is faulted in through
+#            get_user_pages (more CPU than pwrite, but still the fastest mode on the 2-core VM).
 #   pwrite — O_DIRECT read into a reused, pre-faulted per-thread buffer, then pwrite() (one memcpy in
-#            the kernel; the buffer's pages are never faulted again). Default: measured fastest and
-#            cheapest in CPU on the 2×H200 host (docs/benchmarks.md).
-#   mmap   — O_DIRECT read straight into a shared mapping of the destination (no memcpy, but every
-#            4 KiB destination page is faulted in through get_user_pages, which contends across
-#            threads; cheap where the destination is collapsed into 2 MiB pages — hugepages.py).
+#            the kernel). Cheapest in CPU when the destination stays in 4 KiB pages.
 #   procs  — pwrite's reads and writes done by reader *processes* (staging/worker.py), one per reader
 #            thread: separate address spaces do not contend on one process's memory locks.
 WRITE_MODES = ("pwrite", "mmap", "procs")
@@ -147,7 +149,7 @@ class StageJob:
         items: list[CopyItem],
         dest: str | os.PathLike[str],
         *,
-        readers: int = 16,
+        readers: int = 32,
         chunk_size: int = DEFAULT_CHUNK,
         layouts: list[Layout | None] | None = None,
         expected: dict[str, dict] | None = None,
@@ -157,9 +159,8 @@ class StageJob:
         overwrite: bool = False,
         reserve_bytes: int = 0,
         use_o_direct: bool = True,
-        write_mode: str = "pwrite",
+        write_mode: str = "mmap",
         per_file: int | None = None,
-        writers: int | None = None,
         huge_pages: bool = True,
         on_progress: Callable[[int], None] | None = None,
     ) -> None:
@@ -186,12 +187,6 @@ class StageJob:
         if per_file is not None and per_file < 1:
             raise UsageError(f"--per-file must be ≥ 1, got {per_file}", "pass a positive count or leave it out")
         self.per_file = per_file
-        if writers is not None and writers < 1:
-            raise UsageError(f"--writers must be ≥ 1, got {writers}", "pass a positive count or leave it out")
-        # At most `writers` copies into the destination at once (pwrite mode): reads stay many and
-        # deep, while the CPU work of filling tmpfs pages is not fought over by every reader.
-        self._write_gate = threading.BoundedSemaphore(writers) if writers else None
-        self.writers = writers
         self.huge_pages = huge_pages
         self._pager = HugePager(enabled=False)
         self.on_progress = on_progress
@@ -283,7 +278,7 @@ class StageJob:
     def _prepare_files(self) -> None:
         self._mkdirs(self.dest)
         if self.huge_pages and fs_type_of(self.dest) in MEMORY_BACKED_FS - {"ramfs"}:
-            self._pager = HugePager()
+            self._pager = HugePager(max_cpu_s_per_gib=0.9 if self.write_mode == "mmap" else 0.3)
         elif self.huge_pages:
             self._pager.reason = "the destination is not tmpfs"
         for item in self.items:
@@ -396,11 +391,10 @@ class StageJob:
                 fd = self._fall_back_to_buffered(state)
                 self._read_into(fd, view[: chunk.length], chunk.offset, state)
             assert state.dest_fd is not None
-            with self._write_gate or contextlib.nullcontext():
-                self._collapse(state, chunk)
-                done = 0
-                while done < chunk.length:
-                    done += os.pwrite(state.dest_fd, view[done : chunk.length], chunk.offset + done)
+            self._collapse(state, chunk)
+            done = 0
+            while done < chunk.length:
+                done += os.pwrite(state.dest_fd, view[done : chunk.length], chunk.offset + done)
         finally:
             view.release()
 

@@ -58,13 +58,6 @@ def test_collapsed_destination_is_byte_exact(sources, dest, always_collapse, chu
     assert tree_of(dest) == sorted(sources)
 
 
-def test_writer_gate_keeps_bytes_exact(sources, dest) -> None:
-    items = expand_sources([str(p) for p, _ in sources.values()])
-    stage(items, dest, readers=8, chunk_size=MiB, writers=1)
-    for name, (_, digest) in sources.items():
-        assert sha256_of(dest / name) == digest, name
-
-
 def test_disabled_huge_pages_collapse_nothing(sources, dest) -> None:
     items = expand_sources([str(p) for p, _ in sources.values()])
     result = stage(items, dest, readers=2, huge_pages=False)
