@@ -42,6 +42,7 @@ STRATEGIES = ("auto", "staged", "capture", "default")
 SHM_ROOT = Path("/dev/shm")
 LOAD_FORMAT = "mxlaunch"
 SNAPSHOT_FORMAT = "mxlaunch-raw"
+PRESHARDED = "sglang-presharded"  # one folder shared by every rank (SGLang's dump), kept as snapshot rank 0
 SNAPSHOT_VERSION = 1
 CLAIM_TTL_S = 60.0
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -205,6 +206,8 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     fields = identity_fields(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
     sid = source_id(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
     ranks = engine_local_ranks(spec)
+    if fmt == PRESHARDED:  # every worker reads the one shared dump folder
+        ranks = [dict(r, snapshot_rank=0) for r in ranks]
 
     def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
         return LaunchPlan(spec, device, sid, fields, strategy, reason, engine_argv(spec, strategy), ranks,
@@ -222,9 +225,9 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
         refusal = sglang_argv.snapshot_format_refusal(spec, opts.snapshot_format)
         if refusal:
             raise UsageError(refusal, "use --snapshot-format raw (the default), which keeps tensors before post-processing")
-        if opts.snapshot_format == "presharded":
-            return plan("default", "--snapshot-format presharded: capture and restore of SGLang's presharded dump "
-                                   "are not wired into launch yet; serving with the default loader")
+        if fmt == PRESHARDED and spec.nnodes > 1:
+            return plan("default", "--snapshot-format presharded is single-node in mxlaunch (SGLang's dump is one "
+                                   "folder every rank writes); use raw for multi-node runs")
     if not plugin_reachable(argv, spec.engine):
         return plan("default", "mxlaunch is not installed in the engine's Python, so its loader plugin cannot load "
                                "(pip install mxlaunch there)")
@@ -234,7 +237,8 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
         if opts.strategy == "capture":
             return plan("default", f"snapshot {sid} already exists; nothing to capture")
         snapshot_ranks = sorted({r["snapshot_rank"] for r in ranks})
-        files = [f for f in found.snapshot.files_for_ranks(snapshot_ranks) if Path(f.path).suffix == ".safetensors"]
+        files = [f for f in found.snapshot.files_for_ranks(snapshot_ranks)
+                 if fmt == PRESHARDED or Path(f.path).suffix == ".safetensors"]
         return plan("staged", f"snapshot {sid} found in {store.root}", files, found.snapshot.folder)
     if opts.strategy == "staged":
         return plan("default", f"no usable snapshot: {found.reason}")
@@ -356,7 +360,7 @@ class Launcher:
             meta = SnapshotMeta(engine=spec.engine, engine_version=spec.engine_version, spec=spec.to_json(),
                                 identity=self.plan.identity, snapshot_format=self.plan.snapshot_format,
                                 snapshot_version=SNAPSHOT_VERSION)
-            nranks = spec.tp * spec.pp
+            nranks = 1 if self.plan.snapshot_format == PRESHARDED else spec.tp * spec.pp
             ranks = sorted({r["snapshot_rank"] for r in self.plan.local_ranks})
             try:
                 self.writer = store.begin_capture(
@@ -374,9 +378,8 @@ class Launcher:
             stage_root = self.shm_dir / "stage"
             by_snapshot: dict[int, list[RankFile]] = {}
             for f in self.plan.stage_files:
-                rank = _rank_of(f.path)
-                by_snapshot.setdefault(rank, []).append(
-                    RankFile(path=str(stage_root / str(rank) / Path(f.path).name), bytes=f.bytes))
+                rank, rel = _rank_rel(f.path)
+                by_snapshot.setdefault(rank, []).append(RankFile(path=str(stage_root / str(rank) / rel), bytes=f.bytes))
             for worker in self.plan.local_ranks:
                 plan.ranks[str(worker["rank"])] = by_snapshot.get(worker["snapshot_rank"], [])
         write_json_atomic(self.shm_dir / "plan.json", plan.to_json())
@@ -411,7 +414,8 @@ class Launcher:
 
         items, expected = [], {}
         for f in self.plan.stage_files:
-            rel = f"{_rank_of(f.path)}/{Path(f.path).name}"
+            rank, inner = _rank_rel(f.path)
+            rel = f"{rank}/{inner}"
             items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
             expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
@@ -699,9 +703,11 @@ def serves_http(spec: LaunchSpec) -> bool:
     return not (spec.headless or (spec.engine == "sglang" and spec.nnodes > 1 and spec.node_rank > 0))
 
 
-def _rank_of(path: Path) -> int:
-    """Snapshot files live under .../ranks/<rank>/<name>."""
-    return int(Path(path).parent.name)
+def _rank_rel(path: Path) -> tuple[int, str]:
+    """(rank, path inside the rank's folder) of a snapshot file under .../ranks/<rank>/..."""
+    parts = Path(path).parts
+    i = len(parts) - 1 - parts[::-1].index("ranks")
+    return int(parts[i + 1]), "/".join(parts[i + 2:])
 
 
 def _read_marker(path: Path) -> dict:

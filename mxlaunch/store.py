@@ -40,7 +40,8 @@ from mxlaunch.errors import CheckFailed, UsageError
 
 SCHEMA = 1
 MANIFEST = "manifest.json"
-ALLOWED_SUFFIXES = (".safetensors", ".json")  # trust rule: nothing else is ever read from the store
+# trust rule: nothing else is ever read from the store (".safetensor": SGLang's presharded dump names its files so)
+ALLOWED_SUFFIXES = (".safetensors", ".safetensor", ".json")
 SNAPSHOT_FORMAT = "mxlaunch-raw"
 SNAPSHOT_VERSION = 1
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")

@@ -17,7 +17,7 @@ capture or staged, it hands back MxlaunchSGLangLoader, a DefaultModelLoader whos
 
 and `load_model` writes marker loaded-<rank> afterwards. Any other loader SGLang picked (GGUF,
 sharded_state, ModelOpt, ...) is left alone and the rank reports a fallback. With
-`--snapshot-format sharded_state` the snapshot is SGLang's own sharded_state dump instead
+`--snapshot-format sharded_state|presharded` the snapshot is SGLang's own dump instead
 (plugin/sglang_sharded.py).
 
 **Rank** = dp_rank·(TP·PP) + SGLang's world rank (tp_size·pp_rank + tp_rank, `spawn_world_rank`); DP
@@ -34,6 +34,7 @@ from mxlaunch.plan import PLAN_ENV
 
 TARGET = "sglang.srt.model_loader.loader.get_model_loader"
 SHARDED_STATE = "sglang-sharded_state"  # the plan's snapshot_format for SGLang's own sharded_state dump
+PRESHARDED = "sglang-presharded"  # ... and for its presharded dump
 log = logging.getLogger("sglang.mxlaunch")
 
 _loader_cls: type | None = None
@@ -77,6 +78,10 @@ def around_get_model_loader(original: Any, load_config: Any, model_config: Any =
         from mxlaunch.plugin.sglang_sharded import sharded_loader
 
         return sharded_loader(load_config, plan, original=loader)
+    if plan.snapshot_format == PRESHARDED:
+        from mxlaunch.plugin.sglang_sharded import presharded_loader
+
+        return presharded_loader(load_config, plan, original=loader)
     return loader_class()(load_config, plan)
 
 

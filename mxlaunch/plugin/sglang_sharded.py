@@ -1,5 +1,6 @@
-"""`--snapshot-format sharded_state`: SGLang's own sharded_state dump as the snapshot, SGLang's own
-ShardedStateLoader to read it back.
+"""SGLang's stock dump formats as snapshots: SGLang writes them, SGLang's own loaders read them back.
+
+`--snapshot-format sharded_state` (SGLang's ShardedStateLoader):
 
 capture  SGLang's default load (weights *and* post-processing), then `ShardedStateLoader.save_model`
          writes this rank's state dict as model-rank-<tp_rank>-part-<n>.safetensors into
@@ -8,7 +9,17 @@ staged   wait until every staged file of this rank has landed (a failure before 
          SGLang's default loader), then ShardedStateLoader.load_model reads them from the staged folder;
          marker loaded-<rank>
 
-Riskier than raw, and guarded before launch (engines/sglang_argv.snapshot_format_refusal): the dump holds
+`--snapshot-format presharded` (SGLang 0.5.23's PreshardedModelLoader; one folder for all ranks, kept
+as snapshot rank 0, single node):
+
+capture  SGLang's "first-time load and dump" with presharded_path = <capture_dir>/0 (its files, checksum.json
+         and READY); markers captured-<rank> and loaded-<rank>
+staged   wait for every staged file, write READY (not kept in the store: only .safetensor(s)/.json files
+         are), then PreshardedModelLoader with presharded_path = the staged folder — when SGLang finds the
+         dump does not match this launch's shard config it loads from the checkpoint instead, and the
+         rank reports a fallback
+
+Both are riskier than raw, and guarded before launch (engines/sglang_argv.snapshot_format_refusal): the dump holds
 post-processed weights, which some quantized and MLA models cannot reload. Unlike raw, the engine starts
 reading only once all of a rank's files are staged (SGLang's loader globs the folder).
 """
@@ -133,3 +144,73 @@ def _restore_class() -> type:
             return model
 
     return StagedShardedStateLoader
+
+
+def presharded_loader(load_config: Any, plan: Any, *, original: Any) -> Any:
+    """SGLang's PreshardedModelLoader on the capture folder (capture) or the staged folder (staged)."""
+    from mxlaunch.plugin.sglang import global_rank
+
+    rank = global_rank()
+    if plan.strategy == "capture":
+        if not plan.capture_dir:
+            return original
+        return _presharded_class()(load_config, plan, rank, Path(plan.capture_dir) / "0")
+    files = plan.files_for_rank(rank)
+    reason = _wait_for_files(plan, files, rank)
+    if reason is None:
+        checksum = next((Path(f.path) for f in files if Path(f.path).name == "checksum.json"), None)
+        if checksum is None:
+            reason = "the staged presharded dump has no checksum.json"
+        else:
+            (checksum.parent / "READY").touch()  # SGLang's own "dump complete" flag; every file has landed
+            return _presharded_class()(load_config, plan, rank, checksum.parent.parent)
+    if not plan.fallback_ok:
+        raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
+    log.warning("mxlaunch: rank %d falls back to SGLang's default loader: %s", rank, reason)
+    safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": plan.strategy}, log)
+    return original
+
+
+def _presharded_class() -> type:
+    import dataclasses
+
+    from sglang.srt.model_loader.loader import PreshardedModelLoader
+
+    class MxlaunchPreshardedLoader(PreshardedModelLoader):
+        """PreshardedModelLoader rooted at the plan's folder, reporting to the launcher."""
+
+        def __init__(self, load_config: Any, plan: Any, rank: int, root: Path) -> None:
+            extra = dict(load_config.model_loader_extra_config or {})
+            extra["presharded_path"] = str(root)
+            super().__init__(dataclasses.replace(load_config, model_loader_extra_config=extra))
+            self._plan, self._rank = plan, rank
+
+        def load_model(self, *, model_config: Any, device_config: Any) -> Any:
+            plan, rank = self._plan, self._rank
+            shard_config = self._collect_shard_config(model_config)
+            folder = self._presharded_dir(model_config, shard_config)
+            reuse = self._presharded_ready(folder) and self._shard_config_matches(folder, shard_config)
+            if plan.strategy == "staged" and not reuse:
+                reason = f"the staged presharded dump does not match this launch's shard config ({folder})"
+                log.warning("mxlaunch: rank %d: %s; SGLang loads from the checkpoint", rank, reason)
+                safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "staged"}, log)
+            started = time.perf_counter()
+            model = super().load_model(model_config=model_config, device_config=device_config)
+            seconds = time.perf_counter() - started
+            if plan.strategy == "capture":
+                files = [{"name": str(p.relative_to(folder)), "path": str(p), "bytes": p.stat().st_size}
+                         for p in sorted(Path(folder).rglob("*")) if p.is_file()]
+                size = sum(f["bytes"] for f in files)
+                log.info("mxlaunch: rank %d captured %s GiB as SGLang presharded (%d files) into %s",
+                         rank, gib(size), len(files), folder)
+                safe_marker(plan, "captured", rank, {"files": files, "bytes": size, "format": "presharded"}, log)
+                safe_marker(plan, "loaded", rank, {"bytes": model_bytes(model), "seconds": round(seconds, 4),
+                                                   "strategy": "capture"}, log)
+            elif reuse:
+                size = sum(f.bytes for f in plan.files_for_rank(rank))
+                log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, gib(size), seconds)
+                safe_marker(plan, "loaded", rank, {"bytes": size, "seconds": round(seconds, 4),
+                                                   "strategy": "staged", "format": "presharded"}, log)
+            return model
+
+    return MxlaunchPreshardedLoader

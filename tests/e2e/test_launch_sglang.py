@@ -136,33 +136,33 @@ def test_sigterm_to_the_launcher_leaves_no_files_and_no_schedulers(tiny_model: P
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def sharded_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("mxstore-sglang-sharded")
+STOCK_FILES = {"sharded_state": ["model-rank-0-part-0.safetensors"],  # SGLang's own file naming
+               "presharded": ["checksum.json", "model-00000-common.safetensor"]}
 
 
-def test_sharded_state_capture_then_restore_serve_exactly(tiny_model: Path, sglang_gold: Path,
-                                                          sharded_store: Path) -> None:
-    """--snapshot-format sharded_state: SGLang's own dump and loader, compared the same way as raw."""
-    fmt = ("--snapshot-format", "sharded_state")
-    capture = LaunchProcess(tiny_model, sharded_store, engine="sglang", launch_args=fmt)
+@pytest.mark.parametrize("fmt", sorted(STOCK_FILES))
+def test_stock_format_capture_then_restore_serve_exactly(tiny_model: Path, sglang_gold: Path, tmp_path: Path,
+                                                         fmt: str) -> None:
+    """--snapshot-format sharded_state|presharded: SGLang's own dump and loader, compared the same way as raw."""
+    store = tmp_path / "store"
+    capture = LaunchProcess(tiny_model, store, engine="sglang", launch_args=("--snapshot-format", fmt))
     try:
         plan = capture.wait_event("plan", 120)
-        assert plan["strategy"] == "capture" and plan["snapshot_format"] == "sglang-sharded_state", plan
+        assert plan["strategy"] == "capture" and plan["snapshot_format"] == f"sglang-{fmt}", plan
         capture.wait_event("ready", READY_S)
         capture.wait_event("published", 60)
         compare(capture.url, sglang_gold)
     finally:
         capture.stop()
-    names = sorted(p.name for p in (sharded_store / plan["source_id"]).rglob("*.safetensors"))
-    assert names == ["model-rank-0-part-0.safetensors"], names  # SGLang's own file naming
+    names = sorted(p.name for p in (store / plan["source_id"]).rglob("*") if p.is_file() and "/ranks/" in str(p))
+    assert names == STOCK_FILES[fmt], names
 
-    restore = LaunchProcess(tiny_model, sharded_store, engine="sglang", launch_args=fmt)
+    restore = LaunchProcess(tiny_model, store, engine="sglang", launch_args=("--snapshot-format", fmt))
     try:
         staged = restore.wait_event("plan", 120)
         assert staged["strategy"] == "staged" and staged["source_id"] == plan["source_id"], staged
         loaded = restore.wait_event("loaded", READY_S)
-        assert loaded["strategy"] == "staged" and loaded["format"] == "sharded_state", loaded
+        assert loaded["strategy"] == "staged" and loaded["format"] == fmt, loaded
         restore.wait_event("ready", READY_S)
         compare(restore.url, sglang_gold)
         assert restore.event("fallback") is None

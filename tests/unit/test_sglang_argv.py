@@ -196,3 +196,20 @@ def test_vllm_refuses_stock_snapshot_formats(tmp_path: Path) -> None:
     result = run_cli("launch", "--dry-run", "--snapshot-format", "sharded_state", "--",
                      sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model))
     assert result.returncode == 2 and "SGLang commands only" in result.stderr, result.stderr
+
+
+def test_presharded_workers_all_read_the_one_shared_dump(tmp_path: Path) -> None:
+    model = checkpoint(tmp_path / "m")
+    result = run_cli("launch", "--dry-run", "--json", "--snapshot-format", "presharded", "--artifact-path",
+                     str(tmp_path / "store"), "--", "sglang", "serve", str(model), "--tp-size", "2")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["snapshot_format"] == "sglang-presharded"
+    assert [(r["tp_rank"], r["snapshot_rank"]) for r in data["local_ranks"]] == [(0, 0), (1, 0)]
+
+
+def test_snapshot_file_paths_keep_their_folder_inside_the_rank() -> None:
+    from mxlaunch.launch import _rank_rel
+
+    assert _rank_rel(Path("/s/id/data-x/ranks/3/part-00000.safetensors")) == (3, "part-00000.safetensors")
+    assert _rank_rel(Path("/s/ranks/x/data/ranks/0/TP-1-sig-ab/checksum.json")) == (0, "TP-1-sig-ab/checksum.json")
