@@ -142,3 +142,23 @@ class LaunchSpec:
     def to_json(self) -> Dict[str, Any]:
         """A JSON-ready copy (lists and dicts copied, nothing shared with the spec)."""
         return json.loads(json.dumps(asdict(self)))
+
+
+def splice_argv(argv: List[str], drop: Dict[int, str], replace: Dict[str, List[str]]) -> List[str]:
+    """argv with the tokens at the `drop` indexes (each tagged with the flag it belongs to) taken out: a
+    flag's replacement tokens go where its first dropped token stood, or at the end when none was dropped.
+    Everything else keeps its place. The engines' rewrite functions use it so that a command changes only
+    where mxlaunch must change it."""
+    out: List[str] = []
+    placed = set()
+    for k, tok in enumerate(argv):
+        flag = drop.get(k)
+        if flag is None:
+            out.append(tok)
+        elif flag not in placed:
+            out += replace[flag]
+            placed.add(flag)
+    for flag, toks in replace.items():
+        if flag not in placed:
+            out += toks
+    return out

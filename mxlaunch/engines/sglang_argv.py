@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from mxlaunch.engines.base import LaunchSpec
+from mxlaunch.engines.base import LaunchSpec, splice_argv
 from mxlaunch.engines.environment import PYTHON_EXE, engine_python, installed_version, resolve_model_path
 from mxlaunch.engines.sglang_flags import CONFIG_UNSUPPORTED, OPTIONS
 from mxlaunch.errors import UsageError
@@ -446,19 +446,8 @@ def rewrite_sglang_argv(spec: LaunchSpec, *, set_flags: Dict[str, Optional[str]]
                 for k in o.origin:
                     if k is not None:
                         drop[k] = flag
-    out: List[str] = []
-    placed = set()
-    for k, tok in enumerate(argv):
-        flag = drop.get(k)
-        if flag is None:
-            out.append(tok)
-        elif flag not in placed:
-            out += [flag] if set_flags[flag] is None else [flag, set_flags[flag]]
-            placed.add(flag)
-    for flag, value in set_flags.items():
-        if flag not in placed:
-            out += [flag] if value is None else [flag, value]
-    return out
+    replace = {flag: [flag] if value is None else [flag, value] for flag, value in set_flags.items()}
+    return splice_argv(argv, drop, replace)
 
 
 def snapshot_format_refusal(spec: LaunchSpec, snapshot_format: str) -> Optional[str]:

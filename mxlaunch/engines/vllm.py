@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mxlaunch.engines.base import NUM, LaunchSpec, LogLine, PhaseEvent, epoch
+from mxlaunch.engines.base import NUM, LaunchSpec, LogLine, PhaseEvent, epoch, splice_argv
 from mxlaunch.engines.environment import PYTHON_EXE as _PYTHON
 from mxlaunch.engines.environment import engine_python, hub_cache_dir, installed_version, resolve_model_path  # noqa: F401
 from mxlaunch.errors import UsageError
@@ -790,16 +790,4 @@ def rewrite_vllm_argv(spec: LaunchSpec, *, load_format: Optional[str], extra_con
             for k in o.origin:
                 if k is not None:
                     drop[k] = o.flag
-    out: List[str] = []
-    placed = set()
-    for k, tok in enumerate(argv):
-        flag = drop.get(k)
-        if flag is None:
-            out.append(tok)
-        elif flag not in placed:
-            out += replace[flag]
-            placed.add(flag)
-    for flag, toks_new in replace.items():
-        if flag not in placed:
-            out += toks_new
-    return out
+    return splice_argv(argv, drop, replace)
