@@ -106,7 +106,7 @@ def run_one_child(cmd: list[str]) -> tuple[float, float, str]:
     return wall, usage.ru_utime + usage.ru_stime, out.decode()
 
 
-def method_mxlaunch(files: list[Path], dest: Path, cfg: "MxConfig", chunk: int) -> dict:
+def method_mxlaunch(files: list[Path], dest: Path, cfg: MxConfig, chunk: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--stage-worker", "--dest", str(dest),
            "--readers", str(cfg.readers), "--chunk", str(chunk), "--write-mode", cfg.mode,
            "--per-file", str(cfg.per_file), "--huge", str(int(cfg.huge)),
@@ -195,7 +195,7 @@ class MxConfig:
     huge: bool = True
 
     @classmethod
-    def parse(cls, spec: str) -> "MxConfig":
+    def parse(cls, spec: str) -> MxConfig:
         parts = spec.split(":")
         mode, readers, cap = parts[0], int(parts[1]), int(parts[2])
         huge = bool(int(parts[3])) if len(parts) > 3 else True
@@ -223,7 +223,7 @@ def dest_page_probe(dest_root: Path, total: int) -> dict:
     """CPU s per GiB of filling a fresh tmpfs file from memory (one thread, page cache just dropped):
     4 KiB pages (pwrite) vs 2 MiB pages made by MADV_COLLAPSE first (what mxlaunch does), so the
     destination's own cost is on record next to each method's."""
-    from mxlaunch.staging.hugepages import HUGE, FileMapping, HugePager
+    from mxlaunch.staging.hugepages import FileMapping, HugePager
 
     dest_root.mkdir(parents=True, exist_ok=True)
     block = os.urandom(16 * MiB)

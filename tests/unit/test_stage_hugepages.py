@@ -12,7 +12,6 @@ from mxlaunch.staging import reader as reader_mod
 from mxlaunch.staging.hugepages import HUGE, HugePager
 from mxlaunch.staging.reader import WRITE_MODES, stage
 from mxlaunch.staging.sources import expand_sources
-
 from tests.helpers.stage_data import sha256_of, shm_dir, tree_of, write_pattern_file
 
 MiB = 1 << 20
