@@ -409,6 +409,7 @@ class Launcher:
     def _start_stage(self) -> None:
         if self.plan.strategy != "staged":
             return
+        from mxlaunch.stage import default_per_file
         from mxlaunch.staging.reader import StageJob
         from mxlaunch.staging.sources import CopyItem
 
@@ -421,7 +422,7 @@ class Launcher:
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
         readers = self.opts.readers or DEFAULT_READERS
         job = StageJob(items, self.shm_dir / "stage", readers=readers, expected=expected,
-                       per_file=max(1, readers // 8), reserve_bytes=reserve)
+                       per_file=default_per_file(readers), reserve_bytes=reserve)
         job.start()
         self.stage_job = job
 

@@ -391,10 +391,14 @@ def parse_sglang_argv(argv: List[str], *, engine_version: Optional[str] = None) 
     )
 
 
-def dist_init_addr(argv: List[str]) -> Optional[str]:
-    """The command's --dist-init-addr (after --config), for the Slurm helpers."""
-    form, start = _split_command([str(a) for a in argv])
-    return _values(_effective([str(a) for a in argv], start, form))["dist_init_addr"]
+def explicit_fields(argv: List[str]) -> Dict[str, Any]:
+    """dest → value for the fields mxlaunch reads that the command sets itself — on its command line
+    (any alias or abbreviation) or in its --config file — so that Slurm defaults never override them."""
+    argv = [str(a) for a in argv]
+    form, start = _split_command(argv)
+    opts = _effective(argv, start, form)
+    vals = _values(opts)
+    return {dest: vals[dest] for dest in {_DEST_OF[o.option] for o in opts if o.option in _DEST_OF}}
 
 
 # ---- placement --------------------------------------------------------------------------------------

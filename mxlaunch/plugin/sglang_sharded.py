@@ -198,6 +198,9 @@ def _presharded_class() -> type:
             model = super().load_model(model_config=model_config, device_config=device_config)
             seconds = time.perf_counter() - started
             if plan.strategy == "capture":
+                # READY is SGLang's "dump complete" flag; the store keeps only data and JSON files (it is
+                # written again on restore, once every staged file has landed)
+                (Path(folder) / self.READY_FILENAME).unlink(missing_ok=True)
                 files = [{"name": str(p.relative_to(folder)), "path": str(p), "bytes": p.stat().st_size}
                          for p in sorted(Path(folder).rglob("*")) if p.is_file()]
                 size = sum(f["bytes"] for f in files)

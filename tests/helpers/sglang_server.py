@@ -31,7 +31,8 @@ def sglang_argv(model_dir: str | Path, port: int, *, extra_args: Iterable[str] =
         "--dtype", "float32",
         "--attention-backend", "torch_native",
         "--max-total-tokens", "2048",
-        "--mem-fraction-static", "0.05",
+        "--mem-fraction-static", "0.2",  # a bound only (--max-total-tokens sizes the pool); 0.05 flaked when
+        # other processes took memory while the weights loaded ("no memory left for the KV cache")
         "--host", "127.0.0.1",
         "--port", str(port),
         *extra_args,

@@ -213,3 +213,13 @@ def test_snapshot_file_paths_keep_their_folder_inside_the_rank() -> None:
 
     assert _rank_rel(Path("/s/id/data-x/ranks/3/part-00000.safetensors")) == (3, "part-00000.safetensors")
     assert _rank_rel(Path("/s/ranks/x/data/ranks/0/TP-1-sig-ab/checksum.json")) == (0, "TP-1-sig-ab/checksum.json")
+
+
+def test_explicit_fields_see_abbreviations_aliases_and_config(tmp_path: Path) -> None:
+    from mxlaunch.engines.sglang_argv import explicit_fields
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("node-rank: 1\n")
+    got = explicit_fields([*SERVER, "--model-path", "m", "--nnod", "2", "--nccl-init-addr=h:1", "--config", str(cfg)])
+    assert got == {"model_path": "m", "nnodes": 2, "dist_init_addr": "h:1", "node_rank": 1}
+    assert "nnodes" not in explicit_fields([*SERVER, "--model-path", "m"])  # a default is not explicit
