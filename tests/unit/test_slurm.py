@@ -176,9 +176,16 @@ def test_vllm_config_file_counts_as_given(tmp_path: Path) -> None:
     config.write_text("nnodes: 2\nmaster-addr: 10.1.1.1\nnode_rank: 1\n")
     argv = VLLM + ["--config", str(config)]
     assert given_flags(argv, {"nnodes": ("--nnodes",), "node_rank": ("--node-rank",),
-                              "master_addr": ("--master-addr",)}, vllm_config=True) == {
+                              "master_addr": ("--master-addr",)}, read_config=True) == {
         "nnodes": "2", "node_rank": "1", "master_addr": "10.1.1.1"}
     assert adapt_launch(argv, "vllm", None, STEP1).added == ["--master-port", str(port_of(STEP1)), "--headless"]
+
+
+def test_sglang_config_file_counts_as_given(tmp_path: Path) -> None:
+    config = tmp_path / "sglang.yaml"
+    config.write_text("dist-init-addr: 10.2.2.2:7000\ntp-size: 8\n")
+    assert adapt_launch(SGL + ["--config", str(config)], "sglang", None, STEP1).added == [
+        "--nnodes", "2", "--node-rank", "1"]
 
 
 def test_overrides_for_address_and_port() -> None:
