@@ -50,13 +50,11 @@ all_idle() {  # every node of DIR's cluster answers and is idle
 }
 
 write_conf() {
-  local nodes=$1 host ctld_port slurmd_port line cpus mem
+  local nodes=$1 host ctld_port slurmd_port line
   host=$(hostname -s)
   ctld_port=$(free_port)
   # slurmd -C: the node's real CPU layout and memory (a mismatch would drain the node)
   line=$(slurmd -C | head -1)
-  cpus=$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<<"$line")
-  mem=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$line")
   mkdir -p "$DIR/state" "$DIR/spool" "$DIR/munge"
   {
     echo "# written by scripts/start_slurm.sh"
@@ -95,7 +93,6 @@ write_conf() {
     done
     echo "PartitionName=mx Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
   } >"$DIR/slurm.conf"
-  : "$cpus" "$mem"
 }
 
 start() {
