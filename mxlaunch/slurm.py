@@ -22,10 +22,11 @@ ADDR_ENV = "MXLAUNCH_DIST_ADDR"  # the head's address as the other nodes reach i
 PORT_ENV = "MXLAUNCH_DIST_PORT"  # the rendezvous port (default: derived from the job id)
 PORT_BASE, PORT_SPAN = 21000, 8000  # 21000–28999: clear of vLLM's 29500/29501 defaults and ephemeral ports
 
-# The multi-node flags per engine, each with the spellings its parser accepts (an explicit one wins).
+# The multi-node flags per engine, each with the spellings its parser accepts (an explicit one wins);
+# for SGLang its argv module tells which fields a command sets (engines/sglang_argv.explicit_fields).
 _VLLM = {"nnodes": ("--nnodes", "-n"), "node_rank": ("--node-rank", "-r"), "master_addr": ("--master-addr",),
          "master_port": ("--master-port",), "headless": ("--headless",)}
-_SGLANG = {"nnodes": ("--nnodes",), "node_rank": ("--node-rank",), "dist_init_addr": ("--dist-init-addr", "--nccl-init-addr")}
+_SGLANG = ("nnodes", "node_rank", "dist_init_addr")
 _VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"
 
 
@@ -256,8 +257,12 @@ def multinode_flags(argv: Sequence[str], engine: str, env: SlurmEnv,
     SGLang: --nnodes N --node-rank R --dist-init-addr HEAD:PORT. vLLM (0.32's mp backend, checked in
     vllm/engine/arg_utils.py): --nnodes N --node-rank R --master-addr HEAD --master-port PORT, and
     --headless on the other nodes (they run workers only, no API server)."""
-    table = _VLLM if engine == "vllm" else _SGLANG
-    given = given_flags(argv, table, read_config=True)
+    if engine == "sglang":  # SGLang's own rules: aliases, argparse abbreviations, its --config file
+        from mxlaunch.engines.sglang_argv import explicit_fields
+
+        given = {k: ("" if v is True else str(v)) for k, v in explicit_fields(list(argv)).items() if k in _SGLANG}
+    else:
+        given = given_flags(argv, _VLLM, read_config=True)
     nnodes = _as_int(given.get("nnodes"), env.nnodes)
     if nnodes <= 1:
         return []  # the command says one node: it wins

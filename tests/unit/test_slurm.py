@@ -28,6 +28,7 @@ ONE_NODE = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "cn017", "SLURM_NNODES":
             "SLURM_CPUS_ON_NODE": "32"}
 
 SGL = ["python", "-m", "sglang.launch_server", "--model-path", "/m", "--tp", "8"]
+SGL_NODE1_PORT = 21000 + 4242 % 8000
 VLLM = ["vllm", "serve", "/m", "-tp", "8"]
 VLLM_API = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "-tp", "8"]
 
@@ -147,7 +148,8 @@ def test_vllm_api_server_form_cannot_be_a_worker_node() -> None:
 @pytest.mark.parametrize("extra, added", [
     (["--dist-init-addr", "10.0.0.1:5000"], ["--nnodes", "2", "--node-rank", "1"]),
     (["--dist-init-addr=10.0.0.1:5000", "--node-rank=1"], ["--nnodes", "2"]),
-    (["--nnodes", "2", "--node_rank", "1", "--nccl-init-addr", "h:1"], []),
+    (["--nnodes", "2", "--node-rank", "1", "--nccl-init-addr", "h:1"], []),  # an alias
+    (["--nnod", "2"], ["--node-rank", "1", "--dist-init-addr", f"gpu01:{SGL_NODE1_PORT}"]),  # argparse abbreviation
     (["--nnodes", "1"], []),  # the command says one node: nothing is added
 ])
 def test_sglang_flags_in_the_command_win(extra: list[str], added: list[str]) -> None:
@@ -263,6 +265,21 @@ def test_cli_dry_run_shows_the_slurm_record_and_a_line(tmp_path: Path, monkeypat
     assert doc["slurm"]["job_id"] == "4242" and "--master-port" in doc["slurm"]["added"]
     text = run_cli(*argv)
     assert text.returncode == 0 and "mxlaunch slurm: " in text.stderr and "added --nnodes 2" in text.stderr
+
+
+def test_cli_dry_run_of_an_sglang_command_on_node_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's own parser (it requires --dist-init-addr with --nnodes > 1) takes the added flags, and
+    node 1 plans its own TP rank."""
+    model = write_checkpoint(tmp_path / "model")
+    for key, value in STEP1.items():
+        monkeypatch.setenv(key, value)
+    result = run_cli("launch", "--dry-run", "--json", "--artifact-path", str(tmp_path / "store"), "--",
+                     "python", "-m", "sglang.launch_server", "--model-path", str(model), "--tp", "2")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["engine"] == "sglang" and (doc["nnodes"], doc["node_rank"]) == (2, 1)
+    assert [r["rank"] for r in doc["local_ranks"]] == [1]
+    assert doc["argv"][-6:] == ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"gpu01:{SGL_NODE1_PORT}"]
 
 
 def test_cli_bad_slurm_environment_is_one_line_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
