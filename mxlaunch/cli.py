@@ -432,7 +432,7 @@ def launch(
     capture_only: bool = typer.Option(False, "--capture-only", help="Serve until the snapshot is published, then stop (exit 0)."),
     ready_timeout: float = typer.Option(1800.0, "--ready-timeout", help="Seconds to wait for the engine to be ready."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
-    readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 16; in a Slurm job 2 per CPU of the node, 4–16]."),
+    readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 32; in a Slurm job 2 per CPU of the node, 4–32]."),
     snapshot_format: str = typer.Option("raw", "--snapshot-format",
                                         help="raw (mxlaunch's: tensors before post-processing; every engine) | "
                                              "sharded_state | presharded (SGLang's stock formats; riskier, see docs/sglang.md)."),

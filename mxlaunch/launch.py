@@ -35,7 +35,7 @@ from mxlaunch.engines.vllm import parse_vllm_argv, rewrite_vllm_argv, vllm_versi
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile, write_json_atomic
-from mxlaunch.slurm import DEFAULT_READERS, adapt_launch
+from mxlaunch.slurm import adapt_launch, default_readers
 from mxlaunch.store import SnapshotFile, SnapshotMeta, Store
 
 STRATEGIES = ("auto", "staged", "capture", "default")
@@ -56,7 +56,7 @@ class LaunchOptions:
     capture_only: bool = False
     ready_timeout: float = 1800.0
     run_dir: Optional[Path] = None
-    readers: Optional[int] = None  # None: 16, or sized to SLURM_CPUS_ON_NODE in a Slurm job (make_plan sets it)
+    readers: Optional[int] = None  # None: the stage default, or sized to SLURM_CPUS_ON_NODE in a Slurm job (make_plan sets it)
     as_json: bool = False
     snapshot_format: str = "raw"  # raw (mxlaunch's, every engine) | sharded_state | presharded (SGLang's stock formats)
 
@@ -420,7 +420,7 @@ class Launcher:
             items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
             expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
-        readers = self.opts.readers or DEFAULT_READERS
+        readers = self.opts.readers or default_readers()
         job = StageJob(items, self.shm_dir / "stage", readers=readers, expected=expected,
                        per_file=default_per_file(readers), reserve_bytes=reserve)
         job.start()

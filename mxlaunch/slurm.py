@@ -17,7 +17,6 @@ from typing import List, Mapping, Optional, Sequence
 
 from mxlaunch.errors import UsageError
 
-DEFAULT_READERS = 16
 ADDR_ENV = "MXLAUNCH_DIST_ADDR"  # the head's address as the other nodes reach it (default: first node's name)
 PORT_ENV = "MXLAUNCH_DIST_PORT"  # the rendezvous port (default: derived from the job id)
 PORT_BASE, PORT_SPAN = 21000, 8000  # 21000–28999: clear of vLLM's 29500/29501 defaults and ephemeral ports
@@ -168,13 +167,20 @@ def _env_int(environ: Mapping[str, str], name: str, default: int, minimum: int) 
     return value
 
 
+def default_readers() -> int:
+    """The stage command's default reader count (mxlaunch.stage), also launch's outside Slurm."""
+    from mxlaunch.stage import default_readers as stage_default  # staging code, loaded when needed
+
+    return stage_default()
+
+
 def readers_for(cpus: int) -> int:
-    """Stage readers for a node with `cpus` CPUs: 2 per CPU, 4–16.
+    """Stage readers for a node with `cpus` CPUs: 2 per CPU, at least 4, at most the stage default.
 
     Readers mostly wait on I/O, so a few more than CPUs keep requests in flight; on the 2-core
-    benchmark box 4 cost least CPU per GiB, and past 16 the benchmarked disks gained nothing
-    (docs/benchmarks.md)."""
-    return max(4, min(DEFAULT_READERS, 2 * cpus))
+    benchmark box 4 cost least CPU per GiB, while a large node gets the default that was best on the
+    benchmarked disks (docs/benchmarks.md). A job with few CPUs should not run 32 reader threads."""
+    return max(4, min(default_readers(), 2 * cpus))
 
 
 def dist_port(env: SlurmEnv, environ: Mapping[str, str] = os.environ) -> int:
@@ -227,8 +233,8 @@ def adapt_launch(argv: Sequence[str], engine: Optional[str], readers: Optional[i
     argv = list(argv)
     env = read_env(environ)
     if env is None:
-        return SlurmLaunch(argv, readers if readers is not None else DEFAULT_READERS)
-    out = SlurmLaunch(argv, readers if readers is not None else DEFAULT_READERS, env)
+        return SlurmLaunch(argv, readers if readers is not None else default_readers())
+    out = SlurmLaunch(argv, readers if readers is not None else default_readers(), env)
     if readers is None and env.cpus_on_node:
         out.readers = readers_for(env.cpus_on_node)
         out.notes.append(f"{out.readers} stage readers for SLURM_CPUS_ON_NODE={env.cpus_on_node}")

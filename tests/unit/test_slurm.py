@@ -12,8 +12,8 @@ import pytest
 
 from mxlaunch.errors import UsageError
 from mxlaunch.launch import LaunchOptions, make_plan
-from mxlaunch.slurm import (PORT_BASE, PORT_SPAN, SlurmEnv, adapt_launch, dist_port, expand_hostlist,
-                            given_flags, read_env, readers_for)
+from mxlaunch.slurm import (PORT_BASE, PORT_SPAN, SlurmEnv, adapt_launch, default_readers, dist_port,
+                            expand_hostlist, given_flags, read_env, readers_for)
 from tests.helpers.cli import one_line_error, run_cli
 from tests.unit.test_launch_plan import serve, write_checkpoint
 
@@ -67,7 +67,7 @@ def test_bad_hostlists_name_the_problem(text: str, problem: str) -> None:
 def test_outside_slurm_there_is_no_job() -> None:
     assert read_env({"HOME": "/x"}) is None
     out = adapt_launch(VLLM, "vllm", None, {})
-    assert out.argv == VLLM and out.readers == 16 and out.to_json() is None
+    assert out.argv == VLLM and out.readers == default_readers() == 32 and out.to_json() is None
     assert adapt_launch(VLLM, "vllm", 3, {}).readers == 3
 
 
@@ -99,14 +99,14 @@ def test_a_broken_environment_is_a_one_line_usage_error(change: dict, problem: s
     assert problem in err.value.message and err.value.fix
 
 
-@pytest.mark.parametrize("cpus, readers", [(1, 4), (2, 4), (3, 6), (8, 16), (128, 16)])
+@pytest.mark.parametrize("cpus, readers", [(1, 4), (2, 4), (3, 6), (8, 16), (16, 32), (128, 32)])  # 32: stage default
 def test_readers_follow_the_nodes_cpus(cpus: int, readers: int) -> None:
     assert readers_for(cpus) == readers
 
 
 def test_readers_from_slurm_unless_given() -> None:
     out = adapt_launch(VLLM, "vllm", None, ONE_NODE)
-    assert out.readers == 16 and out.argv == VLLM and out.added == []
+    assert out.readers == 32 and out.argv == VLLM and out.added == []
     assert "SLURM_CPUS_ON_NODE=32" in out.message
     assert adapt_launch(VLLM, "vllm", None, {**ONE_NODE, "SLURM_CPUS_ON_NODE": "2"}).readers == 4
     given = adapt_launch(VLLM, "vllm", 40, ONE_NODE)
