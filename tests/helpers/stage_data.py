@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
+from typing import Any, Iterator
 
 BLOCK = 4096
 
@@ -47,3 +49,11 @@ def shm_dir(name: str) -> Path:
     """A fresh folder in /dev/shm for one test (tmpfs: the real destination of staging)."""
     base = Path("/dev/shm") / f"mxlaunch-test-{os.getpid()}" / name
     return base
+
+
+def shm_dest(request: Any) -> Iterator[Path]:
+    """Fixture body: this test's /dev/shm folder, empty at the start and gone (with its parent) after."""
+    path = shm_dir(request.node.name)
+    shutil.rmtree(path, ignore_errors=True)
+    yield path
+    shutil.rmtree(path.parent, ignore_errors=True)

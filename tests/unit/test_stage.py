@@ -19,18 +19,13 @@ from mxlaunch.staging import reader as reader_mod
 from mxlaunch.staging.reader import WRITE_MODES, StageCancelled, StageJob, stage
 from mxlaunch.staging.sources import expand_sources
 
-from tests.helpers.stage_data import sha256_of, shm_dir, tree_of, write_pattern_file
+from tests.helpers.stage_data import sha256_of, shm_dest, tree_of, write_pattern_file
 
 MiB = 1 << 20
 SIZES = [0, 1, 4095, 4096, 4097, 16 * MiB - 1, 16 * MiB + 1]
 
 
-@pytest.fixture()
-def dest(request: pytest.FixtureRequest):
-    path = shm_dir(request.node.name)
-    shutil.rmtree(path, ignore_errors=True)
-    yield path
-    shutil.rmtree(path.parent, ignore_errors=True)
+dest = pytest.fixture(shm_dest, name="dest")
 
 
 @pytest.fixture(scope="module")

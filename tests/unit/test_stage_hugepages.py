@@ -3,7 +3,6 @@ the pager stops collapsing when it costs more than it saves."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,19 +11,14 @@ from mxlaunch.staging import reader as reader_mod
 from mxlaunch.staging.hugepages import HUGE, HugePager
 from mxlaunch.staging.reader import WRITE_MODES, stage
 from mxlaunch.staging.sources import expand_sources
-from tests.helpers.stage_data import sha256_of, shm_dir, tree_of, write_pattern_file
+from tests.helpers.stage_data import sha256_of, shm_dest, tree_of, write_pattern_file
 
 MiB = 1 << 20
 # Below, at and around 2 MiB blocks, plus a tail that is not a multiple of 4 KiB.
 SIZES = [HUGE - 1, HUGE, 6 * MiB + 5, 20 * MiB + 4097]
 
 
-@pytest.fixture()
-def dest(request: pytest.FixtureRequest):
-    path = shm_dir(request.node.name)
-    shutil.rmtree(path, ignore_errors=True)
-    yield path
-    shutil.rmtree(path.parent, ignore_errors=True)
+dest = pytest.fixture(shm_dest, name="dest")
 
 
 @pytest.fixture(scope="module")
