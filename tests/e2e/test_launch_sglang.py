@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from mxlaunch.store import MANIFEST
-from tests.helpers.cli import run_cli
+from tests.helpers.cli import compare_gold, run_cli
 from tests.helpers.launcher import LaunchProcess
 from tests.helpers.sglang_server import sglang_python, start_sglang
 
@@ -49,11 +49,7 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mxstore-sglang")
 
 
-def compare(url: str, gold: Path) -> dict:
-    result = run_cli("verify", "--url", url, "--compare", str(gold), "--json")
-    report = json.loads(result.stdout) if result.stdout.strip() else {}
-    assert result.returncode == 0, (result.stderr, report.get("worst"))
-    return report
+compare = compare_gold
 
 
 def test_gold_is_real_sglang_output(sglang_gold: Path) -> None:

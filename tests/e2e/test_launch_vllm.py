@@ -3,7 +3,6 @@ exact logprobs both times (against gold from the default loader), fallbacks, and
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -14,7 +13,7 @@ import psutil
 import pytest
 
 from mxlaunch.store import MANIFEST, Store
-from tests.helpers.cli import run_cli
+from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess
 
 READY_S = 400
@@ -25,11 +24,7 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("mxstore")
 
 
-def compare(url: str, gold: Path) -> dict:
-    result = run_cli("verify", "--url", url, "--compare", str(gold), "--json")
-    report = json.loads(result.stdout) if result.stdout.strip() else {}
-    assert result.returncode == 0, (result.stderr, report.get("worst"))
-    return report
+compare = compare_gold
 
 
 def assert_gone(launch: LaunchProcess, run_dir: str, procs: list[psutil.Process]) -> None:

@@ -20,3 +20,13 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     return lines[0]
+
+
+def compare_gold(url: str, gold: Path) -> dict:
+    """`mxlaunch verify --compare` against a live server; asserts exact equality, returns the report."""
+    import json
+
+    result = run_cli("verify", "--url", url, "--compare", str(gold), "--json")
+    report = json.loads(result.stdout) if result.stdout.strip() else {}
+    assert result.returncode == 0, (result.stderr, report.get("worst"))
+    return report
