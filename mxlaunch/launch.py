@@ -644,7 +644,7 @@ class Launcher:
 
 
 # Python multiprocessing's shared memory (vLLM's message queues use it) and its named semaphores.
-ENGINE_SHM_PREFIXES = ("psm_", "sem.mp-")
+ENGINE_SHM_PREFIXES = ("psm_", "sem.mp-", "sglang_loads_")  # SGLang 0.5.23 leaves one sglang_loads_* per run
 
 
 def _shm_entries() -> set[str]:

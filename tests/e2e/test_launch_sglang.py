@@ -115,6 +115,7 @@ def test_a_flipped_byte_fails_staging_and_sglang_falls_back(tiny_model: Path, sg
 
 
 def test_sigterm_to_the_launcher_leaves_no_files_and_no_schedulers(tiny_model: Path, store_root: Path) -> None:
+    shm_before = set(os.listdir("/dev/shm"))
     launch = LaunchProcess(tiny_model, store_root, engine="sglang")
     plan = launch.wait_event("plan", 120)
     try:
@@ -130,6 +131,9 @@ def test_sigterm_to_the_launcher_leaves_no_files_and_no_schedulers(tiny_model: P
     while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
         assert time.monotonic() < deadline, [p.pid for p in procs if p.is_running()]
         time.sleep(0.2)
+    # SGLang leaves its load-report segment (and multiprocessing semaphores) behind; the launcher removes them
+    leaked = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(("sglang_", "psm_", "sem.mp-")))
+    assert leaked == [], leaked
 
 
 STOCK_FILES = {"sharded_state": ["model-rank-0-part-0.safetensors"],  # SGLang's own file naming
