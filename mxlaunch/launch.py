@@ -27,9 +27,8 @@ from typing import Any, Callable, Optional
 import httpx
 
 from mxlaunch.coord.file import pid_alive, process_start_time
-from mxlaunch.engines import detect_engine
+from mxlaunch.engines import detect_engine, sglang_argv
 from mxlaunch.engines.base import LaunchSpec
-from mxlaunch.engines import sglang_argv
 from mxlaunch.engines.environment import engine_python
 from mxlaunch.engines.vllm import parse_vllm_argv, rewrite_vllm_argv, vllm_version
 from mxlaunch.errors import MxlaunchError, UsageError
@@ -45,8 +44,19 @@ SNAPSHOT_FORMAT = "mxlaunch-raw"
 PRESHARDED = "sglang-presharded"  # one folder shared by every rank (SGLang's dump), kept as snapshot rank 0
 SNAPSHOT_VERSION = 1
 CLAIM_TTL_S = 60.0
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-PLUGIN_ALLOWLISTS = {"vllm": "VLLM_PLUGINS", "sglang": "SGLANG_PLUGINS"}
+
+
+@dataclass(frozen=True)
+class EngineNames:
+    """How the launcher names an engine and finds its plugin seam (entry-point group, allowlist variable)."""
+
+    display: str
+    plugin_group: str
+    plugin_allowlist: str
+
+
+ENGINES = {"vllm": EngineNames("vLLM", "vllm.general_plugins", "VLLM_PLUGINS"),
+           "sglang": EngineNames("SGLang", "sglang.srt.plugins", "SGLANG_PLUGINS")}
 
 
 @dataclass
@@ -220,7 +230,7 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     if spec.model_path is None:
         return plan("default", f"model {spec.model} is not a local folder or a local hub-cache snapshot")
     if spec.engine_version is None:
-        return plan("default", f"{ENGINE_NAMES[spec.engine]} is not installed in the engine's Python")
+        return plan("default", f"{ENGINES[spec.engine].display} is not installed in the engine's Python")
     if fmt != SNAPSHOT_FORMAT:
         refusal = sglang_argv.snapshot_format_refusal(spec, opts.snapshot_format)
         if refusal:
@@ -251,16 +261,13 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     return plan("capture", f"no snapshot yet ({found.reason}); this run captures it")
 
 
-PLUGIN_GROUPS = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}
-
-
 def plugin_reachable(argv: list[str], engine: str = "vllm") -> bool:
     """Is mxlaunch installed in the engine's Python with its entry point (where the plugin must load)?"""
     python = engine_python(argv)
     if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
         return True
     code = ("import importlib.metadata as m, mxlaunch.plugin\n"
-            f"raise SystemExit(0 if any(e.name == 'mxlaunch' for e in m.entry_points(group={PLUGIN_GROUPS[engine]!r})) else 3)")
+            f"raise SystemExit(0 if any(e.name == 'mxlaunch' for e in m.entry_points(group={ENGINES[engine].plugin_group!r})) else 3)")
     try:  # from / so that a source checkout in the working directory does not count as installed
         proc = subprocess.run([python, "-c", code], capture_output=True, timeout=60, cwd="/")
     except (OSError, subprocess.TimeoutExpired):
@@ -399,7 +406,7 @@ class Launcher:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env[PLAN_ENV] = str(self.shm_dir / "plan.json")
-        allowlist = PLUGIN_ALLOWLISTS[self.plan.spec.engine]
+        allowlist = ENGINES[self.plan.spec.engine].plugin_allowlist
         if env.get(allowlist):  # an allowlist that leaves mxlaunch out would silently disable the plugin
             names = env[allowlist].split(",")
             if "mxlaunch" not in names:

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from mxlaunch.engines.base import LaunchSpec, splice_argv
 from mxlaunch.engines.environment import PYTHON_EXE, engine_python, installed_version, resolve_model_path
-from mxlaunch.engines.sglang_flags import CONFIG_UNSUPPORTED, OPTIONS
+from mxlaunch.engines.sglang_flags import CONFIG_UNSUPPORTED, OPTIONS, SGLANG_VERSION
 from mxlaunch.errors import UsageError
 
 ENGINE = "sglang"
@@ -139,13 +139,7 @@ def _resolve(name: str) -> str:
             likely = next((h for h in hits if h in _DEST_OF), hits[0])
             raise UsageError(f"SGLang option {name} is ambiguous (could be {shown})",
                              f"spell it out, e.g. {likely}")
-    raise UsageError(f"{name} is not an SGLang {_version_note()}option", "check the flag's spelling (sglang serve --help)")
-
-
-def _version_note() -> str:
-    from mxlaunch.engines.sglang_flags import SGLANG_VERSION
-
-    return f"{SGLANG_VERSION} "
+    raise UsageError(f"{name} is not an SGLang {SGLANG_VERSION} option", "check the flag's spelling (sglang serve --help)")
 
 
 def _scan(toks: List[Tuple[str, Optional[int]]]) -> List[_Opt]:
@@ -468,7 +462,7 @@ def snapshot_format_refusal(spec: LaunchSpec, snapshot_format: str) -> Optional[
     arch = " ".join(cfg.get("architectures") or [])
     qcfg = cfg.get("quantization_config") or {}
     quant_method = (quant or str(qcfg.get("quant_method", ""))).lower()
-    backend = _moe_backend(spec)
+    backend = str(spec.layout_extras.get("moe_runner_backend", "auto"))
     if quant_method == "mxfp4" and backend in ("triton", "triton_kernel", "auto"):
         return f"{snapshot_format}: mxfp4 with the Triton MoE backend stores swizzled weights it cannot reload"
     if quant_method == "gguf" or spec.load_format == "gguf":
@@ -480,10 +474,6 @@ def snapshot_format_refusal(spec: LaunchSpec, snapshot_format: str) -> Optional[
     if cfg.get("kv_lora_rank") is not None:
         return f"{snapshot_format}: MLA models ({arch or 'kv_lora_rank set'}) lose kv_b_proj, which SGLang splits after loading"
     return None
-
-
-def _moe_backend(spec: LaunchSpec) -> str:
-    return str(spec.layout_extras.get("moe_runner_backend", "auto"))
 
 
 def _model_config(model_path: Optional[str]) -> Dict[str, Any]:

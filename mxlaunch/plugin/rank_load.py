@@ -40,6 +40,18 @@ def model_bytes(model: Any) -> int:
     return sum(g.tensor.numel() * g.tensor.element_size() for g in group_tensors(module_tensors(model)))
 
 
+def distributed_rank() -> int | None:
+    """torch.distributed's rank when a process group is up (both engines start one), else None."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
 def safe_marker(plan: Any, kind: str, rank: int, payload: dict, log: logging.Logger) -> None:
     """Write a marker; a failure is logged, never raised (a marker must not take the engine down)."""
     try:

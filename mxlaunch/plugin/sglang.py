@@ -100,14 +100,10 @@ def global_rank() -> int:
         return dp_rank * tp_size * pp_size + world
     except Exception:  # noqa: BLE001
         pass
-    try:
-        import torch.distributed as dist
+    from mxlaunch.plugin.rank_load import distributed_rank
 
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:  # noqa: BLE001
-        pass
-    return 0
+    rank = distributed_rank()
+    return 0 if rank is None else rank
 
 
 def _layout() -> dict[str, int]:

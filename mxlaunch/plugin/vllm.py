@@ -105,13 +105,11 @@ def _register_now() -> None:
 
 def global_rank() -> int:
     """This worker's global rank (see the module docstring for the TP/PP/DP mapping)."""
-    try:
-        import torch.distributed as dist
+    from mxlaunch.plugin.rank_load import distributed_rank
 
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:  # noqa: BLE001
-        pass
+    rank = distributed_rank()
+    if rank is not None:
+        return rank
     try:
         from vllm.distributed import parallel_state
 
