@@ -72,6 +72,21 @@ def abort_reason(plan: Plan) -> str:
         return "no reason given"
 
 
+def prepare_gpu(plan: Any, log: logging.Logger) -> None:
+    """A staged restore onto a GPU: start pinning the copy ring now, while the engine builds the model."""
+    if plan is None or getattr(plan, "strategy", None) != "staged":
+        return
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            from mxlaunch.plugin.gpu_restore import prepare
+
+            prepare(torch.cuda.current_device())
+    except Exception as exc:  # noqa: BLE001 - the restore pins on demand instead
+        log.warning("mxlaunch: could not start pinning host memory early: %s", exc)
+
+
 class RankLoad:
     """The plan's weight path for one rank. `default_load()` runs the engine's own weight loading
     (without post-processing); `engine` names it in log lines ("vLLM", "SGLang")."""
@@ -159,9 +174,16 @@ class RankLoad:
                                "rather than serving partial weights") from exc
         self.log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, gib(result.bytes),
                       result.seconds)
+        if result.gpu:
+            g = result.gpu
+            self.log.info("mxlaunch: rank %d GPU copy (%s): %s GiB from registered staged files, %s GiB through "
+                          "%d pinned ring readers; waited %.2f s for pinned memory", rank, g.get("mode"),
+                          gib(g.get("registered_bytes", 0)), gib(g.get("ring_bytes", 0)), g.get("readers", 0),
+                          g.get("pin_wait_seconds", 0.0))
         return Outcome("staged", result.bytes, result.seconds, plan,
                        {"wait_seconds": round(result.wait_seconds, 4), "files": result.files,
-                        "copy_bytes": result.copy_bytes, "tensors": result.tensors})
+                        "copy_bytes": result.copy_bytes, "tensors": result.tensors,
+                        **({"gpu": result.gpu} if result.gpu else {})})
 
     def write_loaded(self, outcome: Outcome) -> None:
         """After the engine's post-processing: the launcher frees this rank's staged files on this marker."""

@@ -149,7 +149,7 @@ def loader_class() -> type:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from mxlaunch.plan import PlanError, load_plan
-    from mxlaunch.plugin.rank_load import RankLoad
+    from mxlaunch.plugin.rank_load import RankLoad, prepare_gpu
 
     class MxlaunchModelLoader(BaseModelLoader):
         """--load-format mxlaunch: capture or staged restore per MXLAUNCH_PLAN; vLLM's default otherwise."""
@@ -186,6 +186,7 @@ def loader_class() -> type:
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             self._outcome = None
+            prepare_gpu(self._read_plan()[0], log)  # pinning overlaps vLLM building the model
             model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             if self._outcome is not None:  # after vLLM's post-processing
                 self._rank_load.write_loaded(self._outcome)

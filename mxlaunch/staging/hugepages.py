@@ -48,7 +48,7 @@ class FileMapping:
     Python's mmap has): the staging engine closes a file's mapping only when no reader holds it.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, *, writable: bool = True) -> None:
         if size <= 0:
             raise ValueError("cannot map an empty file")
         self.size = size
@@ -59,7 +59,8 @@ class FileMapping:
             raise OSError(err, f"mmap reserve failed: {os.strerror(err)}")
         self._base = base
         addr = (base + HUGE - 1) // HUGE * HUGE
-        got = _libc.mmap(addr, size, _PROT_READ_WRITE, _MAP_SHARED | _MAP_FIXED, fd, 0)
+        prot = _PROT_READ_WRITE if writable else 0x1  # read-only: the GPU path only reads staged files
+        got = _libc.mmap(addr, size, prot, _MAP_SHARED | _MAP_FIXED, fd, 0)
         if got != addr:
             err = ctypes.get_errno()
             _libc.munmap(base, self._span)

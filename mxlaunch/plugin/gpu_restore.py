@@ -1,0 +1,174 @@
+"""The pinned GPU path for one restore: which mode, how many ring readers, the ring itself, the report.
+
+`prepare(device)` starts pinning the ring in the background while the engine builds the model (the
+adapters call it first thing in their load step), so the pinned memory's cost (1–2.5 GiB/s to get, on
+the 1×H200 machine) is off the weight phase. `GpuRestore` is what `restore_tensors` uses for contiguous
+CUDA destinations; when pinning fails before a byte lands it is simply not used (pageable copies, one
+warning line); the ring is unpinned and unmapped when the restore ends — nothing pinned outlives it.
+
+Settings (docs/plugin.md): MXLAUNCH_GPU_COPY = auto (= ring) | ring | hybrid (registrar + ring) |
+register | pageable; MXLAUNCH_GPU_READERS = ring readers (default one per core, at most 16);
+MXLAUNCH_GPU_CHUNK_MIB = one slot (default 16; 2 slots per reader: 512 MiB pinned at 16 readers);
+MXLAUNCH_GPU_REGISTRARS / MXLAUNCH_GPU_REGISTER_MIB for the registering modes. On the 1×H200 machine
+the ring alone was fastest (scripts/bench_gpu_load.py --sweep, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from mxlaunch.plugin import pinned
+from mxlaunch.plugin.cuda_copier import CHUNK, CudaCopier, cuda_contiguous
+
+
+MODES = ("auto", "ring", "hybrid", "register", "pageable")
+_early: pinned.EarlyBuffer | None = None
+_early_bytes = 0
+
+
+def gpu_copy_mode() -> str:
+    """MXLAUNCH_GPU_COPY: auto (= ring, the measured best), ring, hybrid (registrar + ring), register, pageable."""
+    mode = os.environ.get("MXLAUNCH_GPU_COPY", "auto").strip().lower() or "auto"
+    return mode if mode in MODES else "auto"
+
+
+def ring_readers() -> int:
+    """MXLAUNCH_GPU_READERS, else one per core up to 16 (reads from tmpfs cost memory bandwidth, not cores)."""
+    env = os.environ.get("MXLAUNCH_GPU_READERS", "")
+    if env.isdigit():
+        return int(env)
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else default
+
+
+def chunk_bytes() -> int:
+    """MXLAUNCH_GPU_CHUNK_MIB: one ring slot / copy window (a multiple of 2 MiB)."""
+    return max(2, _env_int("MXLAUNCH_GPU_CHUNK_MIB", CHUNK >> 20) // 2 * 2) << 20
+
+
+def registrars() -> int:
+    """MXLAUNCH_GPU_REGISTRARS: threads registering staged files (each takes a span of one file)."""
+    return max(1, _env_int("MXLAUNCH_GPU_REGISTRARS", 1))
+
+
+def register_span(chunk: int) -> int:
+    """MXLAUNCH_GPU_REGISTER_MIB: bytes one registration covers, in windows."""
+    return max(1, (_env_int("MXLAUNCH_GPU_REGISTER_MIB", 128) << 20) // chunk)
+
+
+def ring_bytes(readers: int, chunk: int | None = None) -> int:
+    return readers * 2 * (chunk or chunk_bytes())
+
+
+def prepare(device: Any) -> None:
+    """Start pinning the ring now, in the background (called while the engine builds the model)."""
+    global _early, _early_bytes
+    if _early is not None or gpu_copy_mode() in ("register", "pageable"):
+        return
+    readers = ring_readers()
+    if readers <= 0:
+        return
+    index = torch.device(device).index
+    _early_bytes = ring_bytes(readers)
+    _early = pinned.EarlyBuffer().start(_early_bytes, index)
+
+
+def _take_ring(nbytes: int, device: torch.device) -> tuple[pinned.HostBuffer | None, float, str | None]:
+    """The early ring if one was started (waiting for it), else a new one; (buffer, seconds, why not)."""
+    global _early
+    started = time.perf_counter()
+    early, _early = _early, None
+    if early is not None:
+        buffer = early.take()
+        if buffer is not None and buffer.nbytes >= nbytes:
+            return buffer, time.perf_counter() - started, None
+        if buffer is not None:
+            buffer.close()
+    try:
+        return pinned.HostBuffer(nbytes), time.perf_counter() - started, None
+    except (pinned.PinError, RuntimeError, OSError) as exc:
+        return None, time.perf_counter() - started, str(exc)
+
+
+class GpuRestore:
+    """The pinned path for one restore: a CudaCopier, its ring, and what it did (for the marker/log)."""
+
+    def __init__(self, device: torch.device, mode: str) -> None:
+        self.started = time.perf_counter()
+        self.device = device
+        # Work the engine queued on the destinations (initialisation kernels) ends before our streams write.
+        torch.cuda.current_stream(device).synchronize()
+        self.mode = mode
+        self.report: dict = {"mode": mode}
+        readers = ring_readers() if mode in ("auto", "ring", "hybrid") else 0
+        self.ring: pinned.HostBuffer | None = None
+        if readers:
+            self.ring, pin_seconds, why = _take_ring(ring_bytes(readers), device)
+            self.report["pin_wait_seconds"] = round(pin_seconds, 4)
+            if self.ring is None:
+                self.report["ring_unavailable"] = why
+                readers = 0
+        try:
+            chunk = chunk_bytes()
+            self.copier = CudaCopier(device, ring=self.ring, readers=readers,
+                                     register=mode in ("hybrid", "register"), chunk=chunk,
+                                     registrars=registrars(), register_span=register_span(chunk))
+        except BaseException:
+            self._free_ring()
+            raise
+        self._done = False
+
+    @classmethod
+    def for_targets(cls, tensors: list[torch.Tensor]) -> "GpuRestore | None":
+        """A pinned path when the targets live on one CUDA device; None keeps the pageable copies."""
+        mode = gpu_copy_mode()
+        devices = {t.device for t in tensors if cuda_contiguous(t)}
+        if mode == "pageable" or len(devices) != 1:
+            return None
+        try:
+            return cls(devices.pop(), mode)
+        except (pinned.PinError, RuntimeError, OSError) as exc:
+            import logging
+
+            logging.getLogger("mxlaunch.plugin").warning(
+                "mxlaunch: the pinned GPU copy is unavailable, copying through pageable memory: %s", exc)
+            return None
+
+    def submit(self, header: Any, items: list[tuple[Any, Any]]) -> None:
+        """`items`: [(FileEntry, Group)] of one file whose destinations are contiguous CUDA tensors."""
+        self.copier.submit(header.path, header.size, [(e.begin, e.end, g.tensor) for e, g in items])
+
+    def finish(self) -> dict:
+        stats = self.copier.finish()
+        self._done = True
+        self._free_ring()
+        self.report.update({
+            "registered_bytes": stats.registered_bytes, "ring_bytes": stats.ring_bytes,
+            "pinned_bytes": stats.pinned_bytes, "readers": self.copier.readers,
+            "registrars": registrars() if self.mode in ("hybrid", "register") else 0,
+            "register_seconds": round(stats.register_seconds, 4),
+            "unregister_seconds": round(stats.unregister_seconds, 4),
+            "seconds": round(time.perf_counter() - self.started, 4),
+        })
+        if stats.notes:
+            self.report["notes"] = stats.notes[:5]
+        return dict(self.report)
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self.copier.abort()
+        self._free_ring()
+
+    def _free_ring(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
