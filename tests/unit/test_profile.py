@@ -1,4 +1,4 @@
-"""`profile`'s parser on real engine logs (../shared/fixtures/logs) and on hand-written ones per version."""
+"""`profile`'s parser on real engine logs (tests/fixtures/logs) and on hand-written ones per version."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from mxlaunch.profile import (
     report,
 )
 
-REAL = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "logs"
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "logs"  # real logs, copied into the repository
 OURS = Path(__file__).resolve().parent / "fixtures_logs"
 
 SGLANG_TP4 = REAL / "sglang-0.5.x-apertus8b-tp4-gpu.log"
