@@ -88,8 +88,12 @@ def verify_command(
             )
         _verify.write_gold(record_path, gold)
         server = gold["server"]
+        note = _verify.fit_note(gold)
+        if note:
+            err.print(f"[yellow]note:[/] {note}", highlight=False)
         if as_json:
-            print_json({"recorded": str(record_path), "prompts": len(gold["prompts"]), "server": server})
+            print_json({"recorded": str(record_path), "prompts": len(gold["prompts"]), "server": server,
+                        "cut": (gold.get("fit") or {}).get("cut", [])})
             return
         from rich.table import Table
 
