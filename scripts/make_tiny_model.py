@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Make a random Llama model with a locally trained tokenizer — no downloads, byte-identical per seed.
 
-    python scripts/make_tiny_model.py --out DIR [--size tiny|<N>GiB|<N>MiB] [--seed 0]
+    python scripts/make_tiny_model.py --out DIR [--size tiny|<N>GiB|<N>MiB] [--seed 0] [--vocab 2048]
 
 Run it with an engine's Python (it needs torch, transformers and tokenizers).
 
