@@ -205,7 +205,8 @@ class StartupProfiler:
         events = self.fmt.events(parsed) + mxlaunch_events(raw)
         for ev in events:
             self.record(ev, when)
-        if not events and _TIMED.search(parsed.message):
+        read = [ev for ev in events if (ev.kind, ev.name) != ("mark", "spawn")]  # spawn: any engine-core line
+        if not read and _TIMED.search(parsed.message):
             self.unmatched.append(raw.strip())
         return [ev for ev in events if ev.kind != "note"]
 

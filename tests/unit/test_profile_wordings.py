@@ -241,16 +241,18 @@ def test_unknown_timed_line_is_listed_by_explain(tmp_path: Path) -> None:
     text = "\n".join(HEAD + [
         vline("Worker_TP0 pid=3", "10:00:08", "default_loader.py:501", "Loading weights took %.2f seconds", 5.0),
         "(Worker_TP0 pid=3) INFO 11-30 10:00:20 [new_thing.py:7] Warming the flux capacitor took 12.00 s",
+        "(EngineCore pid=2) INFO 11-30 10:00:21 [core.py:9] Scheduler warm-up finished in 0.50 secs",
     ] + TAIL) + "\n"
     run = profile_text(text, engine="vllm")
-    assert run.unmatched == ["(Worker_TP0 pid=3) INFO 11-30 10:00:20 [new_thing.py:7] Warming the flux capacitor took 12.00 s"]
+    assert run.unmatched == ["(Worker_TP0 pid=3) INFO 11-30 10:00:20 [new_thing.py:7] Warming the flux capacitor took 12.00 s",
+                             "(EngineCore pid=2) INFO 11-30 10:00:21 [core.py:9] Scheduler warm-up finished in 0.50 secs"]
     assert run.seconds("unknown") >= 12.0  # its time is in unknown, and now it shows
     log = tmp_path / "new.log"
     log.write_text(text)
     cli = [sys.executable, "-m", "mxlaunch.cli", "profile", "--log", str(log)]
     human = subprocess.run(cli + ["--explain"], capture_output=True, text=True)
     assert human.returncode == 0, human.stderr
-    assert "1 timed line(s) no pattern reads" in human.stdout and "flux capacitor took 12.00 s" in human.stdout
+    assert "2 timed line(s) no pattern reads" in human.stdout and "flux capacitor took 12.00 s" in human.stdout
     doc = json.loads(subprocess.run(cli + ["--json", "--explain"], capture_output=True, text=True).stdout)
     assert doc["runs"][0]["unmatched"] == run.unmatched
     plain = json.loads(subprocess.run(cli + ["--json"], capture_output=True, text=True).stdout)
