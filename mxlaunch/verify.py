@@ -386,6 +386,28 @@ def fit_prompts(
     limit = scorer.info.max_model_len
     if not limit:
         return [dict(p) for p in prompts], None
+    budget = _prompt_budget(limit, max_tokens)
+    fit: dict[str, Any] = {"max_model_len": limit, "max_tokens": max_tokens, "prompt_budget": budget, "cut": []}
+    try:
+        ids = {p["name"]: _tokenize(scorer, p) for p in prompts}
+    except ServerRequestError as exc:  # no /tokenize (an older server): send as given; a refusal still says why
+        return [dict(p) for p in prompts], {**fit, "not_fitted": f"/tokenize answered {exc}"}
+    _require_room(prompts, ids, fit)
+    out = []
+    for p in prompts:
+        tokens = ids[p["name"]]
+        if len(tokens) <= budget:
+            out.append(dict(p))
+            continue
+        kept = tokens[:budget]
+        out.append({"name": p["name"], "text": _detokenize(scorer, kept), "cut_from_tokens": len(tokens),
+                    "input_ids": kept})
+        fit["cut"].append({"name": p["name"], "tokens": len(tokens), "kept": budget})
+    return out, fit
+
+
+def _prompt_budget(limit: int, max_tokens: int) -> int:
+    """Tokens left for a prompt; fewer than 2 (BOS and one token) is a usage error."""
     budget = limit - max_tokens
     if budget < 2:
         raise UsageError(
@@ -393,36 +415,28 @@ def fit_prompts(
             f"(max_model_len {limit})",
             "pass a smaller --max-tokens or start the server with a larger --max-model-len",
         )
-    fit: dict[str, Any] = {"max_model_len": limit, "max_tokens": max_tokens, "prompt_budget": budget, "cut": []}
-    try:
-        ids = {p["name"]: _tokenize(scorer, p) for p in prompts}
-    except ServerRequestError as exc:  # no /tokenize (an older server): send as given; a refusal still says why
-        return [dict(p) for p in prompts], {**fit, "not_fitted": f"/tokenize answered {exc}"}
+    return budget
+
+
+def _require_room(prompts: list[dict[str, str]], ids: dict[str, list[int]], fit: dict[str, Any]) -> None:
+    """A server whose context cannot hold even the shortest prompt whole: cutting every prompt proves little."""
     shortest = min(prompts, key=lambda p: len(ids[p["name"]]))
-    if len(ids[shortest["name"]]) > budget:
+    n = len(ids[shortest["name"]])
+    if n > fit["prompt_budget"]:
         raise UsageError(
-            f"the server's context is too small for every prompt: max_model_len {limit} - max_tokens {max_tokens} "
-            f"= {budget} tokens, and the shortest prompt {shortest['name']!r} has {len(ids[shortest['name']])}",
+            f"the server's context is too small for every prompt: max_model_len {fit['max_model_len']} - "
+            f"max_tokens {fit['max_tokens']} = {fit['prompt_budget']} tokens, and the shortest prompt "
+            f"{shortest['name']!r} has {n}",
             "start the server with a larger --max-model-len (SGLang: --context-length), or pass a smaller "
             "--max-tokens or shorter --prompts",
         )
-    out, cut = [], fit["cut"]
-    for p in prompts:
-        tokens = ids[p["name"]]
-        if len(tokens) <= budget:
-            out.append(dict(p))
-            continue
-        kept = tokens[:budget]
-        out.append({"name": p["name"], "text": _detokenize(scorer, kept), "cut_from_tokens": len(tokens), "input_ids": kept})
-        cut.append({"name": p["name"], "tokens": len(tokens), "kept": budget})
-    return out, fit
 
 
 def _tokenize(scorer: Scorer, p: dict[str, str]) -> list[int]:
     try:
         return scorer.tokenize(p["text"])
     except ServerGone as exc:
-        raise UsageError(f"lost the server while counting the tokens of prompt {p['name']!r}: {exc}", WAIT_FIX) from None
+        raise UsageError(f"lost the server while counting prompt {p['name']!r}'s tokens: {exc}", WAIT_FIX) from None
 
 
 def _detokenize(scorer: Scorer, ids: list[int]) -> str:

@@ -46,7 +46,9 @@ _ENGINE_CORE = re.compile(r"^Initializing a V1 LLM engine|^Waiting for init mess
 # entrypoints/cli/serve.py:224 "Launching vLLM (v%s) headless multiproc executor, with head node address %s
 # for torch.distributed process group." (a --headless node of a multi-node TP/PP run: workers, no API
 # server); serve.py:239 "Launching %d data parallel engine(s) in headless mode, with head node address %s."
-_HEADLESS = re.compile(r"^Launching (?:vLLM \(v[^)]*\) headless multiproc executor|\d+ data parallel engine\(s\) in headless mode)")
+_HEADLESS = re.compile(
+    r"^Launching (?:vLLM \(v[^)]*\) headless multiproc executor|\d+ data parallel engine\(s\) in headless mode)"
+)
 # distributed/parallel_state.py:1907 "world_size=%d rank=%d local_rank=%d distributed_init_method=%s backend=%s"
 _DIST_BEGIN = re.compile(r"world_size=\d+ rank=(\d+) local_rank=\d+ distributed_init_method=")
 # 0.11 logs that line at DEBUG only: the first sign of torch.distributed's set-up is gloo's own
@@ -143,7 +145,8 @@ class VLLMLog:
 
     def events(self, line: LogLine) -> List[PhaseEvent]:
         msg, rank = line.message, line.rank
-        out = [PhaseEvent("mark", "spawn")] if (line.proc or "").startswith("EngineCore") or _ENGINE_CORE.match(msg) else []
+        core = (line.proc or "").startswith("EngineCore") or _ENGINE_CORE.match(msg)
+        out = [PhaseEvent("mark", "spawn")] if core else []
         for reader in _READERS:
             found = reader(msg, rank)
             if found is not None:
@@ -196,7 +199,8 @@ def _graphs_and_init(msg: str, rank: Optional[str]) -> Optional[List[PhaseEvent]
     m = _GRAPHS.match(msg)
     if m:
         label = "encoder" if m.group(1) else ""
-        return [PhaseEvent("elapsed", "cuda_graph_capture", rank, float(m.group(2)), label=label), PhaseEvent("mark", _WORKER_UP)]
+        return [PhaseEvent("elapsed", "cuda_graph_capture", rank, float(m.group(2)), label=label),
+                PhaseEvent("mark", _WORKER_UP)]
     if _CPU_WARMUP_DONE.match(msg):
         return [PhaseEvent("note", "kv_cache_alloc", rank), PhaseEvent("mark", _WORKER_UP)]
     m = _INIT_ENGINE.match(msg)
