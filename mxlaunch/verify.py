@@ -386,7 +386,7 @@ def fit_prompts(
     limit = scorer.info.max_model_len
     if not limit:
         return [dict(p) for p in prompts], None
-    budget = _prompt_budget(limit, max_tokens)
+    budget = _prompt_budget(limit, max_tokens, scorer.info.api)
     fit: dict[str, Any] = {"max_model_len": limit, "max_tokens": max_tokens, "prompt_budget": budget, "cut": []}
     try:
         ids = {p["name"]: _tokenize(scorer, p) for p in prompts}
@@ -406,9 +406,14 @@ def fit_prompts(
     return out, fit
 
 
-def _prompt_budget(limit: int, max_tokens: int) -> int:
-    """Tokens left for a prompt; fewer than 2 (BOS and one token) is a usage error."""
-    budget = limit - max_tokens
+def _prompt_budget(limit: int, max_tokens: int, api: str) -> int:
+    """Tokens left for a prompt so that all `max_tokens` are generated; fewer than 2 is a usage error.
+
+    vLLM: prompt + max_tokens <= max_model_len (0.32 shortens max_tokens silently beyond it). SGLang 0.5.23 keeps
+    two tokens: max_req_len = context_len - 1, max_new_tokens is cut to max_req_len - input - 1, and an input
+    must be shorter than max_req_len - 5 (srt/managers/tp_worker.py:568-572, scheduler.py:2714).
+    """
+    budget = limit - max_tokens if api != "sglang" else min(limit - max_tokens - 2, limit - 7)
     if budget < 2:
         raise UsageError(
             f"--max-tokens {max_tokens} leaves {max(budget, 0)} tokens for a prompt in the server's context "

@@ -5,8 +5,8 @@ FakeEngine(api="sglang") answers like SGLang: /health, /v1/models (owned_by "sgl
 "text" or "input_ids") and streaming /v1/completions. FakeEngine(api="vllm") answers /version, /v1/models
 and non-streaming /v1/completions with prompt_logprobs (a text or token-id prompt) like vLLM 0.32.
 With `tokenize=True` both answer /tokenize and /detokenize (default: 404, as older servers); both
-enforce `max_model_len` as the engines do: SGLang refuses prompt + max_new_tokens over it; vLLM refuses a prompt that does not fit
-and silently shortens max_tokens to what is left.
+enforce `max_model_len` as the engines do: SGLang 0.5.23 refuses an input of context - 6 tokens or more and cuts
+max_new_tokens to context - input - 2; vLLM 0.32 refuses a prompt that does not fit and cuts max_tokens to what is left.
 The token ids and logprobs come from a deterministic toy "model" (a function of the ids), so a test
 can record gold from one FakeEngine and compare against another with different `perturb` settings.
 """
@@ -148,11 +148,12 @@ class FakeEngine:
                         return
                     sp = body.get("sampling_params", {})
                     pids = list(body["input_ids"]) if "input_ids" in body else toy_tokenize(body["text"])
-                    n_new = int(sp.get("max_new_tokens", 16))
-                    if len(pids) + n_new > engine.max_model_len:
-                        self._json(400, {"error": {"message": f"Requested token count exceeds the model's maximum "
-                                                              f"context length of {engine.max_model_len} tokens."}})
+                    max_req_len = engine.max_model_len - 1  # SGLang 0.5.23 tp_worker.py:568-572, scheduler.py:2714
+                    if len(pids) >= max_req_len - 5:
+                        self._json(400, {"error": {"message": f"The input ({len(pids)} tokens) is longer than the "
+                                                              f"model's context length ({engine.max_model_len} tokens)."}})
                         return
+                    n_new = min(int(sp.get("max_new_tokens", 16)), max_req_len - len(pids) - 1)
                     oids, olps = engine.continue_ids(pids, n_new)
                     plps = engine.prompt_lps(pids)
                     self._json(200, {

@@ -21,7 +21,8 @@ from tests.helpers.fake_servers import FakeEngine, toy_detokenize, toy_tokenize
 
 LEN = 300  # the fake server's max_model_len
 MAX_TOKENS = 32
-BUDGET = LEN - MAX_TOKENS  # 268: the built-in "repetition" (595 tokens) and "long-prose" (4034) do not fit
+BUDGET = LEN - MAX_TOKENS  # 268 (vLLM): the built-in "repetition" (595 tokens) and "long-prose" (4034) do not fit
+SGLANG_BUDGET = BUDGET - 2  # SGLang keeps 2 tokens of its context (max_req_len = context - 1; new tokens < it)
 
 
 def sent_prompts(engine: FakeEngine, path: str) -> list:
@@ -30,24 +31,25 @@ def sent_prompts(engine: FakeEngine, path: str) -> list:
             for method, p, body in engine.requests if method == "POST" and p == path]
 
 
-@pytest.mark.parametrize("api, path", [("vllm", "/v1/completions"), ("sglang", "/generate")])
-def test_long_prompts_are_cut_recorded_as_ids_and_replayed_exactly(tmp_path: Path, api: str, path: str) -> None:
+@pytest.mark.parametrize("api, path, budget", [("vllm", "/v1/completions", BUDGET), ("sglang", "/generate", SGLANG_BUDGET)])
+def test_long_prompts_are_cut_recorded_as_ids_and_replayed_exactly(tmp_path: Path, api: str, path: str,
+                                                                   budget: int) -> None:
     prompts = load_prompts(None)
     with FakeEngine(api=api, max_model_len=LEN, tokenize=True) as engine:
         gold = verify.record(engine.url, prompts, max_tokens=MAX_TOKENS)
         sent = sent_prompts(engine, path)
     by_name = {p["name"]: p for p in gold["prompts"]}
     assert [c["name"] for c in gold["fit"]["cut"]] == ["long-prose", "repetition"]
-    assert gold["fit"]["prompt_budget"] == BUDGET
+    assert gold["fit"]["prompt_budget"] == budget
     for original in prompts:
         p, ids = by_name[original["name"]], toy_tokenize(original["text"])
         assert len(p["output"]) == MAX_TOKENS  # room was left for every generated token
-        if len(ids) <= BUDGET:
+        if len(ids) <= budget:
             assert p["text"] == original["text"] and "input_ids" not in p  # sent as text, as before
             continue
-        assert p["input_ids"] == ids[:BUDGET] and p["cut_from_tokens"] == len(ids)
-        assert [row[0] for row in p["prompt"]] == ids[:BUDGET]  # the server saw exactly those tokens
-        assert p["text"] == toy_detokenize(ids[:BUDGET])  # for people: the text of the kept tokens
+        assert p["input_ids"] == ids[:budget] and p["cut_from_tokens"] == len(ids)
+        assert [row[0] for row in p["prompt"]] == ids[:budget]  # the server saw exactly those tokens
+        assert p["text"] == toy_detokenize(ids[:budget])  # for people: the text of the kept tokens
     assert [s for s in sent if isinstance(s, list)] == [by_name["long-prose"]["input_ids"], by_name["repetition"]["input_ids"]]
 
     path_gold = tmp_path / "gold.json"
