@@ -460,7 +460,7 @@ def fit_note(gold: dict[str, Any]) -> str | None:
         return None
     cuts = ", ".join(f"{c['name']} {c['tokens']} → {c['kept']} tokens" for c in fit["cut"])
     return (f"cut {len(fit['cut'])} of {len(gold['prompts'])} prompts to fit the server's context (max_model_len "
-            f"{fit['max_model_len']} - max_tokens {fit['max_tokens']} = {fit['prompt_budget']} tokens): {cuts}")
+            f"{fit['max_model_len']}, max_tokens {fit['max_tokens']}: {fit['prompt_budget']} tokens a prompt): {cuts}")
 
 
 # ---------------------------------------------------------------- compare

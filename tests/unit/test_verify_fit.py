@@ -74,8 +74,9 @@ def test_cli_records_with_a_one_line_note_and_compares(tmp_path: Path) -> None:
         assert json.loads(result.stdout)["cut"] == [
             {"name": "long-prose", "tokens": 4034, "kept": BUDGET}, {"name": "repetition", "tokens": 595, "kept": BUDGET}]
         notes = [line for line in result.stderr.splitlines() if line.strip()]
-        assert notes == [f"note: cut 2 of 18 prompts to fit the server's context (max_model_len {LEN} - max_tokens "
-                         f"{MAX_TOKENS} = {BUDGET} tokens): long-prose 4034 → {BUDGET} tokens, repetition 595 → {BUDGET} tokens"]
+        assert notes == [f"note: cut 2 of 18 prompts to fit the server's context (max_model_len {LEN}, max_tokens "
+                         f"{MAX_TOKENS}: {BUDGET} tokens a prompt): long-prose 4034 → {BUDGET} tokens, repetition 595 → "
+                         f"{BUDGET} tokens"]
         compared = run_cli("verify", "--url", engine.url, "--compare", str(gold))
         assert compared.returncode == 0, compared.stderr
     with FakeEngine(api="vllm", max_model_len=LEN, tokenize=True, perturb_logprob=1e-3) as drift:
