@@ -237,6 +237,15 @@ def test_sglang_0523_capture_wordings_cpu_graphs_drafts_and_compile_lines() -> N
     assert run.unmatched == []
 
 
+def test_real_logs_have_no_unread_timed_lines() -> None:
+    """Every timed line of the real logs is read or known; the SGLang TP4 log's "Compiling a graph for dynamic
+    shape takes" lines printed behind another rank's tqdm bar on the same physical line included."""
+    for path in sorted(REAL.glob("*.log")):
+        assert profile_file(path).unmatched == [], path.name
+    text = (REAL / "sglang-0.5.x-apertus8b-tp4-gpu.log").read_text()
+    assert "it/s][2026-07-03 08:07:22 TP0] Compiling a graph for dynamic shape takes 1.42 s" in text
+
+
 def test_unknown_timed_line_is_listed_by_explain(tmp_path: Path) -> None:
     text = "\n".join(HEAD + [
         vline("Worker_TP0 pid=3", "10:00:08", "default_loader.py:501", "Loading weights took %.2f seconds", 5.0),
