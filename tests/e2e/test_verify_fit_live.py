@@ -59,3 +59,26 @@ def test_record_fits_the_set_and_compare_replays_it(small_vocab_servers: tuple, 
     different = run_cli("verify", "--url", other.url, "--compare", str(gold_path), "--json")
     assert different.returncode == 1, different.stderr
     assert json.loads(different.stdout)["pass"] is False
+
+
+def test_sglang_fits_with_its_own_tokenizer_and_replays_exactly(model_cache: Path, tmp_path: Path) -> None:
+    """SGLang 0.5.23 at --context-length 2048: /tokenize counts, two tokens of its context stay free (so every
+    prompt still gets all 32 tokens), and the cut prompt replays as the same input_ids."""
+    from tests.helpers.sglang_server import sglang_python, start_sglang
+
+    if not sglang_python().exists():
+        pytest.fail(f"needs SGLang's venv at {sglang_python()} — run `make sglang-venv` (make test does)")
+    model = cached_model(model_cache, seed=0, vocab=VOCAB)
+    server = start_sglang(model, tmp_path / "sglang.log", extra_args=["--context-length", str(MAX_LEN)], timeout=500)
+    try:
+        gold_path = tmp_path / "gold.json"
+        recorded = run_cli("verify", "--url", server.url, "--record", str(gold_path), "--json")
+        assert recorded.returncode == 0, recorded.stderr
+        assert json.loads(recorded.stdout)["cut"] == [{"name": "long-prose", "tokens": 2434, "kept": MAX_LEN - 32 - 2}]
+        gold = json.loads(gold_path.read_text())
+        assert all(len(p["output"]) == 32 for p in gold["prompts"])
+        compared = run_cli("verify", "--url", server.url, "--compare", str(gold_path), "--json")
+        assert compared.returncode == 0, compared.stderr
+        assert json.loads(compared.stdout)["max_delta"] == 0.0
+    finally:
+        server.stop()
