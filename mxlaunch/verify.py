@@ -7,6 +7,11 @@ compare: replay the gold file's prompts one at a time, in order, against a serve
 
 Engine-aware: vLLM via ``/v1/completions`` (``prompt_logprobs``, ``return_token_ids``: ids, never token
 strings, which collide); SGLang via ``/generate`` (``return_logprob``, ``logprob_start_len=0``).
+
+fit:     before recording, a prompt longer than the server's context leaves room for (``max_model_len`` minus
+         the tokens to generate) is cut on a token boundary with the server's own tokenizer (``/tokenize``,
+         both engines); the gold file keeps the cut prompt's token ids (``input_ids``) and compare sends exactly
+         those ids, so a cut prompt replays token for token.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ class Scored:
 # ---------------------------------------------------------------- engine dialects
 
 
-def vllm_request(model: str, text: str, max_tokens: int) -> dict[str, Any]:
+def vllm_request(model: str, text: str | list[int], max_tokens: int) -> dict[str, Any]:
+    """`text` may be token ids (a cut prompt): vLLM takes a list of ints as the prompt as it is."""
     return {
         "model": model,
         "prompt": text,
@@ -97,9 +103,10 @@ def vllm_parse(body: Any) -> Scored:
     return Scored(prompt_ids, prompt_lps, out_ids, out_lps, str(choice.get("text", "")), choice.get("finish_reason"))
 
 
-def sglang_request(text: str, max_tokens: int) -> dict[str, Any]:
+def sglang_request(text: str | list[int], max_tokens: int) -> dict[str, Any]:
+    """`text` may be token ids (a cut prompt): SGLang takes them as `input_ids`."""
     return {
-        "text": text,
+        ("input_ids" if isinstance(text, list) else "text"): text,
         "sampling_params": {
             "temperature": 0.0,
             "max_new_tokens": max_tokens,
@@ -157,11 +164,31 @@ class Scorer:
     def close(self) -> None:
         self.client.close()
 
-    def score(self, text: str, max_tokens: int) -> Scored:
+    def score(self, text: str | list[int], max_tokens: int) -> Scored:
+        """One prompt (text, or the token ids of a cut prompt) → what the server scored."""
         if self.info.api == "vllm":
             endpoint, payload, parse = "/v1/completions", vllm_request(self.info.model, text, max_tokens), vllm_parse
         else:
             endpoint, payload, parse = "/generate", sglang_request(text, max_tokens), sglang_parse
+        return parse(self._post(endpoint, payload))
+
+    def tokenize(self, text: str) -> list[int]:
+        """The server's own tokenization of a prompt, special tokens (BOS) included as a request adds them."""
+        body = self._post("/tokenize", {"model": self.info.model, "prompt": text, "add_special_tokens": True})
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ServerRequestError("unexpected /tokenize answer (no token list)")
+        return tokens
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Text of token ids (vLLM answers "prompt", SGLang "text"); only shown to people, never sent."""
+        body = self._post("/detokenize", {"model": self.info.model, "tokens": ids})
+        text = body.get("prompt", body.get("text")) if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise ServerRequestError("unexpected /detokenize answer (no text)")
+        return text
+
+    def _post(self, endpoint: str, payload: dict[str, Any]) -> Any:
         try:
             resp = self.client.post(self.info.url + endpoint, json=payload)
         except httpx.HTTPError as exc:
@@ -169,10 +196,9 @@ class Scorer:
         if resp.status_code != 200:
             raise ServerRequestError(error_message(resp))
         try:
-            body = resp.json()
+            return resp.json()
         except ValueError:
             raise ServerRequestError(f"{endpoint} answered non-JSON") from None
-        return parse(body)
 
 
 # ---------------------------------------------------------------- gold files
@@ -197,6 +223,9 @@ def dumps_gold(gold: dict[str, Any]) -> str:
         lines.append("    {")
         for key in ("name", "text", "output_text", "finish_reason"):
             lines.append(f"      {json.dumps(key)}: {json.dumps(p.get(key), ensure_ascii=False)},")
+        for key in ("cut_from_tokens", "input_ids"):  # a cut prompt: what was sent, on one line
+            if key in p:
+                lines.append(f"      {json.dumps(key)}: {json.dumps(p[key], separators=(',', ':'))},")
         for part in ("prompt", "output"):
             rows = p[part]
             lines.append(f'      "{part}": [')
@@ -274,6 +303,9 @@ def read_gold(path: Path) -> dict[str, Any]:
                     raise _bad(path, f"prompts[{i}].{part}[{r}] is not [token_id, logprob]")
         if not p["prompt"]:
             raise _bad(path, f"prompts[{i}].prompt is empty")
+        ids = p.get("input_ids")
+        if ids is not None and not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+            raise _bad(path, f"prompts[{i}].input_ids is not a non-empty list of token ids")
     if not isinstance(gold.get("server"), dict):
         raise _bad(path, "no server info")
     return gold
@@ -296,31 +328,23 @@ def record(
     scorer = Scorer(info, timeout)
     entries = []
     try:
-        for i, p in enumerate(prompts):
+        fitted, fit = fit_prompts(scorer, prompts, max_tokens)
+        for i, p in enumerate(fitted):
             if on_prompt:
                 on_prompt(i, p["name"])
             try:
-                s = scorer.score(p["text"], max_tokens)
+                s = scorer.score(p.get("input_ids", p["text"]), max_tokens)
             except ServerGone as exc:
                 raise UsageError(f"lost the server while recording prompt {p['name']!r}: {exc}", WAIT_FIX) from None
             except ServerRequestError as exc:
                 raise UsageError(
                     f"server refused prompt {p['name']!r}: {exc}",
-                    "check the server's --max-model-len (the built-in set needs ≥ 2048) or use --prompts",
+                    "check the server's --max-model-len, or use --prompts / a smaller --max-tokens",
                 ) from None
-            entries.append(
-                {
-                    "name": p["name"],
-                    "text": p["text"],
-                    "output_text": s.output_text,
-                    "finish_reason": s.finish_reason,
-                    "prompt": [[t, lp] for t, lp in zip(s.prompt_ids, s.prompt_logprobs)],
-                    "output": [[t, lp] for t, lp in zip(s.output_ids, s.output_logprobs)],
-                }
-            )
+            entries.append(_entry(p, s))
     finally:
         scorer.close()
-    return {
+    gold = {
         "format": GOLD_FORMAT,
         "version": GOLD_VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -329,6 +353,114 @@ def record(
         "server": info.to_json(),
         "prompts": entries,
     }
+    if fit is not None:
+        gold["fit"] = fit
+    return gold
+
+
+def _entry(p: dict[str, Any], s: Scored) -> dict[str, Any]:
+    """One gold prompt: what was sent (text; a cut prompt's ids too) and what the server scored."""
+    entry: dict[str, Any] = {"name": p["name"], "text": p["text"]}
+    entry.update({k: p[k] for k in ("cut_from_tokens", "input_ids") if k in p})
+    entry.update({
+        "output_text": s.output_text,
+        "finish_reason": s.finish_reason,
+        "prompt": [[t, lp] for t, lp in zip(s.prompt_ids, s.prompt_logprobs)],
+        "output": [[t, lp] for t, lp in zip(s.output_ids, s.output_logprobs)],
+    })
+    return entry
+
+
+# ---------------------------------------------------------------- fit prompts to the server's context
+
+
+def fit_prompts(
+    scorer: Scorer, prompts: list[dict[str, str]], max_tokens: int
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Prompts that leave `max_tokens` of room in the server's context, and what was cut.
+
+    A prompt with more tokens than `max_model_len - max_tokens` (counted by the server's /tokenize) keeps its
+    first tokens; it is sent as those token ids (`input_ids`), its `text` is their detokenization. Prompts that
+    fit are sent as text, as before. A server that reports no max_model_len is not fitted.
+    """
+    limit = scorer.info.max_model_len
+    if not limit:
+        return [dict(p) for p in prompts], None
+    budget = _prompt_budget(limit, max_tokens, scorer.info.api)
+    fit: dict[str, Any] = {"max_model_len": limit, "max_tokens": max_tokens, "prompt_budget": budget, "cut": []}
+    try:
+        ids = {p["name"]: _tokenize(scorer, p) for p in prompts}
+    except ServerRequestError as exc:  # no /tokenize (an older server): send as given; a refusal still says why
+        return [dict(p) for p in prompts], {**fit, "not_fitted": f"/tokenize answered {exc}"}
+    _require_room(prompts, ids, fit)
+    out = []
+    for p in prompts:
+        tokens = ids[p["name"]]
+        if len(tokens) <= budget:
+            out.append(dict(p))
+            continue
+        kept = tokens[:budget]
+        out.append({"name": p["name"], "text": _detokenize(scorer, kept), "cut_from_tokens": len(tokens),
+                    "input_ids": kept})
+        fit["cut"].append({"name": p["name"], "tokens": len(tokens), "kept": budget})
+    return out, fit
+
+
+def _prompt_budget(limit: int, max_tokens: int, api: str) -> int:
+    """Tokens left for a prompt so that all `max_tokens` are generated; fewer than 2 is a usage error.
+
+    vLLM: prompt + max_tokens <= max_model_len (0.32 shortens max_tokens silently beyond it). SGLang 0.5.23 keeps
+    two tokens: max_req_len = context_len - 1, max_new_tokens is cut to max_req_len - input - 1, and an input
+    must be shorter than max_req_len - 5 (srt/managers/tp_worker.py:568-572, scheduler.py:2714).
+    """
+    budget = limit - max_tokens if api != "sglang" else min(limit - max_tokens - 2, limit - 7)
+    if budget < 2:
+        raise UsageError(
+            f"--max-tokens {max_tokens} leaves {max(budget, 0)} tokens for a prompt in the server's context "
+            f"(max_model_len {limit})",
+            "pass a smaller --max-tokens or start the server with a larger --max-model-len",
+        )
+    return budget
+
+
+def _require_room(prompts: list[dict[str, str]], ids: dict[str, list[int]], fit: dict[str, Any]) -> None:
+    """A server whose context cannot hold even the shortest prompt whole: cutting every prompt proves little."""
+    shortest = min(prompts, key=lambda p: len(ids[p["name"]]))
+    n = len(ids[shortest["name"]])
+    if n > fit["prompt_budget"]:
+        raise UsageError(
+            f"the server's context is too small for every prompt: max_model_len {fit['max_model_len']} - "
+            f"max_tokens {fit['max_tokens']} = {fit['prompt_budget']} tokens, and the shortest prompt "
+            f"{shortest['name']!r} has {n}",
+            "start the server with a larger --max-model-len (SGLang: --context-length), or pass a smaller "
+            "--max-tokens or shorter --prompts",
+        )
+
+
+def _tokenize(scorer: Scorer, p: dict[str, str]) -> list[int]:
+    try:
+        return scorer.tokenize(p["text"])
+    except ServerGone as exc:
+        raise UsageError(f"lost the server while counting prompt {p['name']!r}'s tokens: {exc}", WAIT_FIX) from None
+
+
+def _detokenize(scorer: Scorer, ids: list[int]) -> str:
+    try:
+        return scorer.detokenize(ids)
+    except (ServerGone, ServerRequestError) as exc:
+        return f"<{len(ids)} token ids; /detokenize failed: {exc}>"  # shown to people only: ids are what is sent
+
+
+def fit_note(gold: dict[str, Any]) -> str | None:
+    """One line naming the prompts cut to fit the server's context, and to what."""
+    fit = gold.get("fit") or {}
+    if fit.get("not_fitted"):
+        return f"prompts not fitted to the server's context (max_model_len {fit['max_model_len']}): {fit['not_fitted']}"
+    if not fit.get("cut"):
+        return None
+    cuts = ", ".join(f"{c['name']} {c['tokens']} → {c['kept']} tokens" for c in fit["cut"])
+    return (f"cut {len(fit['cut'])} of {len(gold['prompts'])} prompts to fit the server's context (max_model_len "
+            f"{fit['max_model_len']}, max_tokens {fit['max_tokens']}: {fit['prompt_budget']} tokens a prompt): {cuts}")
 
 
 # ---------------------------------------------------------------- compare
@@ -439,7 +571,7 @@ def compare(
             if on_prompt:
                 on_prompt(i, p["name"])
             try:
-                s = scorer.score(p["text"], max_tokens)
+                s = scorer.score(p.get("input_ids", p["text"]), max_tokens)
             except ServerGone as exc:
                 raise UsageError(f"lost the server while comparing prompt {p['name']!r}: {exc}", WAIT_FIX) from None
             except ServerRequestError as exc:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Make a random Llama model with a locally trained tokenizer — no downloads, byte-identical per seed.
 
-    python scripts/make_tiny_model.py --out DIR [--size tiny|<N>GiB|<N>MiB] [--seed 0]
+    python scripts/make_tiny_model.py --out DIR [--size tiny|<N>GiB|<N>MiB] [--seed 0] [--vocab 2048]
 
 Run it with an engine's Python (it needs torch, transformers and tokenizers).
 
@@ -113,7 +113,7 @@ def shape_for_size(target_bytes: int, vocab: int) -> dict:
     return dict(dims, layers=layers)
 
 
-def train_tokenizer():
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -121,7 +121,7 @@ def train_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
+        vocab_size=vocab_size,
         min_frequency=1,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="output folder (created; must be empty if it exists)")
     ap.add_argument("--size", default="tiny", help="'tiny' (default) or a target like 2GiB / 300MiB (bf16, sharded)")
     ap.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    ap.add_argument("--vocab", type=int, default=TOKENIZER_VOCAB,
+                    help=f"BPE vocabulary size (default {TOKENIZER_VOCAB}; ~350 = bytes + a few merges: long token counts)")
     args = ap.parse_args(argv)
 
     try:
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    tokenizer = train_tokenizer()
+    tokenizer = train_tokenizer(args.vocab)
     vocab = len(tokenizer)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     if target is None:

@@ -21,6 +21,8 @@ from mxlaunch.engines.base import NUM, LogLine, PhaseEvent, epoch
 
 _LINE = re.compile(r"^\[(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?:[.,](\d+))?((?: [A-Z]+\d+)*)\] ?(.*)$")
 
+_EMBEDDED = re.compile(r"(?<=[\]|]) ?\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}")  # after a bar's "]" or "|"
+
 _SERVER_ARGS = re.compile(r"server_args=ServerArgs\(")
 _NODE_RANK = re.compile(r"\bnode_rank=(\d+)")
 _DIST_BEGIN = re.compile(r"^Init (?:torch distributed|parallel) begin")
@@ -28,13 +30,21 @@ _DIST_END = re.compile(r"^Init (?:torch distributed|parallel) ends?\.(?: elapsed
 _LOAD_BEGIN = re.compile(r"^Load weight begin")
 _LOAD_END = re.compile(r"^Load weight end\.(?: elapsed=" + NUM + r" ?s)?")
 _POOL_END = re.compile(r"^Memory pool end")
-# Old: "Capture cuda graph begin." / "Capture piecewise CUDA graph begin."; 0.5.23: "Capture target decode
-# CUDA graph begin", "Capture target prefill CUDA graph begin", "Capture draft decode CUDA graph ...".
+# Old: "Capture cuda graph begin." / "Capture piecewise CUDA graph begin."; 0.5.23
+# srt/model_executor/model_runner_components/cuda_graph_setup.py:685/:694 f"Capture {capture_name} CUDA graph
+# begin/end. ... elapsed={capture_time:.2f} s" (capture_name "target prefill"), :759/:788 f"Capture {capture_name}
+# {graph_backend[device]} begin/end. ... elapsed=..." (capture_name "target decode"/"target verify"; the backend is
+# "CUDA graph", "CPU graph", "NPU graph", ... :740); speculative workers: "Capture draft decode/extend CUDA graph",
+# "Capture UNO tree draft CUDA graph", "Capture Frozen-KV MTP draft cuda graph" (srt/speculative/*.py).
 _GRAPH = re.compile(
-    r"^Capture (?:(piecewise) |(target|draft) (\w+) )?cuda graph (begin|end)\.?"
+    r"^Capture (?P<name>(?:[\w-]+ )*?)\w+ graph (?P<edge>begin|end)\.?"
     r"(?:.*?(?:Time elapsed: |elapsed=)" + NUM + r" ?s)?",
     re.IGNORECASE,
 )
+# Inside the piecewise capture (timed by its end line): srt/compilation/backend.py:211 "Compiling a graph for
+# dynamic shape takes %.2f s", :213 "Compiling a graph for shape %s takes %.2f s", :185 "Cache the graph for
+# dynamic shape for later use".
+_INSIDE_PIECEWISE = re.compile(r"^(?:Compiling a graph for (?:dynamic shape|shape .*) takes|Cache the graph for )")
 _TIMINGS = re.compile(r"^Engine startup timings \(s\): (.*)$")
 _TIMING_ITEM = re.compile(r"(\w+)=" + NUM)
 _TIMING_GRAPHS = re.compile(r"cuda_graph=\{([^}]*)\}")
@@ -44,11 +54,12 @@ _READY = re.compile(r"The server is fired up and ready to roll!")
 _WORKER_READY = re.compile(r"Dummy health check server started")
 
 
-def _graph_phase(piecewise: Optional[str], which: Optional[str], kind: Optional[str]) -> tuple[str, str]:
-    """Phase and label of one graph capture line: prefill graphs are the piecewise phase."""
-    if piecewise or ((which or "").lower() == "target" and (kind or "").lower() == "prefill"):
+def _graph_phase(name: str) -> tuple[str, str]:
+    """Phase and label of one graph capture line: prefill graphs are the piecewise phase; distinct captures
+    (draft decode, target verify, ...) get labels so that they add up."""
+    label = "_".join(name.lower().split())
+    if label in ("piecewise", "target_prefill"):
         return "piecewise_cuda_graph_capture", ""
-    label = f"{which}_{kind}".lower() if which else ""
     return "cuda_graph_capture", "" if label == "target_decode" else label
 
 
@@ -59,6 +70,9 @@ class SGLangLog:
 
     def split(self, line: str) -> Optional[LogLine]:
         m = _LINE.match(line)
+        if not m:  # a rank's line printed behind another rank's tqdm bar, on the same physical line
+            at = _EMBEDDED.search(line)
+            m = _LINE.match(line[at.start():].lstrip()) if at else None
         if not m:
             return None
         ts = epoch(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
@@ -92,10 +106,12 @@ class SGLangLog:
             return [PhaseEvent("end", "kv_cache_alloc", rank)]
         m = _GRAPH.match(msg)
         if m:
-            phase, label = _graph_phase(m.group(1), m.group(2), m.group(3))
-            if m.group(4).lower() == "begin":
+            phase, label = _graph_phase(m.group("name"))
+            if m.group("edge").lower() == "begin":
                 return [PhaseEvent("begin", phase, rank)]
-            return _end_and_elapsed(phase, rank, m.group(5), label)
+            return _end_and_elapsed(phase, rank, m.group(3), label)
+        if _INSIDE_PIECEWISE.match(msg):
+            return [PhaseEvent("note", "piecewise_cuda_graph_capture", rank)]
         m = _TIMINGS.match(msg)
         if m:
             return _timings(m.group(1))

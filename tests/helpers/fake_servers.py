@@ -1,8 +1,12 @@
 """Small local HTTP servers that speak engine-shaped JSON, for unit tests without an engine.
 
 FakeEngine(api="sglang") answers like SGLang: /health, /v1/models (owned_by "sglang"), /model_info,
-/server_info, /generate (meta_info.input_token_logprobs / output_token_logprobs as [logprob, id, text])
-and streaming /v1/completions. FakeEngine(api="vllm") answers /version and /v1/models like vLLM.
+/server_info, /generate (meta_info.input_token_logprobs / output_token_logprobs as [logprob, id, text];
+"text" or "input_ids") and streaming /v1/completions. FakeEngine(api="vllm") answers /version, /v1/models
+and non-streaming /v1/completions with prompt_logprobs (a text or token-id prompt) like vLLM 0.32.
+With `tokenize=True` both answer /tokenize and /detokenize (default: 404, as older servers); both
+enforce `max_model_len` as the engines do: SGLang 0.5.23 refuses an input of context - 6 tokens or more and cuts
+max_new_tokens to context - input - 2; vLLM 0.32 refuses a prompt that does not fit and cuts max_tokens to what is left.
 The token ids and logprobs come from a deterministic toy "model" (a function of the ids), so a test
 can record gold from one FakeEngine and compare against another with different `perturb` settings.
 """
@@ -27,6 +31,10 @@ def toy_logprob(prefix: list[int], token: int) -> float:
     return -0.1 - 11.9 * (h / 1000003)
 
 
+def toy_detokenize(ids: list[int]) -> str:
+    return bytes(t - 4 for t in ids if 4 <= t < 260).decode("utf-8", errors="replace")
+
+
 def toy_next(prefix: list[int]) -> int:
     return 4 + (sum(prefix[-4:]) * 31 + len(prefix)) % 256
 
@@ -37,7 +45,8 @@ class FakeEngine:
     def __init__(self, api: str = "sglang", model: str = "toy-model", version: str = "0.5.23",
                  perturb_logprob: float = 0.0, perturb_token_at: int | None = None,
                  health_status: int = 200, token_delay_s: float = 0.0, first_token_delay_s: float = 0.0,
-                 fail_generate: bool = False, fail_completions_every: int = 0) -> None:
+                 fail_generate: bool = False, fail_completions_every: int = 0, max_model_len: int = 4096,
+                 tokenize: bool = False) -> None:
         self.api = api
         self.model = model
         self.version = version
@@ -48,6 +57,8 @@ class FakeEngine:
         self.first_token_delay_s = first_token_delay_s
         self.fail_generate = fail_generate
         self.fail_completions_every = fail_completions_every  # every k-th completion answers 500
+        self.max_model_len = max_model_len
+        self.tokenize = tokenize
         self._completions = 0
         self.requests: list[tuple[str, str, Any]] = []
         self._server: ThreadingHTTPServer | None = None
@@ -107,7 +118,7 @@ class FakeEngine:
                     owned = "sglang" if engine.api == "sglang" else engine.api
                     self._json(200, {"object": "list", "data": [
                         {"id": engine.model, "object": "model", "owned_by": owned, "root": engine.model,
-                         "max_model_len": 4096}]})
+                         "max_model_len": engine.max_model_len}]})
                 elif self.path == "/model_info" and engine.api == "sglang":
                     self._json(200, {"model_path": engine.model, "tokenizer_path": engine.model,
                                      "is_generation": True})
@@ -122,13 +133,28 @@ class FakeEngine:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
                 engine.requests.append(("POST", self.path, body))
-                if self.path == "/generate" and engine.api == "sglang":
+                if self.path in ("/tokenize", "/detokenize") and engine.tokenize:
+                    if self.path == "/tokenize":
+                        ids = toy_tokenize(body["prompt"])
+                        self._json(200, {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+                    else:
+                        key = "prompt" if engine.api == "vllm" else "text"
+                        self._json(200, {key: toy_detokenize(body["tokens"])})
+                elif self.path == "/v1/completions" and engine.api == "vllm" and not body.get("stream"):
+                    self._vllm_completion(body)
+                elif self.path == "/generate" and engine.api == "sglang":
                     if engine.fail_generate:
                         self._json(400, {"error": {"message": "The input is too long."}})
                         return
                     sp = body.get("sampling_params", {})
-                    pids = toy_tokenize(body["text"])
-                    oids, olps = engine.continue_ids(pids, int(sp.get("max_new_tokens", 16)))
+                    pids = list(body["input_ids"]) if "input_ids" in body else toy_tokenize(body["text"])
+                    max_req_len = engine.max_model_len - 1  # SGLang 0.5.23 tp_worker.py:568-572, scheduler.py:2714
+                    if len(pids) >= max_req_len - 5:
+                        self._json(400, {"error": {"message": f"The input ({len(pids)} tokens) is longer than the "
+                                                              f"model's context length ({engine.max_model_len} tokens)."}})
+                        return
+                    n_new = min(int(sp.get("max_new_tokens", 16)), max_req_len - len(pids) - 1)
+                    oids, olps = engine.continue_ids(pids, n_new)
                     plps = engine.prompt_lps(pids)
                     self._json(200, {
                         "text": "".join(chr(max(32, t - 4)) for t in oids),
@@ -150,6 +176,23 @@ class FakeEngine:
                     self._stream(body)
                 else:
                     self._json(404, {"detail": "Not Found"})
+
+            def _vllm_completion(self, body: dict) -> None:
+                prompt = body["prompt"]
+                pids = list(prompt) if isinstance(prompt, list) else toy_tokenize(prompt)
+                if len(pids) > engine.max_model_len - 1:
+                    self._json(400, {"error": {"message": f"This model's maximum context length is "
+                                                          f"{engine.max_model_len} tokens.", "code": 400}})
+                    return
+                n = min(int(body.get("max_tokens", 16)), engine.max_model_len - len(pids))  # vLLM 0.32 shortens
+                oids, olps = engine.continue_ids(pids, n)
+                plps = engine.prompt_lps(pids)
+                self._json(200, {"choices": [{
+                    "index": 0, "text": toy_detokenize(oids), "finish_reason": "length", "token_ids": oids,
+                    "prompt_token_ids": pids,
+                    "prompt_logprobs": [None if lp is None else {str(t): {"logprob": lp}} for t, lp in zip(pids, plps)],
+                    "logprobs": {"token_logprobs": olps, "tokens": [f"token_id:{t}" for t in oids]},
+                }]})
 
             def _stream(self, body: dict) -> None:
                 n = int(body.get("max_tokens", 16))

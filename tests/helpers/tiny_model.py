@@ -16,15 +16,17 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "make_tiny_model.py"
 
 
-def model_key(seed: int = 0, size: str = "tiny") -> str:
+def model_key(seed: int = 0, size: str = "tiny", vocab: int | None = None) -> str:
     digest = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:12]
-    return f"{size}-seed{seed}-{digest}"
+    return f"{size}-seed{seed}{'' if vocab is None else f'-vocab{vocab}'}-{digest}"
 
 
-def make_model(out: Path, seed: int = 0, size: str = "tiny", python: str = sys.executable) -> Path:
-    """Run the generator into `out` (must not exist or be empty)."""
+def make_model(out: Path, seed: int = 0, size: str = "tiny", python: str = sys.executable,
+               vocab: int | None = None) -> Path:
+    """Run the generator into `out` (must not exist or be empty); `vocab`: the tokenizer's size (default 2048)."""
+    extra = [] if vocab is None else ["--vocab", str(vocab)]
     result = subprocess.run(
-        [python, str(SCRIPT), "--out", str(out), "--seed", str(seed), "--size", size],
+        [python, str(SCRIPT), "--out", str(out), "--seed", str(seed), "--size", size, *extra],
         capture_output=True, text=True,
     )
     if result.returncode != 0:
@@ -32,16 +34,17 @@ def make_model(out: Path, seed: int = 0, size: str = "tiny", python: str = sys.e
     return out
 
 
-def cached_model(cache_root: Path, seed: int = 0, size: str = "tiny", python: str = sys.executable) -> Path:
-    """The model for (seed, size) from cache_root, generated once."""
+def cached_model(cache_root: Path, seed: int = 0, size: str = "tiny", python: str = sys.executable,
+                 vocab: int | None = None) -> Path:
+    """The model for (seed, size, vocab) from cache_root, generated once."""
     cache_root = Path(cache_root)
     cache_root.mkdir(parents=True, exist_ok=True)
-    key = model_key(seed, size)
+    key = model_key(seed, size, vocab)
     out = cache_root / key
     with open(cache_root / f".{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").exists():
-            make_model(out, seed, size, python)
+            make_model(out, seed, size, python, vocab)
     return out
 
 

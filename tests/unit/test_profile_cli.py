@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REAL = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "logs"
+REAL = Path(__file__).resolve().parents[1] / "fixtures" / "logs"  # real logs, copied into the repository
 OURS = Path(__file__).resolve().parent / "fixtures_logs"
 
 

@@ -151,7 +151,7 @@ def test_sglang_record_and_compare_via_generate(tmp_path: Path) -> None:
     prompts = load_prompts(None)[:4]
     with FakeEngine(api="sglang") as engine:
         gold = verify.record(engine.url, prompts, max_tokens=8)
-        posts = [body for method, path, body in engine.requests if method == "POST"]
+        posts = [body for method, path, body in engine.requests if method == "POST" and path == "/generate"]
     assert gold["server"]["api"] == "sglang" and gold["server"]["engine_version"] == "0.5.23"
     assert posts[0]["return_logprob"] is True and posts[0]["logprob_start_len"] == 0
     assert posts[0]["sampling_params"]["max_new_tokens"] == 8 and posts[0]["sampling_params"]["temperature"] == 0
