@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mxlaunch.plugin import gpu_restore  # noqa: E402
 from mxlaunch.plugin.loader import capture_tensors, module_tensors, restore_tensors  # noqa: E402
 
 GiB = 1 << 30
@@ -83,13 +84,18 @@ def main() -> None:
             raise SystemExit(f"stage failed: {p.stderr[-1500:]}")
         files = sorted(str(f) for f in staged.rglob("*.safetensors"))
         for source, paths in (("staged", files), ("capture", sorted(str(f) for f in cap.glob("*.safetensors")))):
+            # as the adapters do: prepare() first (registers the staged files), then build, then restore
+            t = time.perf_counter()
+            gpu_restore.prepare(torch.cuda.current_device(), paths, timeout_s=10)
             fresh = build(cfg, seed=1)
+            build_seconds = time.perf_counter() - t
             before = bool(torch.equal(gold, logits(fresh, ids)))
             torch.cuda.synchronize()
             t = time.perf_counter()
             r = restore_tensors(module_tensors(fresh), paths, wait_timeout_s=10)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t
+            unpin = gpu_restore.release_pending()
             after = logits(fresh, ids)
             tied = None
             if getattr(cfg, "tie_word_embeddings", False):
@@ -98,7 +104,8 @@ def main() -> None:
                 "equal_before_restore": before, "logits_equal": bool(torch.equal(gold, after)),
                 "max_abs_diff": float((gold - after).abs().max()), "tied_still_tied": tied,
                 "gib": r.bytes / GiB, "tensors": r.tensors, "seconds": round(seconds, 4),
-                "gibps": r.bytes / GiB / seconds, "gpu": r.gpu}
+                "gibps": r.bytes / GiB / seconds, "gpu": r.gpu, "model_build_seconds": round(build_seconds, 3),
+                "unpin_seconds_after": round(unpin, 4)}
             del fresh
             torch.cuda.empty_cache()
         res["models"][name] = row

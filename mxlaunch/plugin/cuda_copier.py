@@ -123,7 +123,7 @@ class CudaCopier:
 
     def __init__(self, device: torch.device, *, ring: pinned.HostBuffer | None, readers: int,
                  register: bool = True, chunk: int = CHUNK, registrars: int = 1,
-                 register_span: int = REGISTER_SPAN) -> None:
+                 register_span: int = REGISTER_SPAN, early: bool = False) -> None:
         self.device = device
         self.register_span = register_span
         self.populate = os.environ.get("MXLAUNCH_GPU_POPULATE", "0") == "1"
@@ -141,7 +141,9 @@ class CudaCopier:
         self._threads: list[threading.Thread] = []
         self._streams: list[torch.cuda.Stream] = []
         self._registrar_on = register
-        if not register and self.readers == 0:
+        self._early_stream: torch.cuda.Stream | None = None
+        self.early_files: list[Any] = []  # early_register.Registered, released by the caller
+        if not register and self.readers == 0 and not early:
             raise pinned.PinError("neither registration nor a pinned ring is available")
         if register:
             for i in range(max(1, registrars)):
@@ -178,9 +180,33 @@ class CudaCopier:
         windows = windows_for(file, items, self.chunk)
         with self._cv:
             if mapping is None and self.readers == 0:
-                raise pinned.PinError(f"{path} cannot be registered and there is no pinned ring")
+                raise pinned.PinError(f"{path} was not registered in time and there is no pinned ring")
             self._queue.extend(windows)
             self._cv.notify_all()
+
+    def submit_registered(self, reg: Any, items: list[tuple[int, int, torch.Tensor]]) -> None:
+        """A file the early registrar already page-locked: its copies are issued now, from this thread."""
+        self._raise_if_failed()
+        if self._early_stream is None:
+            self._early_stream = torch.cuda.Stream(device=self.device)
+            with self._cv:
+                self._streams.append(self._early_stream)
+        view = reg.mapping.view
+        moved = 0
+        with torch.cuda.stream(self._early_stream):
+            for begin, end, dest in items:
+                flat = flat_bytes(dest)
+                # one copy per registered piece: a copy that spans two registrations is refused (EINVAL)
+                lo = begin
+                while lo < end:
+                    hi = min(end, (lo // reg.span + 1) * reg.span)
+                    flat[lo - begin:hi - begin].copy_(torch.frombuffer(view[lo:hi], dtype=torch.uint8),
+                                                      non_blocking=True)
+                    lo = hi
+                moved += end - begin
+        self.early_files.append(reg)
+        with self._cv:
+            self.stats.registered_bytes += moved
 
     def finish(self) -> CopyStats:
         """Wait for every copy, unregister, close the files; raises the first worker error."""
@@ -212,6 +238,9 @@ class CudaCopier:
             except RuntimeError:
                 pass
         self._release()
+        for reg in self.early_files:
+            reg.release()
+        self.early_files.clear()
 
     # ---- workers ------------------------------------------------------------------------------------
 

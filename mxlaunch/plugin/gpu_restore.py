@@ -1,13 +1,14 @@
 """The pinned GPU path for one restore: which mode, how many ring readers, the ring itself, the report.
 
-`prepare(device)` starts pinning the ring in the background while the engine builds the model (the
-adapters call it first thing in their load step), so the pinned memory's cost (1–2.5 GiB/s to get, on
-the 1×H200 machine) is off the weight phase. `GpuRestore` is what `restore_tensors` uses for contiguous
+`prepare(device, files)` runs while the engine builds the model (the adapters call it first thing in
+their load step): it pins the ring in the background, and registers the rank's staged files with the
+driver as they land (plugin/early_register.py), so that the weight phase is the DMA from those files
+alone. A file not registered in time goes through the ring. `GpuRestore` is what `restore_tensors` uses for contiguous
 CUDA destinations; when pinning fails before a byte lands it is simply not used (pageable copies, one
 warning line); the ring is unpinned and unmapped when the restore ends — nothing pinned outlives it.
 
-Settings (docs/plugin.md): MXLAUNCH_GPU_COPY = auto (= ring) | ring | hybrid (registrar + ring) |
-register | pageable; MXLAUNCH_GPU_READERS = ring readers (default one per core, at most 16);
+Settings (docs/plugin.md): MXLAUNCH_GPU_COPY = auto (files registered early + ring) | ring |
+hybrid (registrar in the weight phase + ring) | register | pageable; MXLAUNCH_GPU_READERS = ring readers (default one per core, at most 16);
 MXLAUNCH_GPU_CHUNK_MIB = one slot (default 16; 2 slots per reader: 512 MiB pinned at 16 readers);
 MXLAUNCH_GPU_REGISTRARS / MXLAUNCH_GPU_REGISTER_MIB for the registering modes. On the 1×H200 machine
 the ring alone was fastest (scripts/bench_gpu_load.py --sweep, docs/benchmarks.md).
@@ -16,8 +17,9 @@ the ring alone was fastest (scripts/bench_gpu_load.py --sweep, docs/benchmarks.m
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -28,10 +30,12 @@ from mxlaunch.plugin.cuda_copier import CHUNK, CudaCopier, cuda_contiguous
 MODES = ("auto", "ring", "hybrid", "register", "pageable")
 _early: pinned.EarlyBuffer | None = None
 _early_bytes = 0
+_registrar: Any = None  # early_register.EarlyRegistrar, started by prepare()
+_releases: list[threading.Thread] = []
 
 
 def gpu_copy_mode() -> str:
-    """MXLAUNCH_GPU_COPY: auto (= ring, the measured best), ring, hybrid (registrar + ring), register, pageable."""
+    """MXLAUNCH_GPU_COPY: auto (staged files registered early + ring), ring, hybrid, register, pageable."""
     mode = os.environ.get("MXLAUNCH_GPU_COPY", "auto").strip().lower() or "auto"
     return mode if mode in MODES else "auto"
 
@@ -68,17 +72,31 @@ def ring_bytes(readers: int, chunk: int | None = None) -> int:
     return readers * 2 * (chunk or chunk_bytes())
 
 
-def prepare(device: Any) -> None:
-    """Start pinning the ring now, in the background (called while the engine builds the model)."""
-    global _early, _early_bytes
-    if _early is not None or gpu_copy_mode() in ("register", "pageable"):
+def prepare(device: Any, files: Sequence[str] = (), *, timeout_s: float = 600.0,
+            cancelled: Callable[[], bool] | None = None) -> None:
+    """Called while the engine builds the model: pin the ring, and (auto) register `files` as they land."""
+    global _early, _early_bytes, _registrar
+    mode = gpu_copy_mode()
+    if mode == "pageable":
         return
+    index = torch.device(device).index if not isinstance(device, int) else device
+    if files and mode == "auto" and _registrar is None:
+        from mxlaunch.plugin.early_register import EarlyRegistrar
+
+        _registrar = EarlyRegistrar(index, files, timeout_s=timeout_s, cancelled=cancelled)
     readers = ring_readers()
-    if readers <= 0:
+    if _early is not None or mode == "register" or readers <= 0:
         return
-    index = torch.device(device).index
     _early_bytes = ring_bytes(readers)
     _early = pinned.EarlyBuffer().start(_early_bytes, index)
+
+
+def release_pending() -> float:
+    """Join the background unregistration of early-registered files (before the loaded marker); seconds."""
+    started = time.perf_counter()
+    while _releases:
+        _releases.pop().join()
+    return time.perf_counter() - started
 
 
 def _take_ring(nbytes: int, device: torch.device) -> tuple[pinned.HostBuffer | None, float, str | None]:
@@ -108,6 +126,8 @@ class GpuRestore:
         torch.cuda.current_stream(device).synchronize()
         self.mode = mode
         self.report: dict = {"mode": mode}
+        global _registrar
+        self.registrar, _registrar = _registrar, None
         readers = ring_readers() if mode in ("auto", "ring", "hybrid") else 0
         self.ring: pinned.HostBuffer | None = None
         if readers:
@@ -120,9 +140,12 @@ class GpuRestore:
             chunk = chunk_bytes()
             self.copier = CudaCopier(device, ring=self.ring, readers=readers,
                                      register=mode in ("hybrid", "register"), chunk=chunk,
-                                     registrars=registrars(), register_span=register_span(chunk))
+                                     registrars=registrars(), register_span=register_span(chunk),
+                                     early=self.registrar is not None)
         except BaseException:
             self._free_ring()
+            if self.registrar is not None:
+                self.registrar.stop()
             raise
         self._done = False
 
@@ -144,12 +167,32 @@ class GpuRestore:
 
     def submit(self, header: Any, items: list[tuple[Any, Any]]) -> None:
         """`items`: [(FileEntry, Group)] of one file whose destinations are contiguous CUDA tensors."""
-        self.copier.submit(header.path, header.size, [(e.begin, e.end, g.tensor) for e, g in items])
+        ranges = [(e.begin, e.end, g.tensor) for e, g in items]
+        reg = self.registrar.take(header.path) if self.registrar is not None else None
+        if reg is not None and reg.size == header.size:
+            self.copier.submit_registered(reg, ranges)
+            return
+        if reg is not None:  # not the file we were promised: never copy from it
+            reg.release()
+        self.copier.submit(header.path, header.size, ranges)
 
     def finish(self) -> dict:
         stats = self.copier.finish()
         self._done = True
         self._free_ring()
+        early = self.copier.early_files
+        self.copier.early_files = []
+        if self.registrar is not None:
+            self.registrar.stop()
+            self.report.update({"early_registered_bytes": sum(r.size for r in early),
+                                "early_register_seconds": round(sum(r.seconds for r in early), 4)})
+            if self.registrar.error:
+                self.report["early_register_error"] = self.registrar.error
+        if early:  # unpinning takes ~0.1 s per 10 GiB: off the weight phase, joined before the marker
+            t = threading.Thread(target=lambda: [r.release() for r in early], name="mxlaunch-unregister",
+                                 daemon=True)
+            t.start()
+            _releases.append(t)
         self.report.update({
             "registered_bytes": stats.registered_bytes, "ring_bytes": stats.ring_bytes,
             "pinned_bytes": stats.pinned_bytes, "readers": self.copier.readers,
@@ -166,6 +209,8 @@ class GpuRestore:
         if not self._done:
             self._done = True
             self.copier.abort()
+        if self.registrar is not None:
+            self.registrar.stop()
         self._free_ring()
 
     def _free_ring(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -72,8 +73,9 @@ def abort_reason(plan: Plan) -> str:
         return "no reason given"
 
 
-def prepare_gpu(plan: Any, log: logging.Logger) -> None:
-    """A staged restore onto a GPU: start pinning the copy ring now, while the engine builds the model."""
+def prepare_gpu(plan: Any, rank: int, log: logging.Logger) -> None:
+    """A staged restore onto a GPU: while the engine builds the model, pin the copy ring and register
+    this rank's staged files with the driver as they land (plugin/gpu_restore.py)."""
     if plan is None or getattr(plan, "strategy", None) != "staged":
         return
     try:
@@ -82,7 +84,9 @@ def prepare_gpu(plan: Any, log: logging.Logger) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             from mxlaunch.plugin.gpu_restore import prepare
 
-            prepare(torch.cuda.current_device())
+            files = [str(f.path) for f in plan.files_for_rank(rank)]
+            prepare(torch.cuda.current_device(), files, timeout_s=plan.wait_timeout_s,
+                    cancelled=lambda: aborted(plan))
     except Exception as exc:  # noqa: BLE001 - the restore pins on demand instead
         log.warning("mxlaunch: could not start pinning host memory early: %s", exc)
 
@@ -187,6 +191,8 @@ class RankLoad:
 
     def write_loaded(self, outcome: Outcome) -> None:
         """After the engine's post-processing: the launcher frees this rank's staged files on this marker."""
+        if "mxlaunch.plugin.gpu_restore" in sys.modules:  # staged files still page-locked: unpin first
+            outcome.extra["unpin_wait_seconds"] = round(sys.modules["mxlaunch.plugin.gpu_restore"].release_pending(), 4)
         if outcome.plan is None:
             return
         safe_marker(outcome.plan, "loaded", self.rank,

@@ -150,7 +150,7 @@ def loader_class() -> type:
 
         def load_model(self, *, model_config: Any, device_config: Any) -> Any:
             self._outcome = None
-            prepare_gpu(self._plan, log)  # pinning overlaps SGLang building the model
+            prepare_gpu(self._plan, global_rank(), log)  # pinning overlaps SGLang building the model
             model = super().load_model(model_config=model_config, device_config=device_config)
             if self._outcome is not None:  # after SGLang's post-processing
                 self._rank_load.write_loaded(self._outcome)

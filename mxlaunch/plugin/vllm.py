@@ -186,7 +186,7 @@ def loader_class() -> type:
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             self._outcome = None
-            prepare_gpu(self._read_plan()[0], log)  # pinning overlaps vLLM building the model
+            prepare_gpu(self._read_plan()[0], global_rank(), log)  # pinning overlaps vLLM building the model
             model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             if self._outcome is not None:  # after vLLM's post-processing
                 self._rank_load.write_loaded(self._outcome)
