@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from mxlaunch import __version__
+from mxlaunch import __version__, settings
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
 app = typer.Typer(
@@ -426,7 +426,7 @@ def store_rm(
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def launch(
     command: List[str] = typer.Argument(None, help="The engine's own command, after --.", show_default=False),
-    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", envvar="MXLAUNCH_ARTIFACT_PATH",
+    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", envvar=settings.ARTIFACT_PATH,
                                                  help="Artifact store root [default: ~/.cache/mxlaunch/store]."),
     strategy: str = typer.Option("auto", "--strategy", help="auto | staged | capture | default."),
     capture_only: bool = typer.Option(False, "--capture-only", help="Serve until the snapshot is published, then stop (exit 0)."),

@@ -26,23 +26,23 @@ from typing import Any, Callable, Optional
 
 import httpx
 
-from mxlaunch.coord.file import pid_alive, process_start_time
+from mxlaunch import settings
+from mxlaunch.contract import (ABORT, LAUNCH_STRATEGIES, LOAD_FORMAT, PRESHARDED, RAW, SNAPSHOT_VERSION,
+                               parse_marker_name, staged_line)
 from mxlaunch.engines import detect_engine, sglang_argv
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import engine_python
 from mxlaunch.engines.vllm import parse_vllm_argv, rewrite_vllm_argv, vllm_version
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.identity import identity_fields, source_id
-from mxlaunch.plan import PLAN_ENV, Plan, RankFile, write_json_atomic
+from mxlaunch.fileutil import pid_alive, process_start_time, write_json_atomic
+from mxlaunch.plan import PLAN_ENV, Plan, RankFile
 from mxlaunch.slurm import adapt_launch, default_readers
 from mxlaunch.store import SnapshotFile, SnapshotMeta, Store
 
-STRATEGIES = ("auto", "staged", "capture", "default")
+STRATEGIES = LAUNCH_STRATEGIES
+SNAPSHOT_FORMAT = RAW
 SHM_ROOT = Path("/dev/shm")
-LOAD_FORMAT = "mxlaunch"
-SNAPSHOT_FORMAT = "mxlaunch-raw"
-PRESHARDED = "sglang-presharded"  # one folder shared by every rank (SGLang's dump), kept as snapshot rank 0
-SNAPSHOT_VERSION = 1
 CLAIM_TTL_S = 60.0
 
 
@@ -125,8 +125,8 @@ class LaunchPlan:
 def device_type_for(spec: LaunchSpec) -> str:
     """The command's --device; cpu for vLLM's CPU build or a node without NVIDIA devices; cuda otherwise
     (MXLAUNCH_DEVICE overrides)."""
-    forced = os.environ.get("MXLAUNCH_DEVICE")
-    if forced in ("cpu", "cuda"):
+    forced = settings.device()
+    if forced is not None:
         return forced
     if spec.device in ("cpu", "cuda"):
         return spec.device
@@ -389,12 +389,12 @@ class Launcher:
                 by_snapshot.setdefault(rank, []).append(RankFile(path=str(stage_root / str(rank) / rel), bytes=f.bytes))
             for worker in self.plan.local_ranks:
                 plan.ranks[str(worker["rank"])] = by_snapshot.get(worker["snapshot_rank"], [])
-        write_json_atomic(self.shm_dir / "plan.json", plan.to_json())
+        write_json_atomic(self.shm_dir / "plan.json", plan.to_dict())
         return plan
 
     def _prepare_default(self, plan: Plan) -> Plan:
         plan.strategy = "default"
-        write_json_atomic(self.shm_dir / "plan.json", plan.to_json())
+        write_json_atomic(self.shm_dir / "plan.json", plan.to_dict())
         return plan
 
     def _downgrade(self, reason: str) -> None:
@@ -439,12 +439,12 @@ class Launcher:
                 self.stage_result = result
                 self.emit("staged", bytes=result.bytes, seconds=round(result.seconds, 3),
                           gib_per_s=round(result.gib_per_s, 3), o_direct=result.o_direct)
-                line = f"mxlaunch: staged {result.bytes / (1 << 30):.2f} GiB in {result.seconds:.2f} s"
+                line = staged_line(result.bytes, result.seconds)
                 self.echo(line)
                 self._feed_profile(line)
             except Exception as exc:  # noqa: BLE001 — reported to the plugin through the abort marker
                 self.stage_error = getattr(exc, "message", str(exc))
-                write_json_atomic(self.shm_dir / "markers" / "abort.json", {"reason": self.stage_error})
+                write_json_atomic(self.shm_dir / "markers" / ABORT, {"reason": self.stage_error}, parents=True)
                 self.emit("fallback", reason=f"staging failed: {self.stage_error}")
 
         threading.Thread(target=watch, name="mx-stage-watch", daemon=True).start()
@@ -544,10 +544,10 @@ class Launcher:
         if not markers.is_dir():
             return
         for path in sorted(markers.glob("*.json")):
-            kind, _, rank_text = path.stem.rpartition("-")
-            if not rank_text.isdigit():
+            parsed = parse_marker_name(path)
+            if parsed is None:
                 continue
-            rank = int(rank_text)
+            kind, rank = parsed
             if kind == "loaded" and rank not in self.loaded:
                 self.loaded.add(rank)
                 self._free_stage(rank)  # give /dev/shm back as soon as no worker needs the files

@@ -15,10 +15,11 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence
 
+from mxlaunch import settings
 from mxlaunch.errors import UsageError
 
-ADDR_ENV = "MXLAUNCH_DIST_ADDR"  # the head's address as the other nodes reach it (default: first node's name)
-PORT_ENV = "MXLAUNCH_DIST_PORT"  # the rendezvous port (default: derived from the job id)
+ADDR_ENV = settings.DIST_ADDR  # the head's address as the other nodes reach it (default: first node's name)
+PORT_ENV = settings.DIST_PORT  # the rendezvous port (default: derived from the job id)
 PORT_BASE, PORT_SPAN = 21000, 8000  # 21000–28999: clear of vLLM's 29500/29501 defaults and ephemeral ports
 
 # The multi-node flags per engine, each with the spellings its parser accepts (an explicit one wins);
@@ -186,7 +187,7 @@ def readers_for(cpus: int) -> int:
 def dist_port(env: SlurmEnv, environ: Mapping[str, str] = os.environ) -> int:
     """The rendezvous port: $MXLAUNCH_DIST_PORT, else one derived from the job id — every node of the
     job computes the same one, and two jobs sharing a head node rarely collide."""
-    text = environ.get(PORT_ENV)
+    text = settings.dist_port(environ)
     if text:
         if not text.isdigit() or not 1024 <= int(text) <= 65535:
             raise UsageError(f"{PORT_ENV}={text!r} is not a port number 1024–65535", f"set {PORT_ENV} to a free port, or unset it")
@@ -273,7 +274,7 @@ def multinode_flags(argv: Sequence[str], engine: str, env: SlurmEnv,
     if nnodes <= 1:
         return []  # the command says one node: it wins
     node_rank = _as_int(given.get("node_rank"), env.node_rank)
-    addr = environ.get(ADDR_ENV) or env.head
+    addr = settings.dist_addr(environ) or env.head
     port = dist_port(env, environ)
     add: List[str] = []
     if "nnodes" not in given:

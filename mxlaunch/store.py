@@ -35,24 +35,26 @@ import xxhash
 
 from mxlaunch import __version__
 from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
-from mxlaunch.coord.file import FileCoordinator, ensure_dir, read_json, secure, write_json_atomic
+from mxlaunch import settings
+from mxlaunch.contract import RAW as SNAPSHOT_FORMAT
+from mxlaunch.contract import SNAPSHOT_VERSION
+from mxlaunch.coord.file import FileCoordinator
+from mxlaunch.fileutil import ensure_dir, read_json, secure, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
 
 SCHEMA = 1
 MANIFEST = "manifest.json"
 # trust rule: nothing else is ever read from the store (".safetensor": SGLang's presharded dump names its files so)
 ALLOWED_SUFFIXES = (".safetensors", ".safetensor", ".json")
-SNAPSHOT_FORMAT = "mxlaunch-raw"
-SNAPSHOT_VERSION = 1
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK = 8 << 20
 
 
 def default_root() -> Path:
     """$MXLAUNCH_ARTIFACT_PATH, else $XDG_CACHE_HOME/mxlaunch/store, else ~/.cache/mxlaunch/store."""
-    env = os.environ.get("MXLAUNCH_ARTIFACT_PATH")
-    if env:
-        return Path(env).expanduser()
+    env = settings.artifact_path()
+    if env is not None:
+        return env
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache).expanduser() / "mxlaunch" / "store"
 

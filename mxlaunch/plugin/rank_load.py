@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from mxlaunch.contract import ABORT, gib, loaded_line
 from mxlaunch.plan import Plan, write_marker
 
 
@@ -28,10 +29,6 @@ class Outcome:
     seconds: float
     plan: Any = None
     extra: dict = dataclasses.field(default_factory=dict)
-
-
-def gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f}"
 
 
 def model_bytes(model: Any) -> int:
@@ -62,12 +59,12 @@ def safe_marker(plan: Any, kind: str, rank: int, payload: dict, log: logging.Log
 
 def aborted(plan: Plan) -> bool:
     """The launcher writes markers/abort.json when staging failed: stop waiting for files."""
-    return (plan.markers_dir / "abort.json").exists()
+    return (plan.markers_dir / ABORT).exists()
 
 
 def abort_reason(plan: Plan) -> str:
     try:
-        return str(json.loads((plan.markers_dir / "abort.json").read_text()).get("reason", "no reason given"))
+        return str(json.loads((plan.markers_dir / ABORT).read_text()).get("reason", "no reason given"))
     except (OSError, ValueError, AttributeError):
         return "no reason given"
 
@@ -157,8 +154,7 @@ class RankLoad:
             where = "after tensors landed" if exc.landed else "and the plan forbids falling back"
             raise RuntimeError(f"mxlaunch: rank {rank}: staged restore failed {where}: {exc} — stopping "
                                "rather than serving partial weights") from exc
-        self.log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, gib(result.bytes),
-                      result.seconds)
+        self.log.info("%s", loaded_line(rank, result.bytes, result.seconds))
         return Outcome("staged", result.bytes, result.seconds, plan,
                        {"wait_seconds": round(result.wait_seconds, 4), "files": result.files,
                         "copy_bytes": result.copy_bytes, "tensors": result.tensors})

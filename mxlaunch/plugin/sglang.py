@@ -30,11 +30,10 @@ import logging
 import os
 from typing import Any
 
+from mxlaunch.contract import PRESHARDED, SHARDED_STATE
 from mxlaunch.plan import PLAN_ENV
 
 TARGET = "sglang.srt.model_loader.loader.get_model_loader"
-SHARDED_STATE = "sglang-sharded_state"  # the plan's snapshot_format for SGLang's own sharded_state dump
-PRESHARDED = "sglang-presharded"  # ... and for its presharded dump
 log = logging.getLogger("sglang.mxlaunch")
 
 _loader_cls: type | None = None

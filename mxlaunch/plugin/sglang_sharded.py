@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mxlaunch.plugin.rank_load import aborted, gib, model_bytes, safe_marker
+from mxlaunch.contract import gib, loaded_line
+from mxlaunch.plugin.rank_load import aborted, model_bytes, safe_marker
 
 log = logging.getLogger("sglang.mxlaunch")
 
@@ -138,7 +139,7 @@ def _restore_class() -> type:
             model = super().load_model(model_config=model_config, device_config=device_config)
             seconds = time.perf_counter() - started
             size = sum(f.bytes for f in self._plan.files_for_rank(self._rank))
-            log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", self._rank, gib(size), seconds)
+            log.info("%s", loaded_line(self._rank, size, seconds))
             safe_marker(self._plan, "loaded", self._rank, {"bytes": size, "seconds": round(seconds, 4),
                                                            "strategy": "staged", "format": "sharded_state"}, log)
             return model
@@ -211,7 +212,7 @@ def _presharded_class() -> type:
                                                    "strategy": "capture"}, log)
             elif reuse:
                 size = sum(f.bytes for f in plan.files_for_rank(rank))
-                log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, gib(size), seconds)
+                log.info("%s", loaded_line(rank, size, seconds))
                 safe_marker(plan, "loaded", rank, {"bytes": size, "seconds": round(seconds, 4),
                                                    "strategy": "staged", "format": "presharded"}, log)
             return model

@@ -38,7 +38,8 @@ import logging
 import sys
 from typing import Any
 
-LOAD_FORMAT = "mxlaunch"
+from mxlaunch.contract import LOAD_FORMAT
+
 _TARGET = "vllm.model_executor.model_loader"
 # Keys DefaultModelLoader accepts in --model-loader-extra-config; others are ours and never reach it.
 _DEFAULT_EXTRA_KEYS = ("enable_multithread_load", "num_threads", "enable_weights_track")

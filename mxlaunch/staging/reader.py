@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 
 import xxhash
 
+from mxlaunch import settings
 from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
 from mxlaunch.staging.capacity import MEMORY_BACKED_FS, capacity_of, format_bytes, fs_type_of
 from mxlaunch.staging.hugepages import HUGE, FileMapping, HugePager
@@ -427,7 +428,7 @@ class StageJob:
             return
         size = self.chunk_size if self.write_mode == "pwrite" else ALIGN
         bounce = mmap.mmap(-1, size)
-        if size >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("MXLAUNCH_NO_THP") is None:
+        if size >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE") and not settings.no_thp():
             # 2 MiB pages: O_DIRECT pins the buffer per folio, not per 4 KiB page — less kernel CPU.
             try:
                 bounce.madvise(mmap.MADV_HUGEPAGE)
