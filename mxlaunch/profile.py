@@ -29,6 +29,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from mxlaunch.engines import LOG_FORMATS, LogFormat, LogLine, PhaseEvent
 from mxlaunch.engines.base import mxlaunch_events
+from mxlaunch.engines.registry import ENGINES as _REGISTRY
+from mxlaunch.engines.registry import detect
 from mxlaunch.errors import UsageError
 
 PHASES: Tuple[str, ...] = (
@@ -46,7 +48,7 @@ PHASES: Tuple[str, ...] = (
     "unknown",
 )
 NOT_SUMMED = {"stage", "unknown"}
-ENGINES = ("auto", "sglang", "vllm")
+ENGINES = ("auto", *_REGISTRY)  # --engine choices
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 _AUTO_VLLM_AFTER = 20  # vLLM-format lines with no SGLang line: it is vLLM (SGLang may import vLLM)
@@ -96,7 +98,7 @@ class StartupProfiler:
 
     def __init__(self, engine: str = "auto", source: str = "", live: bool = False) -> None:
         if engine not in ENGINES:
-            raise UsageError(f"unknown engine {engine!r}", fix="use --engine auto, sglang or vllm")
+            raise UsageError(f"unknown engine {engine!r}", fix=f"use --engine {' | '.join(ENGINES)}")
         self.source = source
         self.live = live
         self.fmt: Optional[LogFormat] = None if engine == "auto" else LOG_FORMATS[engine]()
@@ -292,7 +294,7 @@ def profile_text(text: str, engine: str = "auto", source: str = "") -> RunProfil
     prof.feed_text(text)
     result = prof.result()
     if prof.engine_lines == 0:
-        which = "SGLang or vLLM" if engine == "auto" else ("SGLang" if engine == "sglang" else "vLLM")
+        which = " or ".join(e.display for e in _REGISTRY.values()) if engine == "auto" else _REGISTRY[engine].display
         raise UsageError(f"{source or 'input'}: no {which} log lines found",
                          fix="pass an engine start-up log (or the right --engine)")
     return result
@@ -355,13 +357,13 @@ def report(runs: Sequence[RunProfile]) -> dict:
 
 
 def engine_from_argv(argv: Sequence[str]) -> str:
-    """A guess from the command line ("sglang" or "vllm" in it), else auto-detect from the output."""
+    """The engine whose launch form argv is; else one whose name the command mentions (a wrapper
+    script); else "auto" (detect from the output)."""
+    found = detect(argv)
+    if found is not None:
+        return found.name
     joined = " ".join(argv).lower()
-    if "sglang" in joined:
-        return "sglang"
-    if "vllm" in joined:
-        return "vllm"
-    return "auto"
+    return next((name for name in _REGISTRY if name in joined), "auto")
 
 
 def _read_lines(fd: int, start: float, out: "queue.Queue[Optional[Tuple[str, float]]]") -> None:

@@ -1,4 +1,4 @@
-"""SGLang launch commands: argv → LaunchSpec, the command for a plan, and where SGLang puts workers.
+"""SGLang launch commands: argv → LaunchSpec, and the command for a plan.
 
 Forms: `python -m sglang.launch_server FLAGS` and `sglang serve [MODEL] [--model-type T] FLAGS`.
 SGLang parses with argparse (abbreviations allowed) after merging `--config FILE.yaml` in front of the
@@ -6,9 +6,7 @@ command line (its `ConfigArgumentMerger`: config < command line). This module re
 SGLang's own option table (engines/sglang_flags.py, generated from SGLang's parser), so a login node
 without SGLang parses exactly what SGLang would: `--tp 2` is `--tp-size 2` (a unique prefix), while
 `--pp 2` is refused as SGLang refuses it (ambiguous in 0.5.23).
-
-Placement follows `sglang.srt.entrypoints.engine._calculate_rank_ranges` (and the data-parallel
-controller's `launch_tensor_parallel_group`, the same arithmetic per DP replica).
+Where SGLang puts workers, and the engine as the launcher sees it: engines/sglang_engine.py.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
 SERVER_MODULE = "sglang.launch_server"
 SAFE_LOAD_FORMATS = ("auto", "safetensors")
-SNAPSHOT_FORMATS = ("raw", "sharded_state", "presharded")
 
 # The fields mxlaunch reads: dest → (option strings as SGLang 0.5.23 spells them, default, kind).
 # kind: "int1" (an int ≥ 1), "int0" (≥ 0), "str", "bool" (store_true), "list" (nargs *).
@@ -395,36 +392,6 @@ def explicit_fields(argv: List[str]) -> Dict[str, Any]:
     return {dest: vals[dest] for dest in {_DEST_OF[o.option] for o in opts if o.option in _DEST_OF}}
 
 
-# ---- placement --------------------------------------------------------------------------------------
-
-
-def rank_ranges(tp: int, pp: int, nnodes: int, node_rank: int) -> Tuple[range, range]:
-    """(pp ranks, tp ranks) SGLang starts on `node_rank` — `_calculate_rank_ranges` in
-    sglang/srt/entrypoints/engine.py (0.5.23), the same arithmetic per DP replica."""
-    pp_per_node = max(pp // nnodes, 1)
-    nnodes_per_pp_rank = max(nnodes // pp, 1)
-    pp_ranks = range(pp_per_node * (node_rank // nnodes_per_pp_rank), pp_per_node * (node_rank // nnodes_per_pp_rank + 1))
-    tp_per_node = tp // nnodes_per_pp_rank
-    tp_ranks = range(tp_per_node * (node_rank % nnodes_per_pp_rank), tp_per_node * (node_rank % nnodes_per_pp_rank + 1))
-    return pp_ranks, tp_ranks
-
-
-def local_ranks(spec: LaunchSpec) -> List[Dict[str, int]]:
-    """The workers SGLang starts on this node. Every DP replica (separate worlds, each spanning all
-    nodes) gets the same (pp, tp) ranges; a worker's key is dp_rank·(TP·PP) + pp_rank·TP + tp_rank and
-    its snapshot rank pp_rank·TP + tp_rank (SGLang's world rank, `spawn_world_rank`)."""
-    pp_ranks, tp_ranks = rank_ranges(spec.tp, spec.pp, spec.nnodes, spec.node_rank)
-    world = spec.tp * spec.pp
-    out = []
-    for dp_rank in range(spec.dp):
-        for pp_rank in pp_ranks:
-            for tp_rank in tp_ranks:
-                r = pp_rank * spec.tp + tp_rank
-                out.append({"rank": dp_rank * world + r, "dp_rank": dp_rank, "pp_rank": pp_rank,
-                            "tp_rank": tp_rank, "snapshot_rank": r})
-    return out
-
-
 # ---- rewrite ----------------------------------------------------------------------------------------
 
 
@@ -446,41 +413,3 @@ def rewrite_sglang_argv(spec: LaunchSpec, *, set_flags: Dict[str, Optional[str]]
                         drop[k] = flag
     replace = {flag: [flag] if value is None else [flag, value] for flag, value in set_flags.items()}
     return splice_argv(argv, drop, replace)
-
-
-def snapshot_format_refusal(spec: LaunchSpec, snapshot_format: str) -> Optional[str]:
-    """Why a stock SGLang snapshot format (`sharded_state`, `presharded`) cannot hold this model, or None.
-
-    Those formats save the weights *after* SGLang's post-processing; servekit found they silently drop or
-    mangle weights for these cases, so mxlaunch refuses them up front (raw is always allowed)."""
-    if snapshot_format == "raw":
-        return None
-    if snapshot_format not in SNAPSHOT_FORMATS:
-        return f"--snapshot-format {snapshot_format} is not one of {', '.join(SNAPSHOT_FORMATS)}"
-    quant = (spec.quantization or "").lower()
-    cfg = _model_config(spec.model_path)
-    arch = " ".join(cfg.get("architectures") or [])
-    qcfg = cfg.get("quantization_config") or {}
-    quant_method = (quant or str(qcfg.get("quant_method", ""))).lower()
-    backend = str(spec.layout_extras.get("moe_runner_backend", "auto"))
-    if quant_method == "mxfp4" and backend in ("triton", "triton_kernel", "auto"):
-        return f"{snapshot_format}: mxfp4 with the Triton MoE backend stores swizzled weights it cannot reload"
-    if quant_method == "gguf" or spec.load_format == "gguf":
-        return f"{snapshot_format}: GGUF weights are dequantized/repacked on load and cannot be saved back"
-    if quant_method in ("nvfp4", "modelopt_fp4") and "Deepseek" in arch:
-        return f"{snapshot_format}: NVFP4 DeepSeek weights are reshuffled after loading and do not round-trip"
-    if quant_method in ("gptq", "gptq_marlin") and qcfg.get("desc_act"):
-        return f"{snapshot_format}: act-order GPTQ is permuted for Marlin after loading and does not round-trip"
-    if cfg.get("kv_lora_rank") is not None:
-        return f"{snapshot_format}: MLA models ({arch or 'kv_lora_rank set'}) lose kv_b_proj, which SGLang splits after loading"
-    return None
-
-
-def _model_config(model_path: Optional[str]) -> Dict[str, Any]:
-    if not model_path:
-        return {}
-    try:
-        data = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from mxlaunch.engines import vllm as V
+from mxlaunch.engines import vllm_argv as V
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.errors import UsageError
 
@@ -436,7 +436,8 @@ def test_vllm_version_of_another_interpreter(tmp_path) -> None:
 def test_import_stays_light() -> None:
     import subprocess
 
-    code = "import sys, mxlaunch.engines.vllm; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    code = ("import sys, mxlaunch.engines.vllm, mxlaunch.engines.vllm_argv, mxlaunch.engines.registry; "
+            "print('vllm' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
