@@ -8,7 +8,6 @@ This module imports nothing heavy: the plugin imports it inside every engine wor
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 # ---- load format and snapshot formats ------------------------------------------------------------------
@@ -56,8 +55,8 @@ def parse_marker_name(path: Path) -> tuple[str, int] | None:
 # regexes are defined with the engines' log parsers in engines/base.py (one place for every log pattern)
 # and re-exported here next to the functions that write the lines; tests/unit check the round trip.
 
-from mxlaunch.engines.base import MXLAUNCH_LOADED as LOADED_LINE  # noqa: E402
-from mxlaunch.engines.base import MXLAUNCH_STAGED as STAGED_LINE  # noqa: E402
+from mxlaunch.engines.base import MXLAUNCH_LOADED as LOADED_LINE  # noqa: E402,F401
+from mxlaunch.engines.base import MXLAUNCH_STAGED as STAGED_LINE  # noqa: E402,F401
 
 
 def gib(n: int) -> str:
