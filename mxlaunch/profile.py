@@ -16,10 +16,8 @@ engine's live output; `profile_file` and `run_live` are the two ways `mxlaunch p
 from __future__ import annotations
 
 import math
-import os
 import queue
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -32,6 +30,7 @@ from mxlaunch.engines.base import mxlaunch_events
 from mxlaunch.engines.registry import ENGINES as _REGISTRY
 from mxlaunch.engines.registry import detect
 from mxlaunch.errors import UsageError
+from mxlaunch.launch import process
 
 PHASES: Tuple[str, ...] = (
     "process_startup",
@@ -366,69 +365,6 @@ def engine_from_argv(argv: Sequence[str]) -> str:
     return next((name for name in _REGISTRY if name in joined), "auto")
 
 
-def _read_lines(fd: int, start: float, out: "queue.Queue[Optional[Tuple[str, float]]]") -> None:
-    """Reader thread: stamp each complete line (\\n or tqdm's \\r) with its arrival time."""
-    tail = b""
-    try:
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            now = time.monotonic() - start
-            parts = re.split(rb"\r\n|\r|\n", tail + chunk)
-            tail = parts.pop()
-            for part in parts:
-                out.put((part.decode("utf-8", errors="replace"), now))
-    except OSError:
-        pass
-    finally:
-        if tail:
-            out.put((tail.decode("utf-8", errors="replace"), time.monotonic() - start))
-        out.put(None)
-
-
-def stop_group(proc: subprocess.Popen, grace: Tuple[float, float] = (15.0, 10.0)) -> None:
-    """Stop the command's whole process group: SIGINT, then SIGTERM, then SIGKILL."""
-    pgid = proc.pid  # started with start_new_session: its own group
-    for sig, wait in ((signal.SIGINT, grace[0]), (signal.SIGTERM, grace[1]), (signal.SIGKILL, 5.0)):
-        if not _group_alive(pgid) and proc.poll() is not None:
-            return
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid):
-                return
-            time.sleep(0.05)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    """Any live member left? Zombies count as gone (a container's PID 1 may never reap them)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    proc_root = Path("/proc")
-    if not proc_root.is_dir():
-        return True
-    for stat in proc_root.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
-
-
 def run_live(
     argv: Sequence[str],
     timeout: float,
@@ -447,13 +383,19 @@ def run_live(
     prof = StartupProfiler(engine=engine, source=" ".join(argv), live=True)
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = process.start(argv, stdin=subprocess.DEVNULL, die_with_parent=False)
     except (FileNotFoundError, PermissionError) as exc:
         raise UsageError(f"cannot run {argv[0]}: {exc.strerror or exc}", fix="check the command after --")
     assert proc.stdout is not None
     lines: "queue.Queue[Optional[Tuple[str, float]]]" = queue.Queue()
-    reader = threading.Thread(target=_read_lines, args=(proc.stdout.fileno(), start, lines), daemon=True)
+
+    def read() -> None:  # the launcher's reader: the same lines as `launch` sees (\n and tqdm's \r)
+        try:
+            process.read_lines(proc.stdout.fileno(), lambda text, t: lines.put((text, t)), start)
+        finally:
+            lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     exited_early: Optional[int] = None
     try:
@@ -473,7 +415,7 @@ def run_live(
                 if on_event:
                     on_event(ev, item[1])
     finally:
-        stop_group(proc, grace)
+        process.stop_group(proc, grace)
         reader.join(timeout=5)
         proc.stdout.close()
     if not prof.done:  # the ready time is not extended by lines read after the stop

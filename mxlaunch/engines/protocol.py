@@ -22,6 +22,7 @@ class Engine(Protocol):
     log_format: Callable[[], LogFormat]  # a fresh reader of its start-up log (one per log)
     snapshot_formats: Tuple[str, ...]  # --snapshot-format choices besides raw (its stock dump formats)
     command_forms: str  # the launch forms it accepts, for the "cannot tell which engine" message
+    shm_prefixes: Tuple[str, ...]  # /dev/shm names it may leave behind (removed after a run when orphaned)
 
     def matches(self, argv: Sequence[str]) -> bool:
         """Is argv one of this engine's launch forms?"""

@@ -28,6 +28,7 @@ class SGLangEngine:
     plugin_allowlist = "SGLANG_PLUGINS"
     log_format = SGLangLog
     snapshot_formats = SNAPSHOT_FORMATS
+    shm_prefixes = ("sglang_loads_",)  # 0.5.23 leaves one sglang_loads_* per run
     command_forms = f"`python -m {sglang_argv.SERVER_MODULE} --model-path MODEL ...` or `sglang serve MODEL ...`"
 
     def matches(self, argv: Sequence[str]) -> bool:

