@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from mxlaunch.contract import ABORT, gib, loaded_line
+from mxlaunch.contract import ABORT, FALLBACK, gib, loaded_line
 from mxlaunch.plan import Plan, write_marker
 
 
@@ -55,6 +55,41 @@ def safe_marker(plan: Any, kind: str, rank: int, payload: dict, log: logging.Log
         write_marker(plan, kind, rank, payload)
     except Exception as exc:  # noqa: BLE001
         log.warning("mxlaunch: rank %d could not write marker %s: %s", rank, kind, exc)
+
+
+def report_fallback(plan: Any, rank: int, reason: str, log: logging.Logger, engine: str | None = None) -> None:
+    """Say (log and marker) that this rank serves with the engine's default loader, and why."""
+    if engine:
+        log.warning("mxlaunch: rank %d falls back to %s's default loader: %s", rank, engine, reason)
+    else:
+        log.warning("mxlaunch: rank %d: %s", rank, reason)
+    safe_marker(plan, FALLBACK, rank, {"reason": reason, "strategy": plan.strategy}, log)
+
+
+def fall_back_or_stop(plan: Any, rank: int, reason: str, log: logging.Logger, engine: str) -> None:
+    """Before any tensor landed: fall back when the plan allows it, else stop the engine."""
+    if not plan.fallback_ok:
+        raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
+    report_fallback(plan, rank, reason, log, engine)
+
+
+def wait_for_rank_files(plan: Any, files: list, rank: int, what: str) -> str | None:
+    """None once every file of the rank has landed with its size (loaders that read a whole folder
+    start only then), else why not."""
+    from mxlaunch.plugin.loader import RestoreError, wait_for_file
+
+    if not files:
+        return f"the plan lists no files for rank {rank}"
+    try:
+        for f in files:
+            wait_for_file(f.path, plan.wait_timeout_s, cancelled=lambda: aborted(plan))
+    except RestoreError as exc:
+        return f"{what} restore failed before loading: {exc}"
+    sizes = {f.path: Path(f.path).stat().st_size for f in files}
+    wrong = [p for p, f in zip(sizes, files) if sizes[p] != f.bytes]
+    if wrong:
+        return f"{wrong[0]} has {sizes[wrong[0]]} bytes, the snapshot says otherwise"
+    return None
 
 
 def aborted(plan: Plan) -> bool:
@@ -98,8 +133,7 @@ class RankLoad:
         return Outcome("default", model_bytes(self.model), time.perf_counter() - started, self.plan)
 
     def fall_back(self, reason: str) -> Outcome:
-        self.log.warning("mxlaunch: rank %d falls back to %s's default loader: %s", self.rank, self.engine, reason)
-        safe_marker(self.plan, "fallback", self.rank, {"reason": reason, "strategy": self.plan.strategy}, self.log)
+        report_fallback(self.plan, self.rank, reason, self.log, self.engine)
         return self.default()
 
     def capture(self) -> Outcome:
@@ -109,18 +143,14 @@ class RankLoad:
         outcome = self.default()
         outcome.strategy = "capture"
         if not plan.capture_dir:
-            reason = "capture: the plan names no capture_dir; serving without capturing"
-            log.warning("mxlaunch: rank %d: %s", rank, reason)
-            safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "capture"}, log)
+            report_fallback(plan, rank, "capture: the plan names no capture_dir; serving without capturing", log)
             return outcome
         out_dir = Path(plan.capture_dir) / str(rank)
         try:
             result = capture_tensors(module_tensors(self.model), out_dir,
                                      metadata={"mxlaunch.rank": str(rank), "mxlaunch.source_id": plan.source_id})
         except CaptureError as exc:
-            reason = f"capture failed, serving without a snapshot: {exc}"
-            log.warning("mxlaunch: rank %d: %s", rank, reason)
-            safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "capture"}, log)
+            report_fallback(plan, rank, f"capture failed, serving without a snapshot: {exc}", log)
             return outcome
         files = [{"name": p.name, "path": str(p), "bytes": p.stat().st_size} for p in result.files]
         log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s "
@@ -139,10 +169,8 @@ class RankLoad:
         plan, rank = self.plan, self.rank
         files = plan.files_for_rank(rank)
         if not files:
-            reason = f"the plan lists no files for rank {rank}"
-            if plan.fallback_ok:
-                return self.fall_back(reason)
-            raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
+            fall_back_or_stop(plan, rank, f"the plan lists no files for rank {rank}", self.log, self.engine)
+            return self.default()
         try:
             result = restore_tensors(module_tensors(self.model), [(f.path, f.bytes) for f in files],
                                      wait_timeout_s=plan.wait_timeout_s, cancelled=lambda: aborted(plan))
