@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from mxlaunch import __version__, settings
+from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
 app = typer.Typer(
@@ -27,6 +28,21 @@ app = typer.Typer(
 )
 out = Console()
 err = Console(stderr=True, soft_wrap=True)  # one-line errors must never wrap
+
+
+# ---- options several commands share: one definition each ----
+
+_ARTIFACT_PATH_HELP = f"Artifact store root [default: ${settings.ARTIFACT_PATH}, else ~/.cache/mxlaunch/store]."
+
+
+def json_option(help: str = "Print the result as JSON on stdout.") -> Any:
+    """--json: one JSON document (or JSON lines) on stdout, always with "schema": 1."""
+    return typer.Option(False, "--json", help=help)
+
+
+def artifact_path_option() -> Any:
+    """--artifact-path, defaulting to $MXLAUNCH_ARTIFACT_PATH (the store falls back to the user cache)."""
+    return typer.Option(None, "--artifact-path", envvar=settings.ARTIFACT_PATH, help=_ARTIFACT_PATH_HELP)
 
 
 def print_json(payload: dict) -> None:
@@ -68,7 +84,7 @@ def verify_command(
     tol: float = typer.Option(0.0, "--tol", help="Largest |Δ logprob| that passes (default 0: exact)."),
     wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for /health and /v1/models (0: one attempt)."),
     timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout in seconds."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    as_json: bool = json_option("Print the result as JSON on stdout."),
 ) -> None:
     """Record a gold file of prompt/greedy logprobs, or compare a server against one (exit 1 on mismatch)."""
     from mxlaunch import verify as _verify
@@ -160,7 +176,7 @@ def bench_command(
     max_duration: float = typer.Option(600.0, "--max-duration", help="Upper bound on the whole run, seconds."),
     seed: int = typer.Option(0, "--seed", help="Seed for the random dataset."),
     wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for /health and /v1/models (0: one attempt)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    as_json: bool = json_option("Print the result as JSON on stdout."),
 ) -> None:
     """Streaming benchmark: TTFT, inter-token latency, end-to-end latency, tokens/s, per concurrency level."""
     from mxlaunch import bench as _bench
@@ -207,7 +223,7 @@ def profile_command(
     runs: int = typer.Option(1, "--runs", min=1, help="Live mode: run the command N times."),
     timeout: float = typer.Option(900.0, "--timeout", min=1.0, help="Live mode: seconds to wait for ready, per run."),
     multinode: bool = typer.Option(False, "--multinode", help="The --log files are the nodes of one run."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    as_json: bool = json_option("Print one JSON document on stdout."),
     chart: Optional[Path] = typer.Option(None, "--chart", help="Write a stacked-bar PNG of the phases here."),
 ) -> None:
     """Cold-start phases from SGLang/vLLM logs or live runs, with statistics over runs."""
@@ -261,7 +277,7 @@ def stage(
     per_file: Optional[int] = typer.Option(None, "--per-file", help="Most reads in flight per file [default: readers/4 in mmap mode, readers/8 otherwise]."),
     write_mode: str = typer.Option("mmap", "--write-mode", help="mmap (read into the mapped destination), pwrite (read into a buffer, then write) or procs (pwrite in reader processes)."),
     no_huge_pages: bool = typer.Option(False, "--no-huge-pages", help="Keep tmpfs destinations in 4 KiB pages (no MADV_COLLAPSE)."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    as_json: bool = json_option("Print a JSON summary on stdout."),
 ) -> None:
     """Copy files into DEST with parallel O_DIRECT reads; each file appears (by rename) when complete."""
     from mxlaunch.errors import UsageError
@@ -305,7 +321,7 @@ def stage(
 @app.command()
 def doctor(
     path: Path = typer.Option(Path("."), "--path", "-p", help="Folder to probe for O_DIRECT (artifact store, weights)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
+    as_json: bool = json_option("Print the checks as JSON."),
 ) -> None:
     """What this node can do: O_DIRECT, /dev/shm, memory limits, Lustre, GPUs, NIXL, Slurm, engines."""
     from rich.markup import escape
@@ -335,15 +351,16 @@ store_app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(store_app, name="store")
-_ARTIFACT_PATH_HELP = "Artifact store root [default: $MXLAUNCH_ARTIFACT_PATH, else ~/.cache/mxlaunch/store]."
 
 
 @store_app.command("list")
 def store_list(
-    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", help=_ARTIFACT_PATH_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the snapshots as JSON."),
+    artifact_path: Optional[Path] = artifact_path_option(),
+    as_json: bool = json_option("Print the snapshots as JSON."),
 ) -> None:
-    """Every snapshot in the store: model, engine, parallelism, size, created, status (ok/incomplete/claimed/refused)."""
+    """Every snapshot in the store: model, engine, parallelism, size, created, status (ok/incomplete/claimed/refused).
+
+    --json has every field, the model's full path and the snapshot's rank count included."""
     from rich.table import Table
 
     from mxlaunch.staging.capacity import format_bytes
@@ -354,10 +371,13 @@ def store_list(
     if as_json:
         print_json({"root": str(store.root), "snapshots": [e.to_dict() for e in entries]})
         return
-    table = Table(title=f"snapshots in {escape(str(store.root))}")
-    for col in ("id", "model", "engine", "tp/pp", "ranks", "size", "created", "status"):
-        table.add_column(col, justify="right" if col in ("ranks", "size") else "left",
-                         no_wrap=col in ("id", "size", "created"))
+    # Readable at 80 columns: no borders, one space between columns, the model by name (the path is in
+    # --json), the date without the time; only the model may wrap.
+    table = Table(title=f"snapshots in {escape(str(store.root))}", box=None, pad_edge=False, padding=(0, 1, 0, 0),
+                  title_justify="left", header_style="bold underline")
+    for col in ("id", "model", "engine", "tp/pp", "size", "created", "status"):
+        table.add_column(col, justify="right" if col == "size" else "left", overflow="fold",
+                         no_wrap=col in ("id", "engine", "size", "created"), min_width={"model": 12, "status": 6}.get(col))
     style = {"ok": "green", "claimed": "cyan", "incomplete": "yellow", "refused": "red"}
     for e in entries:
         d = e.to_dict()
@@ -366,8 +386,7 @@ def store_list(
         status = f"[{style.get(e.status, 'white')}]{e.status}[/]"
         if e.status == "claimed" and e.holder is not None:
             status += f" ({escape(e.holder.describe())})"
-        table.add_row(e.source_id, escape(str(d["model"] or "-")), escape(engine), tp_pp, str(d["nranks"] or "-"),
-                      format_bytes(e.bytes), str(d["created_at"] or "-")[:16].replace("T", " "), status)
+        table.add_row(e.source_id, escape(str(d["model_name"] or "-")), escape(engine), tp_pp, format_bytes(e.bytes), str(d["created_at"] or "-")[:10], status)
     out.print(table)
     for e in entries:
         if e.status == "refused":
@@ -377,9 +396,9 @@ def store_list(
 @store_app.command("verify")
 def store_verify(
     source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
-    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", help=_ARTIFACT_PATH_HELP),
+    artifact_path: Optional[Path] = artifact_path_option(),
     quick: bool = typer.Option(False, "--quick", help="Check manifest, paths and sizes only (no checksums)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    as_json: bool = json_option("Print the result as JSON."),
 ) -> None:
     """Check a snapshot: manifest, ranks, paths inside the store, sizes and xxh3_128 checksums (exit 1 on failure)."""
     from mxlaunch.errors import CheckFailed, UsageError
@@ -408,9 +427,9 @@ def store_verify(
 @store_app.command("rm")
 def store_rm(
     source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
-    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", help=_ARTIFACT_PATH_HELP),
+    artifact_path: Optional[Path] = artifact_path_option(),
     force: bool = typer.Option(False, "--force", help="Remove it even while a capture claims it."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    as_json: bool = json_option("Print the result as JSON."),
 ) -> None:
     """Remove a snapshot (refused while a capture holds its claim, unless --force)."""
     from mxlaunch.store import Store
@@ -426,9 +445,8 @@ def store_rm(
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def launch(
     command: List[str] = typer.Argument(None, help="The engine's own command, after --.", show_default=False),
-    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", envvar=settings.ARTIFACT_PATH,
-                                                 help="Artifact store root [default: ~/.cache/mxlaunch/store]."),
-    strategy: str = typer.Option("auto", "--strategy", help="auto | staged | capture | default."),
+    artifact_path: Optional[Path] = artifact_path_option(),
+    strategy: str = typer.Option("auto", "--strategy", help=" | ".join(STRATEGIES) + "."),
     capture_only: bool = typer.Option(False, "--capture-only", help="Serve until the snapshot is published, then stop (exit 0)."),
     ready_timeout: float = typer.Option(1800.0, "--ready-timeout", help="Seconds to wait for the engine to be ready."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
@@ -437,7 +455,7 @@ def launch(
                                         help="raw (mxlaunch's: tensors before post-processing; every engine) | "
                                              "sharded_state | presharded (SGLang's stock formats; riskier, see docs/sglang.md)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
-    as_json: bool = typer.Option(False, "--json", help="JSON plan (dry run) or JSON-lines events."),
+    as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
 ) -> None:
     """Run an engine command with the fastest correct weight path: staged snapshot, capture, or default."""
     from mxlaunch.launch import LaunchOptions, Launcher, make_plan

@@ -168,12 +168,25 @@ class StoreEntry:
         spec = m.get("spec") if isinstance(m.get("spec"), dict) else {}
         return {
             "source_id": self.source_id, "status": self.status, "reason": self.reason or None,
-            "model": spec.get("model"), "engine": m.get("engine"), "engine_version": m.get("engine_version"),
+            "model": spec.get("model"), "model_name": model_name(spec.get("model")), "engine": m.get("engine"), "engine_version": m.get("engine_version"),
             "tp": spec.get("tp"), "pp": spec.get("pp"), "nranks": m.get("nranks"), "bytes": self.bytes,
             "created_at": m.get("created_at"),
             "claimed_by": None if self.holder is None else {
                 "host": self.holder.host, "pid": self.holder.pid, "expires_at": self.holder.expires_at},
         }
+
+
+def model_name(model: Optional[str]) -> Optional[str]:
+    """A model as people name it: a hub id as given; a hub-cache snapshot folder as its org/name; any other
+    folder by its last component (the full path stays in the JSON)."""
+    if not model:
+        return None
+    m = re.search(r"models--([^/]+)/snapshots/", model)
+    if m:
+        return m.group(1).replace("--", "/")
+    if model.startswith(("/", ".", "~")):
+        return Path(model.rstrip("/")).name or model
+    return model
 
 
 # ---- manifest validation ---------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ staged   wait for every staged file, write READY (not kept in the store: only .s
          dump does not match this launch's shard config it loads from the checkpoint instead, and the
          rank reports a fallback
 
-Both are riskier than raw, and guarded before launch (engines/sglang_argv.snapshot_format_refusal): the dump holds
+Both are riskier than raw, and guarded before launch (engines/sglang_engine.snapshot_format_refusal): the dump holds
 post-processed weights, which some quantized and MLA models cannot reload. Unlike raw, the engine starts
 reading only once all of a rank's files are staged (SGLang's loader globs the folder).
 """
