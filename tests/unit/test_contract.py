@@ -44,3 +44,8 @@ def test_every_variable_read_in_the_code_is_in_settings() -> None:
     outside = [p for p in (ROOT / "mxlaunch").rglob("*.py")
                if p.name not in ("settings.py", "loader.py") and re.search(r"environ(?:\.get)?\(?\[?[\"']MXLAUNCH_", p.read_text())]
     assert outside == []  # read through settings (plugin/loader.py is another change's file)
+
+
+def test_every_variable_is_documented() -> None:
+    text = (ROOT / "docs" / "engines.md").read_text()
+    assert [v for v in settings.VARIABLES if f"`{v}`" not in text] == []
