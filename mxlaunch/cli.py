@@ -5,17 +5,18 @@ No logic lives here; each command calls into its module and renders the result.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from mxlaunch import __version__, settings
-from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
+from mxlaunch import __version__
+from mxlaunch.cli_common import err, json_option, out, print_json
+from mxlaunch.cli_launch import CONTEXT as launch_context
+from mxlaunch.cli_launch import launch
+from mxlaunch.cli_store import store_app
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
 app = typer.Typer(
@@ -26,30 +27,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-out = Console()
-err = Console(stderr=True, soft_wrap=True)  # one-line errors must never wrap
-
-
-# ---- options several commands share: one definition each ----
-
-_ARTIFACT_PATH_HELP = f"Artifact store root [default: ${settings.ARTIFACT_PATH}, else ~/.cache/mxlaunch/store]."
-
-
-def json_option(help: str = "Print the result as JSON on stdout.") -> Any:
-    """--json: one JSON document (or JSON lines) on stdout, always with "schema": 1."""
-    return typer.Option(False, "--json", help=help)
-
-
-def artifact_path_option() -> Any:
-    """--artifact-path, defaulting to $MXLAUNCH_ARTIFACT_PATH (the store falls back to the user cache)."""
-    return typer.Option(None, "--artifact-path", envvar=settings.ARTIFACT_PATH, help=_ARTIFACT_PATH_HELP)
-
-
-def print_json(payload: dict) -> None:
-    """Every --json output carries schema 1 and goes to stdout, alone."""
-    payload = {"schema": 1, **payload}
-    sys.stdout.write(json.dumps(payload, indent=None, sort_keys=False) + "\n")
-    sys.stdout.flush()
 
 
 def _version_callback(value: bool) -> None:
@@ -343,166 +320,13 @@ def doctor(
     out.print(table)
 
 
-# ---- store: list / verify / rm snapshots in the artifact store (issue 3) ----
+# ---- store: list / verify / rm snapshots in the artifact store (mxlaunch/cli_store.py) ----
 
-store_app = typer.Typer(
-    help="See, check and remove snapshots in the artifact store.",
-    no_args_is_help=True,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
 app.add_typer(store_app, name="store")
 
+# ---- launch (mxlaunch/cli_launch.py) ----
 
-@store_app.command("list")
-def store_list(
-    artifact_path: Optional[Path] = artifact_path_option(),
-    as_json: bool = json_option("Print the snapshots as JSON."),
-) -> None:
-    """Every snapshot in the store: model, engine, parallelism, size, created, status (ok/incomplete/claimed/refused).
-
-    --json has every field, the model's full path and the snapshot's rank count included."""
-    from rich.table import Table
-
-    from mxlaunch.staging.capacity import format_bytes
-    from mxlaunch.store import Store
-
-    store = Store(artifact_path)
-    entries = store.list()
-    if as_json:
-        print_json({"root": str(store.root), "snapshots": [e.to_dict() for e in entries]})
-        return
-    # Readable at 80 columns: no borders, one space between columns, the model by name (the path is in
-    # --json), the date without the time; only the model may wrap.
-    table = Table(title=f"snapshots in {escape(str(store.root))}", box=None, pad_edge=False, padding=(0, 1, 0, 0),
-                  title_justify="left", header_style="bold underline")
-    for col in ("id", "model", "engine", "tp/pp", "size", "created", "status"):
-        table.add_column(col, justify="right" if col == "size" else "left", overflow="fold",
-                         no_wrap=col in ("id", "engine", "size", "created"), min_width={"model": 12, "status": 6}.get(col))
-    style = {"ok": "green", "claimed": "cyan", "incomplete": "yellow", "refused": "red"}
-    for e in entries:
-        d = e.to_dict()
-        engine = " ".join(str(x) for x in (d["engine"], d["engine_version"]) if x) or "-"
-        tp_pp = f"{d['tp'] or '-'}/{d['pp'] or '-'}" if d["tp"] or d["pp"] else "-"
-        status = f"[{style.get(e.status, 'white')}]{e.status}[/]"
-        if e.status == "claimed" and e.holder is not None:
-            status += f" ({escape(e.holder.describe())})"
-        table.add_row(e.source_id, escape(str(d["model_name"] or "-")), escape(engine), tp_pp, format_bytes(e.bytes), str(d["created_at"] or "-")[:10], status)
-    out.print(table)
-    for e in entries:
-        if e.status == "refused":
-            out.print(f"{e.source_id}: {escape(e.reason)}", highlight=False, soft_wrap=True)
-
-
-@store_app.command("verify")
-def store_verify(
-    source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
-    artifact_path: Optional[Path] = artifact_path_option(),
-    quick: bool = typer.Option(False, "--quick", help="Check manifest, paths and sizes only (no checksums)."),
-    as_json: bool = json_option("Print the result as JSON."),
-) -> None:
-    """Check a snapshot: manifest, ranks, paths inside the store, sizes and xxh3_128 checksums (exit 1 on failure)."""
-    from mxlaunch.errors import CheckFailed, UsageError
-    from mxlaunch.staging.capacity import format_bytes
-    from mxlaunch.store import Store
-
-    store = Store(artifact_path)
-    if not store.folder(source_id).is_dir():
-        raise UsageError(f"no snapshot {source_id} in {store.root}", "see `mxlaunch store list`")
-    with err.status(f"verifying {source_id}"):
-        report = store.verify(source_id, full=not quick)
-    if as_json:
-        print_json(report.to_dict())
-    elif report.ok:
-        out.print(f"{source_id}: ok — {report.files} files, {format_bytes(report.bytes)}"
-                  f"{', checksums match' if report.full else ' (sizes only)'}", highlight=False)
-    else:
-        for problem in report.problems:
-            out.print(f"{source_id}: {escape(problem)}", highlight=False, soft_wrap=True)
-    if not report.ok:
-        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-        raise CheckFailed(f"snapshot {source_id} failed verification: {report.problems[0]}{more}",
-                          f"remove it with `mxlaunch store rm {source_id}`; the next launch captures it again")
-
-
-@store_app.command("rm")
-def store_rm(
-    source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
-    artifact_path: Optional[Path] = artifact_path_option(),
-    force: bool = typer.Option(False, "--force", help="Remove it even while a capture claims it."),
-    as_json: bool = json_option("Print the result as JSON."),
-) -> None:
-    """Remove a snapshot (refused while a capture holds its claim, unless --force)."""
-    from mxlaunch.store import Store
-
-    store = Store(artifact_path)
-    store.remove(source_id, force=force)
-    if as_json:
-        print_json({"removed": source_id, "root": str(store.root)})
-    else:
-        out.print(f"removed {source_id} from {escape(str(store.root))}", highlight=False)
-
-
-@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
-def launch(
-    command: List[str] = typer.Argument(None, help="The engine's own command, after --.", show_default=False),
-    artifact_path: Optional[Path] = artifact_path_option(),
-    strategy: str = typer.Option("auto", "--strategy", help=" | ".join(STRATEGIES) + "."),
-    capture_only: bool = typer.Option(False, "--capture-only", help="Serve until the snapshot is published, then stop (exit 0)."),
-    ready_timeout: float = typer.Option(1800.0, "--ready-timeout", help="Seconds to wait for the engine to be ready."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
-    readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 32; in a Slurm job 2 per CPU of the node, 4–32]."),
-    snapshot_format: str = typer.Option("raw", "--snapshot-format",
-                                        help="raw (mxlaunch's: tensors before post-processing; every engine) | "
-                                             "sharded_state | presharded (SGLang's stock formats; riskier, see docs/sglang.md)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
-    as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
-) -> None:
-    """Run an engine command with the fastest correct weight path: staged snapshot, capture, or default."""
-    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
-
-    opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
-                         ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
-                         snapshot_format=snapshot_format)
-    plan = make_plan(list(command or []), opts)
-    if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
-        err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
-    if dry_run:
-        if as_json:
-            print_json(plan.to_json())
-        else:
-            out.print(f"strategy [bold]{plan.strategy}[/]: {escape(plan.reason)}")
-            out.print(f"source id {plan.source_id} · engine {plan.spec.engine} {plan.spec.engine_version or '(not installed)'}"
-                      f" · tp {plan.spec.tp} pp {plan.spec.pp} dp {plan.spec.dp}")
-            out.print("command: " + escape(" ".join(plan.argv)))
-            if plan.stage_files:
-                out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
-        return
-    if capture_only and plan.strategy != "capture":
-        from mxlaunch.errors import UsageError
-
-        raise UsageError(f"--capture-only: nothing to capture ({plan.reason})", "drop --capture-only to serve")
-
-    def emit(event: str, **fields: object) -> None:
-        if as_json:
-            print_json({"event": event, **fields})
-        elif event == "ready":
-            phases = fields.get("phases") or {}
-            shown = " · ".join(f"{name} {sec:.2f}s" for name, sec in phases.items() if sec)  # type: ignore[union-attr]
-            err.print(f"[bold green]mxlaunch ready[/] in {fields['seconds']:.1f} s (strategy {fields['strategy']}): "
-                      f"{escape(shown)}", highlight=False)
-        else:
-            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("argv", "log_tail"))
-            err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)
-            if fields.get("log_tail"):
-                err.print(escape(str(fields["log_tail"])), highlight=False)
-
-    def echo(line: str) -> None:
-        (sys.stderr if as_json else sys.stdout).write(line + "\n")
-
-    if plan.slurm and as_json:
-        emit("slurm", **plan.slurm)
-    code = Launcher(plan, opts, emit=emit, echo=echo).run()
-    raise typer.Exit(code)
+app.command(context_settings=launch_context)(launch)
 
 
 def main() -> None:
