@@ -332,8 +332,7 @@ def explicit_fields(argv: List[str]) -> Dict[str, Any]:
     argv = [str(a) for a in argv]
     form, start = _split_command(argv)
     opts = _effective(argv, start, form)
-    vals = _values(opts)
-    return {dest: vals[dest] for dest in {_DEST_OF[o.flag] for o in opts if o.flag in _DEST_OF}}
+    return A.explicit(opts, lambda o: _DEST_OF.get(o.flag), _values(opts))
 
 
 # ---- rewrite ----------------------------------------------------------------------------------------

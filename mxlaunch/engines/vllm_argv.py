@@ -239,10 +239,12 @@ def explicit_fields(argv: List[str]) -> Dict[str, Any]:
     argv = [str(a) for a in argv]
     _, start, serve = _split_command(argv)
     scan = _scan(_effective_tokens([(t, k) for k, t in enumerate(argv) if k >= start], serve))
-    vals = values_of(scan, _bad)
-    names = {(_READ.get(o.flag) or _READ_BOOL[o.flag])[0] for o in scan.opts
-             if o.dotted is None and (o.flag in _READ or o.flag in _READ_BOOL)}
-    return {name: vals[name] for name in names}
+
+    def dest(o: _Opt) -> Optional[str]:
+        spec = _READ.get(o.flag) or _READ_BOOL.get(o.flag)
+        return spec[0] if spec and o.dotted is None else None
+
+    return A.explicit(scan.opts, dest, values_of(scan, _bad))
 
 
 # ---- version ----------------------------------------------------------------------------------------
