@@ -12,13 +12,19 @@ ROOT = Path(__file__).resolve().parents[2] / "mxlaunch"
 
 
 def _graph() -> dict[str, set[str]]:
-    """module → the mxlaunch modules it imports, at module level or inside functions (lazy imports too)."""
+    """module → the mxlaunch modules it imports, at module level or inside functions (lazy imports too;
+    not `if TYPE_CHECKING:` ones, which never run)."""
     files = {("mxlaunch." + ".".join(p.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__"): p
              for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(block.test) for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # annotations only: never imported at run time
+                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mxlaunch"):
                 deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
                          for a in node.names}
