@@ -205,6 +205,7 @@ def profile_command(
 ) -> None:
     """Cold-start phases from SGLang/vLLM logs or live runs, with statistics over runs."""
     from mxlaunch import profile as prof
+    from mxlaunch.profile_live import run_live
     from mxlaunch.errors import CheckFailed, UsageError
 
     if engine not in prof.ENGINES:
@@ -218,7 +219,7 @@ def profile_command(
         results = []
         for i in range(1, runs + 1):
             err.print(f"run {i}/{runs}: starting {' '.join(command)}", highlight=False)
-            result, code = prof.run_live(command, timeout, engine=engine)
+            result, code = run_live(command, timeout, engine=engine)
             state = "ready" if result.ready else (f"exited {code} before ready" if code is not None else "not ready")
             err.print(f"run {i}/{runs}: {state} after {result.total_seconds:.1f} s; stopped", highlight=False)
             results.append(result)

@@ -10,27 +10,21 @@ turns events into phase durations, the same way for every engine:
 - `stage` overlaps start-up: reported, never summed.
 
 `StartupProfiler` is incremental (feed lines with arrival times) so the launcher can feed it the
-engine's live output; `profile_file` and `run_live` are the two ways `mxlaunch profile` uses it.
+engine's live output; `profile_file` and `profile_live.run_live` are the two ways `mxlaunch profile` uses it.
 """
 
 from __future__ import annotations
 
 import math
-import queue
 import re
-import subprocess
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from mxlaunch.engines import LOG_FORMATS, LogFormat, LogLine, PhaseEvent
 from mxlaunch.engines.base import mxlaunch_events
 from mxlaunch.engines.registry import ENGINES as _REGISTRY
-from mxlaunch.engines.registry import detect
 from mxlaunch.errors import UsageError
-from mxlaunch.launch import process
 
 PHASES: Tuple[str, ...] = (
     "process_startup",
@@ -350,77 +344,6 @@ def _stat(xs: List[float]) -> Dict[str, float]:
 def report(runs: Sequence[RunProfile]) -> dict:
     """The `--json` document (cli.print_json adds "schema": 1)."""
     return {"runs": [r.to_dict() for r in runs], "stats": compute_stats(runs)}
-
-
-# ---- live runs -----------------------------------------------------------------------------------
-
-
-def engine_from_argv(argv: Sequence[str]) -> str:
-    """The engine whose launch form argv is; else one whose name the command mentions (a wrapper
-    script); else "auto" (detect from the output)."""
-    found = detect(argv)
-    if found is not None:
-        return found.name
-    joined = " ".join(argv).lower()
-    return next((name for name in _REGISTRY if name in joined), "auto")
-
-
-def run_live(
-    argv: Sequence[str],
-    timeout: float,
-    engine: str = "auto",
-    on_event: Optional[Callable[[PhaseEvent, float], None]] = None,
-    grace: Tuple[float, float] = (15.0, 10.0),
-) -> Tuple[RunProfile, Optional[int]]:
-    """Run the command until ready (or exit, or timeout), stop it, and profile its output.
-
-    Returns the profile and the command's exit code if it exited on its own before ready.
-    """
-    if not argv:
-        raise UsageError("no command to run", fix="mxlaunch profile -- python -m vllm.entrypoints.openai.api_server ...")
-    if engine == "auto":
-        engine = engine_from_argv(argv)
-    prof = StartupProfiler(engine=engine, source=" ".join(argv), live=True)
-    start = time.monotonic()
-    try:
-        proc = process.start(argv, stdin=subprocess.DEVNULL, die_with_parent=False)
-    except (FileNotFoundError, PermissionError) as exc:
-        raise UsageError(f"cannot run {argv[0]}: {exc.strerror or exc}", fix="check the command after --")
-    assert proc.stdout is not None
-    lines: "queue.Queue[Optional[Tuple[str, float]]]" = queue.Queue()
-
-    def read() -> None:  # the launcher's reader: the same lines as `launch` sees (\n and tqdm's \r)
-        try:
-            process.read_lines(proc.stdout.fileno(), lambda text, t: lines.put((text, t)), start)
-        finally:
-            lines.put(None)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    exited_early: Optional[int] = None
-    try:
-        deadline = start + timeout
-        while not prof.done:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                item = lines.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                continue
-            if item is None:  # output closed: the command (and its children) ended before ready
-                exited_early = proc.wait()
-                break
-            for ev in prof.feed(item[0], item[1]):
-                if on_event:
-                    on_event(ev, item[1])
-    finally:
-        process.stop_group(proc, grace)
-        reader.join(timeout=5)
-        proc.stdout.close()
-    if not prof.done:  # the ready time is not extended by lines read after the stop
-        prof.last_t = max(prof.last_t or 0.0, min(time.monotonic() - start, timeout))
-    return prof.result(), exited_early
 
 
 def not_ready_message(runs: Iterable[RunProfile]) -> Optional[str]:
