@@ -5,16 +5,18 @@ No logic lives here; each command calls into its module and renders the result.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from mxlaunch import __version__
+from mxlaunch.cli_common import err, json_option, out, print_json
+from mxlaunch.cli_launch import CONTEXT as launch_context
+from mxlaunch.cli_launch import launch
+from mxlaunch.cli_store import store_app
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
 app = typer.Typer(
@@ -25,15 +27,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-out = Console()
-err = Console(stderr=True, soft_wrap=True)  # one-line errors must never wrap
-
-
-def print_json(payload: dict) -> None:
-    """Every --json output carries schema 1 and goes to stdout, alone."""
-    payload = {"schema": 1, **payload}
-    sys.stdout.write(json.dumps(payload, indent=None, sort_keys=False) + "\n")
-    sys.stdout.flush()
 
 
 def _version_callback(value: bool) -> None:
@@ -68,7 +61,7 @@ def verify_command(
     tol: float = typer.Option(0.0, "--tol", help="Largest |Δ logprob| that passes (default 0: exact)."),
     wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for /health and /v1/models (0: one attempt)."),
     timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout in seconds."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    as_json: bool = json_option("Print the result as JSON on stdout."),
 ) -> None:
     """Record a gold file of prompt/greedy logprobs, or compare a server against one (exit 1 on mismatch)."""
     from mxlaunch import verify as _verify
@@ -164,7 +157,7 @@ def bench_command(
     max_duration: float = typer.Option(600.0, "--max-duration", help="Upper bound on the whole run, seconds."),
     seed: int = typer.Option(0, "--seed", help="Seed for the random dataset."),
     wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for /health and /v1/models (0: one attempt)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    as_json: bool = json_option("Print the result as JSON on stdout."),
 ) -> None:
     """Streaming benchmark: TTFT, inter-token latency, end-to-end latency, tokens/s, per concurrency level."""
     from mxlaunch import bench as _bench
@@ -207,20 +200,21 @@ def bench_command(
 def profile_command(
     command: Optional[List[str]] = typer.Argument(None, help="-- CMD...: run it, profile until ready, stop it.", show_default=False),
     log: Optional[List[Path]] = typer.Option(None, "--log", help="Engine log file(s); several are several runs.", show_default=False),
-    engine: str = typer.Option("auto", "--engine", help="auto | sglang | vllm."),
+    engine: str = typer.Option("auto", "--engine", help="auto, or an engine's name (mxlaunch.engines.registry)."),
     runs: int = typer.Option(1, "--runs", min=1, help="Live mode: run the command N times."),
     timeout: float = typer.Option(900.0, "--timeout", min=1.0, help="Live mode: seconds to wait for ready, per run."),
     multinode: bool = typer.Option(False, "--multinode", help="The --log files are the nodes of one run."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    as_json: bool = json_option("Print one JSON document on stdout."),
     chart: Optional[Path] = typer.Option(None, "--chart", help="Write a stacked-bar PNG of the phases here."),
     explain: bool = typer.Option(False, "--explain", help="List timed lines no pattern reads (their time is in unknown)."),
 ) -> None:
     """Cold-start phases from SGLang/vLLM logs or live runs, with statistics over runs."""
     from mxlaunch import profile as prof
+    from mxlaunch.profile_live import run_live
     from mxlaunch.errors import CheckFailed, UsageError
 
     if engine not in prof.ENGINES:
-        raise UsageError(f"unknown engine {engine!r}", fix="use --engine auto, sglang or vllm")
+        raise UsageError(f"unknown engine {engine!r}", fix=f"use --engine {' | '.join(prof.ENGINES)}")
     if log:
         files = list(log) + [Path(c) for c in command or []]  # `--log a.log b.log` works too
         results = [prof.profile_file(f, engine) for f in files]
@@ -230,7 +224,7 @@ def profile_command(
         results = []
         for i in range(1, runs + 1):
             err.print(f"run {i}/{runs}: starting {' '.join(command)}", highlight=False)
-            result, code = prof.run_live(command, timeout, engine=engine)
+            result, code = run_live(command, timeout, engine=engine)
             state = "ready" if result.ready else (f"exited {code} before ready" if code is not None else "not ready")
             err.print(f"run {i}/{runs}: {state} after {result.total_seconds:.1f} s; stopped", highlight=False)
             results.append(result)
@@ -268,7 +262,7 @@ def stage(
     per_file: Optional[int] = typer.Option(None, "--per-file", help="Most reads in flight per file [default: readers/4 in mmap mode, readers/8 otherwise]."),
     write_mode: str = typer.Option("mmap", "--write-mode", help="mmap (read into the mapped destination), pwrite (read into a buffer, then write) or procs (pwrite in reader processes)."),
     no_huge_pages: bool = typer.Option(False, "--no-huge-pages", help="Keep tmpfs destinations in 4 KiB pages (no MADV_COLLAPSE)."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    as_json: bool = json_option("Print a JSON summary on stdout."),
 ) -> None:
     """Copy files into DEST with parallel O_DIRECT reads; each file appears (by rename) when complete."""
     from mxlaunch.errors import UsageError
@@ -312,7 +306,7 @@ def stage(
 @app.command()
 def doctor(
     path: Path = typer.Option(Path("."), "--path", "-p", help="Folder to probe for O_DIRECT (artifact store, weights)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
+    as_json: bool = json_option("Print the checks as JSON."),
 ) -> None:
     """What this node can do: O_DIRECT, /dev/shm, memory limits, Lustre, GPUs, NIXL, Slurm, engines."""
     from rich.markup import escape
@@ -334,164 +328,13 @@ def doctor(
     out.print(table)
 
 
-# ---- store: list / verify / rm snapshots in the artifact store (issue 3) ----
+# ---- store: list / verify / rm snapshots in the artifact store (mxlaunch/cli_store.py) ----
 
-store_app = typer.Typer(
-    help="See, check and remove snapshots in the artifact store.",
-    no_args_is_help=True,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
 app.add_typer(store_app, name="store")
-_ARTIFACT_PATH_HELP = "Artifact store root [default: $MXLAUNCH_ARTIFACT_PATH, else ~/.cache/mxlaunch/store]."
 
+# ---- launch (mxlaunch/cli_launch.py) ----
 
-@store_app.command("list")
-def store_list(
-    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", help=_ARTIFACT_PATH_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the snapshots as JSON."),
-) -> None:
-    """Every snapshot in the store: model, engine, parallelism, size, created, status (ok/incomplete/claimed/refused)."""
-    from rich.table import Table
-
-    from mxlaunch.staging.capacity import format_bytes
-    from mxlaunch.store import Store
-
-    store = Store(artifact_path)
-    entries = store.list()
-    if as_json:
-        print_json({"root": str(store.root), "snapshots": [e.to_dict() for e in entries]})
-        return
-    table = Table(title=f"snapshots in {escape(str(store.root))}")
-    for col in ("id", "model", "engine", "tp/pp", "ranks", "size", "created", "status"):
-        table.add_column(col, justify="right" if col in ("ranks", "size") else "left",
-                         no_wrap=col in ("id", "size", "created"))
-    style = {"ok": "green", "claimed": "cyan", "incomplete": "yellow", "refused": "red"}
-    for e in entries:
-        d = e.to_dict()
-        engine = " ".join(str(x) for x in (d["engine"], d["engine_version"]) if x) or "-"
-        tp_pp = f"{d['tp'] or '-'}/{d['pp'] or '-'}" if d["tp"] or d["pp"] else "-"
-        status = f"[{style.get(e.status, 'white')}]{e.status}[/]"
-        if e.status == "claimed" and e.holder is not None:
-            status += f" ({escape(e.holder.describe())})"
-        table.add_row(e.source_id, escape(str(d["model"] or "-")), escape(engine), tp_pp, str(d["nranks"] or "-"),
-                      format_bytes(e.bytes), str(d["created_at"] or "-")[:16].replace("T", " "), status)
-    out.print(table)
-    for e in entries:
-        if e.status == "refused":
-            out.print(f"{e.source_id}: {escape(e.reason)}", highlight=False, soft_wrap=True)
-
-
-@store_app.command("verify")
-def store_verify(
-    source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
-    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", help=_ARTIFACT_PATH_HELP),
-    quick: bool = typer.Option(False, "--quick", help="Check manifest, paths and sizes only (no checksums)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-) -> None:
-    """Check a snapshot: manifest, ranks, paths inside the store, sizes and xxh3_128 checksums (exit 1 on failure)."""
-    from mxlaunch.errors import CheckFailed, UsageError
-    from mxlaunch.staging.capacity import format_bytes
-    from mxlaunch.store import Store
-
-    store = Store(artifact_path)
-    if not store.folder(source_id).is_dir():
-        raise UsageError(f"no snapshot {source_id} in {store.root}", "see `mxlaunch store list`")
-    with err.status(f"verifying {source_id}"):
-        report = store.verify(source_id, full=not quick)
-    if as_json:
-        print_json(report.to_dict())
-    elif report.ok:
-        out.print(f"{source_id}: ok — {report.files} files, {format_bytes(report.bytes)}"
-                  f"{', checksums match' if report.full else ' (sizes only)'}", highlight=False)
-    else:
-        for problem in report.problems:
-            out.print(f"{source_id}: {escape(problem)}", highlight=False, soft_wrap=True)
-    if not report.ok:
-        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-        raise CheckFailed(f"snapshot {source_id} failed verification: {report.problems[0]}{more}",
-                          f"remove it with `mxlaunch store rm {source_id}`; the next launch captures it again")
-
-
-@store_app.command("rm")
-def store_rm(
-    source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
-    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", help=_ARTIFACT_PATH_HELP),
-    force: bool = typer.Option(False, "--force", help="Remove it even while a capture claims it."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-) -> None:
-    """Remove a snapshot (refused while a capture holds its claim, unless --force)."""
-    from mxlaunch.store import Store
-
-    store = Store(artifact_path)
-    store.remove(source_id, force=force)
-    if as_json:
-        print_json({"removed": source_id, "root": str(store.root)})
-    else:
-        out.print(f"removed {source_id} from {escape(str(store.root))}", highlight=False)
-
-
-@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
-def launch(
-    command: List[str] = typer.Argument(None, help="The engine's own command, after --.", show_default=False),
-    artifact_path: Optional[Path] = typer.Option(None, "--artifact-path", envvar="MXLAUNCH_ARTIFACT_PATH",
-                                                 help="Artifact store root [default: ~/.cache/mxlaunch/store]."),
-    strategy: str = typer.Option("auto", "--strategy", help="auto | staged | capture | default."),
-    capture_only: bool = typer.Option(False, "--capture-only", help="Serve until the snapshot is published, then stop (exit 0)."),
-    ready_timeout: float = typer.Option(1800.0, "--ready-timeout", help="Seconds to wait for the engine to be ready."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
-    readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 32; in a Slurm job 2 per CPU of the node, 4–32]."),
-    snapshot_format: str = typer.Option("raw", "--snapshot-format",
-                                        help="raw (mxlaunch's: tensors before post-processing; every engine) | "
-                                             "sharded_state | presharded (SGLang's stock formats; riskier, see docs/sglang.md)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
-    as_json: bool = typer.Option(False, "--json", help="JSON plan (dry run) or JSON-lines events."),
-) -> None:
-    """Run an engine command with the fastest correct weight path: staged snapshot, capture, or default."""
-    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
-
-    opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
-                         ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
-                         snapshot_format=snapshot_format)
-    plan = make_plan(list(command or []), opts)
-    if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
-        err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
-    if dry_run:
-        if as_json:
-            print_json(plan.to_json())
-        else:
-            out.print(f"strategy [bold]{plan.strategy}[/]: {escape(plan.reason)}")
-            out.print(f"source id {plan.source_id} · engine {plan.spec.engine} {plan.spec.engine_version or '(not installed)'}"
-                      f" · tp {plan.spec.tp} pp {plan.spec.pp} dp {plan.spec.dp}")
-            out.print("command: " + escape(" ".join(plan.argv)))
-            if plan.stage_files:
-                out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
-        return
-    if capture_only and plan.strategy != "capture":
-        from mxlaunch.errors import UsageError
-
-        raise UsageError(f"--capture-only: nothing to capture ({plan.reason})", "drop --capture-only to serve")
-
-    def emit(event: str, **fields: object) -> None:
-        if as_json:
-            print_json({"event": event, **fields})
-        elif event == "ready":
-            phases = fields.get("phases") or {}
-            shown = " · ".join(f"{name} {sec:.2f}s" for name, sec in phases.items() if sec)  # type: ignore[union-attr]
-            err.print(f"[bold green]mxlaunch ready[/] in {fields['seconds']:.1f} s (strategy {fields['strategy']}): "
-                      f"{escape(shown)}", highlight=False)
-        else:
-            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("argv", "log_tail"))
-            err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)
-            if fields.get("log_tail"):
-                err.print(escape(str(fields["log_tail"])), highlight=False)
-
-    def echo(line: str) -> None:
-        (sys.stderr if as_json else sys.stdout).write(line + "\n")
-
-    if plan.slurm and as_json:
-        emit("slurm", **plan.slurm)
-    code = Launcher(plan, opts, emit=emit, echo=echo).run()
-    raise typer.Exit(code)
+app.command(context_settings=launch_context)(launch)
 
 
 def main() -> None:

@@ -43,10 +43,10 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from mxlaunch.contract import SNAPSHOT_VERSION
 from mxlaunch.engines.base import LaunchSpec
 
-SNAPSHOT_FORMAT = "raw"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_FORMAT = "raw"  # the default for callers that name none; the launcher passes contract's names
 ID_HEX = 16
 MAX_HEADER = 100 * 1024 * 1024  # safetensors refuses headers above 100 MB; a bigger length means a broken file
 

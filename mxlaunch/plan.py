@@ -31,10 +31,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mxlaunch.coord.file import write_json_atomic as _atomic_json
+from mxlaunch import settings
+from mxlaunch.contract import RAW, STRATEGIES, marker_name
+from mxlaunch.fileutil import write_json_atomic
 
-PLAN_ENV = "MXLAUNCH_PLAN"
-STRATEGIES = ("capture", "staged", "default")
+PLAN_ENV = settings.PLAN
 
 
 class PlanError(ValueError):
@@ -56,7 +57,7 @@ class Plan:
     ranks: dict[str, list[RankFile]] = field(default_factory=dict)
     wait_timeout_s: float = 600.0
     fallback_ok: bool = True
-    snapshot_format: str = "mxlaunch-raw"
+    snapshot_format: str = RAW
     schema: int = 1
 
     @property
@@ -69,10 +70,14 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
+    def to_dict(self) -> dict:
+        """The file's JSON object (keys sorted, as to_json writes them)."""
+        return json.loads(self.to_json())
+
 
 def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
     """Read the plan named by MXLAUNCH_PLAN (or `path`); None when no plan is set."""
-    path = path or os.environ.get(PLAN_ENV)
+    path = path or settings.plan_path()
     if not path:
         return None
     try:
@@ -97,21 +102,14 @@ def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
             ranks=ranks,
             wait_timeout_s=float(data.get("wait_timeout_s", 600.0)),
             fallback_ok=bool(data.get("fallback_ok", True)),
-            snapshot_format=str(data.get("snapshot_format", "mxlaunch-raw")),
+            snapshot_format=str(data.get("snapshot_format", RAW)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan {path} is malformed: {exc}") from exc
 
 
-def write_json_atomic(path: str | os.PathLike[str], payload: dict | str) -> None:
-    """Temp file in the same folder + rename (the store's helper): readers never see half a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_json(target, json.loads(payload) if isinstance(payload, str) else payload)
-
-
 def write_marker(plan: Plan, kind: str, rank: int, payload: dict) -> Path:
     """markers/<kind>-<rank>.json, atomically."""
-    path = plan.markers_dir / f"{kind}-{rank}.json"
-    write_json_atomic(path, {"rank": rank, **payload})
+    path = plan.markers_dir / marker_name(kind, rank)
+    write_json_atomic(path, {"rank": rank, **payload}, parents=True)
     return path

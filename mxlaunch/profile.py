@@ -10,25 +10,20 @@ turns events into phase durations, the same way for every engine:
 - `stage` overlaps start-up: reported, never summed.
 
 `StartupProfiler` is incremental (feed lines with arrival times) so the launcher can feed it the
-engine's live output; `profile_file` and `run_live` are the two ways `mxlaunch profile` uses it.
+engine's live output; `profile_file` and `profile_live.run_live` are the two ways `mxlaunch profile` uses it.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import queue
 import re
-import signal
-import subprocess
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from mxlaunch.engines import LOG_FORMATS, LogFormat, LogLine, PhaseEvent
 from mxlaunch.engines.base import mxlaunch_events
+from mxlaunch.engines.registry import ENGINES as _REGISTRY
 from mxlaunch.errors import UsageError
 
 PHASES: Tuple[str, ...] = (
@@ -46,7 +41,7 @@ PHASES: Tuple[str, ...] = (
     "unknown",
 )
 NOT_SUMMED = {"stage", "unknown"}
-ENGINES = ("auto", "sglang", "vllm")
+ENGINES = ("auto", *_REGISTRY)  # --engine choices
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 # Terminal colour and cursor codes (CSI sequences): vLLM colours its process tags on a terminal, and files
@@ -109,7 +104,7 @@ class StartupProfiler:
 
     def __init__(self, engine: str = "auto", source: str = "", live: bool = False) -> None:
         if engine not in ENGINES:
-            raise UsageError(f"unknown engine {engine!r}", fix="use --engine auto, sglang or vllm")
+            raise UsageError(f"unknown engine {engine!r}", fix=f"use --engine {' | '.join(ENGINES)}")
         self.source = source
         self.live = live
         self.fmt: Optional[LogFormat] = None if engine == "auto" else LOG_FORMATS[engine]()
@@ -332,7 +327,7 @@ def profile_text(text: str, engine: str = "auto", source: str = "") -> RunProfil
     prof.feed_text(text)
     result = prof.result()
     if prof.engine_lines == 0:
-        which = "SGLang or vLLM" if engine == "auto" else ("SGLang" if engine == "sglang" else "vLLM")
+        which = " or ".join(e.display for e in _REGISTRY.values()) if engine == "auto" else _REGISTRY[engine].display
         raise UsageError(f"{source or 'input'}: no {which} log lines found",
                          fix="pass an engine start-up log (or the right --engine)")
     return result
@@ -390,134 +385,6 @@ def _stat(xs: List[float]) -> Dict[str, float]:
 def report(runs: Sequence[RunProfile], explain: bool = False) -> dict:
     """The `--json` document (cli.print_json adds "schema": 1); `explain` adds each run's `unmatched` lines."""
     return {"runs": [r.to_dict(explain) for r in runs], "stats": compute_stats(runs)}
-
-
-# ---- live runs -----------------------------------------------------------------------------------
-
-
-def engine_from_argv(argv: Sequence[str]) -> str:
-    """A guess from the command line ("sglang" or "vllm" in it), else auto-detect from the output."""
-    joined = " ".join(argv).lower()
-    if "sglang" in joined:
-        return "sglang"
-    if "vllm" in joined:
-        return "vllm"
-    return "auto"
-
-
-def _read_lines(fd: int, start: float, out: "queue.Queue[Optional[Tuple[str, float]]]") -> None:
-    """Reader thread: stamp each complete line (\\n or tqdm's \\r) with its arrival time."""
-    tail = b""
-    try:
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            now = time.monotonic() - start
-            parts = re.split(rb"\r\n|\r|\n", tail + chunk)
-            tail = parts.pop()
-            for part in parts:
-                out.put((part.decode("utf-8", errors="replace"), now))
-    except OSError:
-        pass
-    finally:
-        if tail:
-            out.put((tail.decode("utf-8", errors="replace"), time.monotonic() - start))
-        out.put(None)
-
-
-def stop_group(proc: subprocess.Popen, grace: Tuple[float, float] = (15.0, 10.0)) -> None:
-    """Stop the command's whole process group: SIGINT, then SIGTERM, then SIGKILL."""
-    pgid = proc.pid  # started with start_new_session: its own group
-    for sig, wait in ((signal.SIGINT, grace[0]), (signal.SIGTERM, grace[1]), (signal.SIGKILL, 5.0)):
-        if not _group_alive(pgid) and proc.poll() is not None:
-            return
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid):
-                return
-            time.sleep(0.05)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    """Any live member left? Zombies count as gone (a container's PID 1 may never reap them)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    proc_root = Path("/proc")
-    if not proc_root.is_dir():
-        return True
-    for stat in proc_root.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
-
-
-def run_live(
-    argv: Sequence[str],
-    timeout: float,
-    engine: str = "auto",
-    on_event: Optional[Callable[[PhaseEvent, float], None]] = None,
-    grace: Tuple[float, float] = (15.0, 10.0),
-) -> Tuple[RunProfile, Optional[int]]:
-    """Run the command until ready (or exit, or timeout), stop it, and profile its output.
-
-    Returns the profile and the command's exit code if it exited on its own before ready.
-    """
-    if not argv:
-        raise UsageError("no command to run", fix="mxlaunch profile -- python -m vllm.entrypoints.openai.api_server ...")
-    if engine == "auto":
-        engine = engine_from_argv(argv)
-    prof = StartupProfiler(engine=engine, source=" ".join(argv), live=True)
-    start = time.monotonic()
-    try:
-        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    except (FileNotFoundError, PermissionError) as exc:
-        raise UsageError(f"cannot run {argv[0]}: {exc.strerror or exc}", fix="check the command after --")
-    assert proc.stdout is not None
-    lines: "queue.Queue[Optional[Tuple[str, float]]]" = queue.Queue()
-    reader = threading.Thread(target=_read_lines, args=(proc.stdout.fileno(), start, lines), daemon=True)
-    reader.start()
-    exited_early: Optional[int] = None
-    try:
-        deadline = start + timeout
-        while not prof.done:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                item = lines.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                continue
-            if item is None:  # output closed: the command (and its children) ended before ready
-                exited_early = proc.wait()
-                break
-            for ev in prof.feed(item[0], item[1]):
-                if on_event:
-                    on_event(ev, item[1])
-    finally:
-        stop_group(proc, grace)
-        reader.join(timeout=5)
-        proc.stdout.close()
-    if not prof.done:  # the ready time is not extended by lines read after the stop
-        prof.last_t = max(prof.last_t or 0.0, min(time.monotonic() - start, timeout))
-    return prof.result(), exited_early
 
 
 def not_ready_message(runs: Iterable[RunProfile]) -> Optional[str]:

@@ -15,18 +15,14 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence
 
+from mxlaunch import settings
+from mxlaunch.engines.registry import ENGINES
 from mxlaunch.errors import UsageError
 
-ADDR_ENV = "MXLAUNCH_DIST_ADDR"  # the head's address as the other nodes reach it (default: first node's name)
-PORT_ENV = "MXLAUNCH_DIST_PORT"  # the rendezvous port (default: derived from the job id)
+ADDR_ENV = settings.DIST_ADDR  # the head's address as the other nodes reach it (default: first node's name)
+PORT_ENV = settings.DIST_PORT  # the rendezvous port (default: derived from the job id)
 PORT_BASE, PORT_SPAN = 21000, 8000  # 21000–28999: clear of vLLM's 29500/29501 defaults and ephemeral ports
 
-# The multi-node flags per engine, each with the spellings its parser accepts (an explicit one wins);
-# for SGLang its argv module tells which fields a command sets (engines/sglang_argv.explicit_fields).
-_VLLM = {"nnodes": ("--nnodes", "-n"), "node_rank": ("--node-rank", "-r"), "master_addr": ("--master-addr",),
-         "master_port": ("--master-port",), "headless": ("--headless",)}
-_SGLANG = ("nnodes", "node_rank", "dist_init_addr")
-_VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"
 
 
 # ---- the hostlist syntax ---------------------------------------------------------------------------
@@ -186,7 +182,7 @@ def readers_for(cpus: int) -> int:
 def dist_port(env: SlurmEnv, environ: Mapping[str, str] = os.environ) -> int:
     """The rendezvous port: $MXLAUNCH_DIST_PORT, else one derived from the job id — every node of the
     job computes the same one, and two jobs sharing a head node rarely collide."""
-    text = environ.get(PORT_ENV)
+    text = settings.dist_port(environ)
     if text:
         if not text.isdigit() or not 1024 <= int(text) <= 65535:
             raise UsageError(f"{PORT_ENV}={text!r} is not a port number 1024–65535", f"set {PORT_ENV} to a free port, or unset it")
@@ -224,7 +220,7 @@ class SlurmLaunch:
 
 def adapt_launch(argv: Sequence[str], engine: Optional[str], readers: Optional[int] = None,
                  environ: Mapping[str, str] = os.environ) -> SlurmLaunch:
-    """argv with the multi-node flags Slurm implies (for `engine` "vllm" | "sglang"), and the readers.
+    """argv with the multi-node flags Slurm implies (for `engine`, a registry name), and the readers.
 
     Flags are added only inside an srun step over more than one node — the batch script of a
     multi-node job runs on the first node alone, and adding `--nnodes` there would make the engine
@@ -242,7 +238,7 @@ def adapt_launch(argv: Sequence[str], engine: Optional[str], readers: Optional[i
         out.notes.append(f"job {env.job_id} has {env.nnodes} nodes but this runs outside srun, on this node alone "
                          "(start one mxlaunch per node with srun: slurm/launch-multinode.sbatch)")
         return out
-    if env.nnodes == 1 or engine not in ("vllm", "sglang"):
+    if env.nnodes == 1 or engine not in ENGINES:
         return out
     if env.ntasks is not None and env.ntasks != env.nnodes:
         raise UsageError(f"srun started {env.ntasks} tasks on {env.nnodes} nodes; mxlaunch launch runs once per node",
@@ -258,107 +254,7 @@ def adapt_launch(argv: Sequence[str], engine: Optional[str], readers: Optional[i
 
 def multinode_flags(argv: Sequence[str], engine: str, env: SlurmEnv,
                     environ: Mapping[str, str] = os.environ) -> List[str]:
-    """The flags to append to `argv` so the engine runs as node `env.node_rank` of `env.nnodes`.
-
-    SGLang: --nnodes N --node-rank R --dist-init-addr HEAD:PORT. vLLM (0.32's mp backend, checked in
-    vllm/engine/arg_utils.py): --nnodes N --node-rank R --master-addr HEAD --master-port PORT, and
-    --headless on the other nodes (they run workers only, no API server)."""
-    if engine == "sglang":  # SGLang's own rules: aliases, argparse abbreviations, its --config file
-        from mxlaunch.engines.sglang_argv import explicit_fields
-
-        given = {k: ("" if v is True else str(v)) for k, v in explicit_fields(list(argv)).items() if k in _SGLANG}
-    else:
-        given = given_flags(argv, _VLLM, read_config=True)
-    nnodes = _as_int(given.get("nnodes"), env.nnodes)
-    if nnodes <= 1:
-        return []  # the command says one node: it wins
-    node_rank = _as_int(given.get("node_rank"), env.node_rank)
-    addr = environ.get(ADDR_ENV) or env.head
-    port = dist_port(env, environ)
-    add: List[str] = []
-    if "nnodes" not in given:
-        add += ["--nnodes", str(env.nnodes)]
-    if "node_rank" not in given:
-        add += ["--node-rank", str(env.node_rank)]
-    if engine == "sglang":
-        if "dist_init_addr" not in given:
-            add += ["--dist-init-addr", f"{addr}:{port}"]
-        return add
-    if "master_addr" not in given:
-        add += ["--master-addr", addr]
-    if "master_port" not in given:
-        add += ["--master-port", str(port)]
-    if node_rank > 0 and "headless" not in given:
-        if _VLLM_API_SERVER in argv:
-            raise UsageError(f"node {node_rank} of a multi-node vLLM run must start headless, and "
-                             f"`python -m {_VLLM_API_SERVER}` ignores --headless",
-                             "use `vllm serve MODEL ...` in multi-node jobs")
-        add.append("--headless")
-    return add
-
-
-def given_flags(argv: Sequence[str], table: Mapping[str, tuple], read_config: bool = False) -> dict:
-    """{key: value} for the flags of `table` that `argv` sets ('' for a flag without a value).
-
-    Reads `--flag value`, `--flag=value`, `_` for `-` in long names and `-r1` short forms; with
-    `read_config`, also the keys of a `--config FILE.yaml` (both engines read one; the command line
-    still wins over it there)."""
-    spellings = {}
-    for key, names in table.items():
-        for name in names:
-            spellings[name] = key
-    found: dict = {}
-    if read_config:
-        found.update(_config_keys(argv, table))
-    tokens = list(argv)
-    for i, tok in enumerate(tokens):
-        if not tok.startswith("-") or tok == "--":
-            continue
-        head, eq, value = tok.partition("=")
-        if head.startswith("--"):
-            head = "--" + head[2:].replace("_", "-")
-        key = spellings.get(head)
-        if key is None and not head.startswith("--"):
-            m = re.fullmatch(r"(-[a-z])(\d+)", tok)  # -r1, -n2
-            if m and m.group(1) in spellings:
-                found[spellings[m.group(1)]] = m.group(2)
-            continue
-        if key is None:
-            continue
-        if eq:
-            found[key] = value
-        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
-            found[key] = tokens[i + 1]
-        else:
-            found[key] = ""
-    return found
-
-
-def _config_keys(argv: Sequence[str], table: Mapping[str, tuple]) -> dict:
-    """Keys of the engine's `--config FILE.yaml` that name a multi-node flag (unreadable: none — the
-    engine's argv parser reports a bad file with its own one-line error)."""
-    path = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t == "--config"), None)
-    if path is None:
-        return {}
-    try:
-        import yaml
-
-        with open(path) as fh:
-            data = yaml.safe_load(fh)
-    except Exception:  # noqa: BLE001 — unreadable or not YAML: yaml's errors are many
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    found = {}
-    for name, value in data.items():
-        key = str(name).replace("-", "_")
-        if key in table:
-            found[key] = "" if value is True else str(value)
-    return found
-
-
-def _as_int(text: Optional[str], default: int) -> int:
-    try:
-        return int(text) if text else default
-    except ValueError:
-        return default  # the engine's own parser rejects it with its message
+    """The flags to append to `argv` so the engine runs as node `env.node_rank` of `env.nnodes`: the
+    engine decides which (engines/protocol.py `multinode_flags`), with the head's address and the port."""
+    addr = settings.dist_addr(environ) or env.head
+    return ENGINES[engine].multinode_flags(argv, env.nnodes, env.node_rank, addr, dist_port(env, environ))

@@ -1,4 +1,5 @@
-"""Engine-specific knowledge outside the engine process: one module per engine.
+"""Engine-specific knowledge outside the engine process. The registry of engines is engines/registry.py
+(`ENGINES`, `detect`); this package's import stays light (log formats only), so the plugin can use it.
 
 `LOG_FORMATS` maps an engine name to the class that reads its start-up log lines (one instance
 per log: vLLM's year-less timestamps need to remember the month they saw last).
@@ -15,20 +16,12 @@ from mxlaunch.engines.vllm import VLLMLog
 LOG_FORMATS: Dict[str, Callable[[], LogFormat]] = {"sglang": SGLangLog, "vllm": VLLMLog}
 
 
-
 def detect_engine(argv: List[str]) -> Optional[str]:
-    """"vllm" or "sglang" for a launch command either engine module parses; None otherwise.
+    """The registry name of the engine that runs argv (engines/registry.py), None when none does."""
+    from mxlaunch.engines.registry import detect  # the registry imports the argv modules: only when asked
 
-    The one place that tells engines apart by their command line (launch and the Slurm helpers ask it)."""
-    from mxlaunch.engines.vllm import is_vllm_command
-
-    if is_vllm_command(argv):
-        return "vllm"
-    from mxlaunch.engines.sglang_argv import is_sglang_command
-
-    if is_sglang_command(argv):
-        return "sglang"
-    return None
+    engine = detect(argv)
+    return engine.name if engine is not None else None
 
 
 __all__ = ["LOG_FORMATS", "LogFormat", "LogLine", "PhaseEvent", "detect_engine"]

@@ -89,7 +89,7 @@ def mxlaunch_events(text: str) -> List[PhaseEvent]:
 class LaunchSpec:
     """What an engine's launch command asks for, in engine-neutral terms.
 
-    Filled by an engine module's argv parser (`engines.vllm.parse_vllm_argv`; SGLang's fills the same
+    Filled by an engine module's argv parser (`engines.vllm_argv.parse_vllm_argv`; SGLang's fills the same
     fields). Values are the engine's *effective* settings: the command line, its `--config` file and the
     engine's defaults, combined as the engine combines them. `argv` is the command exactly as given;
     a plan's command is made from it by the engine module's rewrite function, never by hand.

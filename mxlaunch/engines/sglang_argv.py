@@ -1,4 +1,4 @@
-"""SGLang launch commands: argv → LaunchSpec, the command for a plan, and where SGLang puts workers.
+"""SGLang launch commands: argv → LaunchSpec, and the command for a plan.
 
 Forms: `python -m sglang.launch_server FLAGS` and `sglang serve [MODEL] [--model-type T] FLAGS`.
 SGLang parses with argparse (abbreviations allowed) after merging `--config FILE.yaml` in front of the
@@ -6,22 +6,21 @@ command line (its `ConfigArgumentMerger`: config < command line). This module re
 SGLang's own option table (engines/sglang_flags.py, generated from SGLang's parser), so a login node
 without SGLang parses exactly what SGLang would: `--tp 2` is `--tp-size 2` (a unique prefix), while
 `--pp 2` is refused as SGLang refuses it (ambiguous in 0.5.23).
-
-Placement follows `sglang.srt.entrypoints.engine._calculate_rank_ranges` (and the data-parallel
-controller's `launch_tensor_parallel_group`, the same arithmetic per DP replica).
+Where SGLang puts workers, and the engine as the launcher sees it: engines/sglang_engine.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from mxlaunch.engines import argmirror as A
+from mxlaunch.engines.argmirror import Opt as _Opt
+from mxlaunch.engines.argmirror import Token
 from mxlaunch.engines.base import LaunchSpec, splice_argv
-from mxlaunch.engines.environment import PYTHON_EXE, engine_python, installed_version, resolve_model_path
+from mxlaunch.engines.environment import engine_python, installed_version, resolve_model_path
 from mxlaunch.engines.sglang_flags import CONFIG_UNSUPPORTED, OPTIONS, SGLANG_VERSION
 from mxlaunch.errors import UsageError
 
@@ -29,8 +28,7 @@ ENGINE = "sglang"
 DEFAULT_PORT = 30000
 DEFAULT_HOST = "127.0.0.1"
 SERVER_MODULE = "sglang.launch_server"
-SAFE_LOAD_FORMATS = ("auto", "safetensors")
-SNAPSHOT_FORMATS = ("raw", "sharded_state", "presharded")
+SAFE_LOAD_FORMATS = A.SAFE_LOAD_FORMATS
 
 # The fields mxlaunch reads: dest → (option strings as SGLang 0.5.23 spells them, default, kind).
 # kind: "int1" (an int ≥ 1), "int0" (≥ 0), "str", "bool" (store_true), "list" (nargs *).
@@ -74,56 +72,36 @@ _DEST_OF = {opt: dest for dest, (opts, _, _) in FIELDS.items() for opt in opts}
 # Settings that change the per-rank tensors beyond tp/pp/ep/dtype/quantization: in the source id when set.
 _LAYOUT_DESTS = ("attn_dp_size", "attn_cp_size", "moe_dp_size", "dcp_size", "ep_num_redundant_experts",
                  "init_expert_location", "json_model_override_args", "model_impl", "moe_runner_backend")
-_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
-
-
-@dataclass
-class _Opt:
-    """One option occurrence: its SGLang option string, its values, and where its tokens sit in argv
-    (None for tokens that came from the --config file)."""
-
-    option: str
-    values: List[str]
-    origin: List[Optional[int]] = field(default_factory=list)
 
 
 # ---- forms ------------------------------------------------------------------------------------------
+
+
+_FORMS = (A.Form("sglang serve", console="sglang", sub="serve"),
+          A.Form(f"python -m {SERVER_MODULE}", module=SERVER_MODULE))
 
 
 def _split_command(argv: List[str]) -> Tuple[str, int]:
     """(launch form, index of the first SGLang argument)."""
     if not argv:
         raise UsageError("empty command", "give the engine's launch command after --, e.g. python -m sglang.launch_server ...")
-    exe = os.path.basename(argv[0])
-    if exe == "sglang":
-        if len(argv) > 1 and argv[1] == "serve":
-            return "sglang serve", 2
+    found = A.match_form(argv, _FORMS)
+    if found is not None:
+        return found[0].label, found[1]
+    if os.path.basename(argv[0]) == "sglang":
         sub = argv[1] if len(argv) > 1 else "(nothing)"
         raise UsageError(f"sglang {sub}: only `sglang serve` launches a server", "use sglang serve --model-path MODEL ...")
-    if PYTHON_EXE.match(exe):
-        i = 1
-        while i < len(argv) and argv[i] != "-m" and argv[i].startswith("-"):
-            i += 2 if argv[i] in ("-X", "-W") else 1
-        if i + 1 < len(argv) and argv[i] == "-m" and argv[i + 1] == SERVER_MODULE:
-            return f"python -m {SERVER_MODULE}", i + 2
+    if A.PYTHON_EXE.match(os.path.basename(argv[0])):
         raise UsageError("not an SGLang launch command", f"use python -m {SERVER_MODULE} --model-path MODEL ...")
     raise UsageError(f"{argv[0]}: not an SGLang launch command", f"use python -m {SERVER_MODULE} or sglang serve")
 
 
 def is_sglang_command(argv: List[str]) -> bool:
     """True for `python -m sglang.launch_server ...` and `sglang serve ...`."""
-    try:
-        _split_command([str(a) for a in argv])
-    except UsageError:
-        return False
-    return True
+    return A.match_form([str(a) for a in argv], _FORMS) is not None
 
 
 # ---- argparse, reproduced on SGLang's option table --------------------------------------------------
-
-
-def _is_flag(tok: str) -> bool:
-    return tok.startswith("-") and tok != "-" and not _NEGATIVE_NUMBER.match(tok)
 
 
 def _resolve(name: str) -> str:
@@ -142,79 +120,47 @@ def _resolve(name: str) -> str:
     raise UsageError(f"{name} is not an SGLang {SGLANG_VERSION} option", "check the flag's spelling (sglang serve --help)")
 
 
-def _scan(toks: List[Tuple[str, Optional[int]]]) -> List[_Opt]:
+def _resolve_token(toks: Sequence[Token], i: int) -> A.Resolved:
+    tok = toks[i][0]
+    name, eq, inline = tok.partition("=") if tok.startswith("--") else (tok, "", "")
+    option = _resolve(name)
+    return A.Resolved(option, name, OPTIONS[option], inline if eq else None)
+
+
+def _error(kind: str, r: Union[A.Resolved, str]) -> UsageError:
+    """SGLang's one-line messages for the shared scanner (argmirror.scan)."""
+    if isinstance(r, str):  # a positional
+        return UsageError(f"SGLang takes no positional argument {r!r}",
+                          "pass the model with --model-path MODEL (or right after `sglang serve`)")
+    if kind == "no_value":
+        return UsageError(f"{r.written} takes no value (got {r.written + '=' + (r.inline or '')!r})", f"write just {r.written}")
+    if kind == "needs_values":
+        return UsageError(f"{r.written} needs at least one value", f"write {r.written} VALUE [VALUE ...]")
+    return UsageError(f"{r.written} needs a value", f"write {r.written} VALUE")
+
+
+def _scan(toks: List[Token]) -> List[_Opt]:
     """Tokens (text, argv index) → option occurrences, as argparse would split them."""
-    out: List[_Opt] = []
-    i = 0
-    while i < len(toks):
-        tok, origin = toks[i]
-        if not _is_flag(tok):
-            raise UsageError(f"SGLang takes no positional argument {tok!r}",
-                             "pass the model with --model-path MODEL (or right after `sglang serve`)")
-        name, eq, inline = tok.partition("=") if tok.startswith("--") else (tok, "", "")
-        option = _resolve(name)
-        arity = OPTIONS[option]
-        used = [origin]
-        values: List[str] = []
-        i += 1
-        if eq:
-            if arity == "0":
-                raise UsageError(f"{name} takes no value (got {tok!r})", f"write just {name}")
-            values = [inline]
-        elif arity == "1":
-            if i >= len(toks) or _is_flag(toks[i][0]):
-                raise UsageError(f"{name} needs a value", f"write {name} VALUE")
-            values = [toks[i][0]]
-            used.append(toks[i][1])
-            i += 1
-        elif arity in ("?", "*", "+"):
-            while i < len(toks) and not _is_flag(toks[i][0]):
-                values.append(toks[i][0])
-                used.append(toks[i][1])
-                i += 1
-                if arity == "?":
-                    break
-            if arity == "+" and not values:
-                raise UsageError(f"{name} needs at least one value", f"write {name} VALUE [VALUE ...]")
-        out.append(_Opt(option, values, used))
-    return out
+    return A.scan(toks, _resolve_token, _error, positionals=False).opts
 
 
 def _config_tokens(path: str) -> List[str]:
     """SGLang's --config YAML as the flags its ConfigArgumentMerger puts before the command line."""
-    import yaml
-
-    p = Path(path).expanduser()
-    if p.suffix.lower() not in (".yaml", ".yml"):
+    if Path(path).suffix.lower() not in (".yaml", ".yml"):
         raise UsageError(f"--config {path}: SGLang reads only YAML config files", "give a .yaml or .yml file")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"--config {path}: cannot read it ({exc.strerror})", "check the path") from exc
-    except yaml.YAMLError as exc:
-        raise UsageError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})", "fix the file") from exc
-    if data is None:
-        return []
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path}: the top level must be a mapping of option: value", "fix the file")
-    toks: List[str] = []
-    for key, value in data.items():
-        flag = f"--{key}"
+    data = A.read_yaml_mapping(path, "--config")
+    for key in data:
         if str(key).replace("-", "_") in CONFIG_UNSUPPORTED:
             raise UsageError(f"--config {path}: SGLang does not accept {key!r} in a config file",
                              f"pass --{str(key).replace('_', '-')} on the command line instead")
-        if isinstance(value, bool):
-            if OPTIONS.get(_resolve_quiet(flag)) == "0":
-                toks += [flag] if value else []
-            else:
-                toks += [flag, str(value).lower()]
-        elif isinstance(value, list):
-            toks += [flag, *(str(v) for v in value)] if value else []
-        elif isinstance(value, dict):
-            toks += [flag, json.dumps(value)]
-        else:
-            toks += [flag, str(value)]
-    return toks
+
+    def boolean(key: str, value: bool) -> List[str]:
+        flag = f"--{key}"
+        if OPTIONS.get(_resolve_quiet(flag)) == "0":
+            return [flag] if value else []
+        return [flag, str(value).lower()]
+
+    return A.config_tokens(data, boolean)
 
 
 def _resolve_quiet(flag: str) -> str:
@@ -229,13 +175,8 @@ def _effective(argv: List[str], start: int, form: str) -> List[_Opt]:
     toks = [(t, k) for k, t in enumerate(argv) if k >= start]
     if form == "sglang serve":
         toks = _serve_tokens(toks)
-    configs = [k for k, (t, _) in enumerate(toks) if t == "--config"]
-    if len(configs) > 1:
-        raise UsageError("more than one --config", "SGLang reads one config file; merge them")
-    if configs:
-        k = configs[0]
-        if k + 1 >= len(toks):
-            raise UsageError("--config needs a file", "write --config FILE.yaml")
+    k = A.config_index(toks, lambda problem, fix: UsageError(f"--config {problem}", fix))
+    if k is not None:
         cfg = [(t, None) for t in _config_tokens(toks[k + 1][0])]
         toks = cfg + toks[:k] + toks[k + 2:]
     return _scan(toks)
@@ -264,7 +205,7 @@ def _values(opts: List[_Opt]) -> Dict[str, Any]:
     """The fields mxlaunch reads, with SGLang's defaults and types (the last occurrence wins)."""
     vals: Dict[str, Any] = {dest: default for dest, (_, default, _) in FIELDS.items()}
     for o in opts:
-        dest = _DEST_OF.get(o.option)
+        dest = _DEST_OF.get(o.flag)
         if dest is None:
             continue
         kind = FIELDS[dest][2]
@@ -276,11 +217,11 @@ def _values(opts: List[_Opt]) -> Dict[str, Any]:
             try:
                 n = int(o.values[0])
             except ValueError:
-                raise UsageError(f"{o.option} {o.values[0]!r} is not a whole number", f"write {o.option} N") from None
+                raise UsageError(f"{o.flag} {o.values[0]!r} is not a whole number", f"write {o.flag} N") from None
             if kind == "int1" and n < 1:
-                raise UsageError(f"{o.option} {n}: must be at least 1", f"write {o.option} 1 or more")
+                raise UsageError(f"{o.flag} {n}: must be at least 1", f"write {o.flag} 1 or more")
             if n < 0:
-                raise UsageError(f"{o.option} {n}: must not be negative", f"write {o.option} 0 or more")
+                raise UsageError(f"{o.flag} {n}: must not be negative", f"write {o.flag} 0 or more")
             vals[dest] = n
         else:
             vals[dest] = o.values[0]
@@ -323,21 +264,21 @@ def parse_sglang_argv(argv: List[str], *, engine_version: Optional[str] = None) 
     extra = _json_object("--model-loader-extra-config", vals["model_loader_extra_config"])
     overrides = _json_object("--json-model-override-args", vals["json_model_override_args"])
     lf = vals["load_format"]
-    if lf not in SAFE_LOAD_FORMATS:
-        reasons.append(f"--load-format {lf} has its own loader; mxlaunch restores only auto/safetensors checkpoints")
+    if A.load_format_reason(lf):
+        reasons.append(A.load_format_reason(lf))
     if vals["quantization"] == "gguf":
         reasons.append("GGUF checkpoints (--quantization gguf) load through their own loader")
     if vals["modelopt_quant"]:
         reasons.append("--modelopt-quant quantizes while loading (ModelOpt's loader); mxlaunch leaves it alone")
     if vals["enable_lora"] or vals["lora_paths"]:
-        reasons.append("LoRA (--enable-lora / --lora-paths): adapters are loaded outside mxlaunch's snapshot")
+        reasons.append(A.lora_reason("--enable-lora / --lora-paths"))
     if vals["speculative_algorithm"] or vals["speculative_draft_model_path"]:
-        reasons.append("speculative decoding (--speculative-algorithm): a draft model's weights are not in the snapshot")
+        reasons.append(A.speculative_reason("--speculative-algorithm"))
     if vals["startup_weight_load_mode"] != "serial":
         reasons.append(f"--startup-weight-load-mode {vals['startup_weight_load_mode']} loads weights on its own schedule; "
                        "mxlaunch hooks the serial path")
     if vals["use_ray"]:
-        reasons.append("Ray (--use-ray): schedulers start outside mxlaunch's control")
+        reasons.append(A.ray_reason("--use-ray", "schedulers"))
     if vals["device"] not in (None, "cuda", "cpu"):
         reasons.append(f"--device {vals['device']}: mxlaunch restores into cuda and cpu memory only")
     tp, pp, dp = vals["tp_size"], vals["pp_size"], vals["dp_size"]
@@ -391,38 +332,7 @@ def explicit_fields(argv: List[str]) -> Dict[str, Any]:
     argv = [str(a) for a in argv]
     form, start = _split_command(argv)
     opts = _effective(argv, start, form)
-    vals = _values(opts)
-    return {dest: vals[dest] for dest in {_DEST_OF[o.option] for o in opts if o.option in _DEST_OF}}
-
-
-# ---- placement --------------------------------------------------------------------------------------
-
-
-def rank_ranges(tp: int, pp: int, nnodes: int, node_rank: int) -> Tuple[range, range]:
-    """(pp ranks, tp ranks) SGLang starts on `node_rank` — `_calculate_rank_ranges` in
-    sglang/srt/entrypoints/engine.py (0.5.23), the same arithmetic per DP replica."""
-    pp_per_node = max(pp // nnodes, 1)
-    nnodes_per_pp_rank = max(nnodes // pp, 1)
-    pp_ranks = range(pp_per_node * (node_rank // nnodes_per_pp_rank), pp_per_node * (node_rank // nnodes_per_pp_rank + 1))
-    tp_per_node = tp // nnodes_per_pp_rank
-    tp_ranks = range(tp_per_node * (node_rank % nnodes_per_pp_rank), tp_per_node * (node_rank % nnodes_per_pp_rank + 1))
-    return pp_ranks, tp_ranks
-
-
-def local_ranks(spec: LaunchSpec) -> List[Dict[str, int]]:
-    """The workers SGLang starts on this node. Every DP replica (separate worlds, each spanning all
-    nodes) gets the same (pp, tp) ranges; a worker's key is dp_rank·(TP·PP) + pp_rank·TP + tp_rank and
-    its snapshot rank pp_rank·TP + tp_rank (SGLang's world rank, `spawn_world_rank`)."""
-    pp_ranks, tp_ranks = rank_ranges(spec.tp, spec.pp, spec.nnodes, spec.node_rank)
-    world = spec.tp * spec.pp
-    out = []
-    for dp_rank in range(spec.dp):
-        for pp_rank in pp_ranks:
-            for tp_rank in tp_ranks:
-                r = pp_rank * spec.tp + tp_rank
-                out.append({"rank": dp_rank * world + r, "dp_rank": dp_rank, "pp_rank": pp_rank,
-                            "tp_rank": tp_rank, "snapshot_rank": r})
-    return out
+    return A.explicit(opts, lambda o: _DEST_OF.get(o.flag), _values(opts))
 
 
 # ---- rewrite ----------------------------------------------------------------------------------------
@@ -440,47 +350,9 @@ def rewrite_sglang_argv(spec: LaunchSpec, *, set_flags: Dict[str, Optional[str]]
     drop: Dict[int, str] = {}
     for o in opts:
         for flag, resolved in canonical.items():
-            if _DEST_OF.get(o.option, o.option) == _DEST_OF.get(resolved, resolved):
+            if _DEST_OF.get(o.flag, o.flag) == _DEST_OF.get(resolved, resolved):
                 for k in o.origin:
                     if k is not None:
                         drop[k] = flag
     replace = {flag: [flag] if value is None else [flag, value] for flag, value in set_flags.items()}
     return splice_argv(argv, drop, replace)
-
-
-def snapshot_format_refusal(spec: LaunchSpec, snapshot_format: str) -> Optional[str]:
-    """Why a stock SGLang snapshot format (`sharded_state`, `presharded`) cannot hold this model, or None.
-
-    Those formats save the weights *after* SGLang's post-processing; servekit found they silently drop or
-    mangle weights for these cases, so mxlaunch refuses them up front (raw is always allowed)."""
-    if snapshot_format == "raw":
-        return None
-    if snapshot_format not in SNAPSHOT_FORMATS:
-        return f"--snapshot-format {snapshot_format} is not one of {', '.join(SNAPSHOT_FORMATS)}"
-    quant = (spec.quantization or "").lower()
-    cfg = _model_config(spec.model_path)
-    arch = " ".join(cfg.get("architectures") or [])
-    qcfg = cfg.get("quantization_config") or {}
-    quant_method = (quant or str(qcfg.get("quant_method", ""))).lower()
-    backend = str(spec.layout_extras.get("moe_runner_backend", "auto"))
-    if quant_method == "mxfp4" and backend in ("triton", "triton_kernel", "auto"):
-        return f"{snapshot_format}: mxfp4 with the Triton MoE backend stores swizzled weights it cannot reload"
-    if quant_method == "gguf" or spec.load_format == "gguf":
-        return f"{snapshot_format}: GGUF weights are dequantized/repacked on load and cannot be saved back"
-    if quant_method in ("nvfp4", "modelopt_fp4") and "Deepseek" in arch:
-        return f"{snapshot_format}: NVFP4 DeepSeek weights are reshuffled after loading and do not round-trip"
-    if quant_method in ("gptq", "gptq_marlin") and qcfg.get("desc_act"):
-        return f"{snapshot_format}: act-order GPTQ is permuted for Marlin after loading and does not round-trip"
-    if cfg.get("kv_lora_rank") is not None:
-        return f"{snapshot_format}: MLA models ({arch or 'kv_lora_rank set'}) lose kv_b_proj, which SGLang splits after loading"
-    return None
-
-
-def _model_config(model_path: Optional[str]) -> Dict[str, Any]:
-    if not model_path:
-        return {}
-    try:
-        data = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -18,7 +18,8 @@ from typing import Any, BinaryIO, Callable, Iterable
 
 import torch
 
-from mxlaunch.plugin.snapshot_files import ALIASES_KEY, PART_BYTES, PART_NAME, SCHEMA_KEY, _header
+from mxlaunch import settings
+from mxlaunch.plugin.snapshot_files import ALIASES_KEY, PART_BYTES, PART_NAME, SCHEMA_KEY, _header, write_cpu_tensor
 from mxlaunch.plugin.tensors import CaptureError, Group, group_tensors
 
 log = logging.getLogger("mxlaunch.plugin")
@@ -32,17 +33,6 @@ class CaptureResult:
     seconds: float
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a tensor, on CPU and contiguous (a copy only when it has to be)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
 def _plan_parts(groups: list[Group], part_bytes: int) -> list[list[Group]]:
     parts: list[list[Group]] = [[]]
     size = 0
@@ -54,12 +44,6 @@ def _plan_parts(groups: list[Group], part_bytes: int) -> list[list[Group]]:
         parts[-1].append(g)
         size += n
     return [p for p in parts if p] or [[]]
-
-
-def write_cpu_tensor(fh: BinaryIO, tensor: torch.Tensor) -> int:
-    data = _tensor_bytes(tensor)
-    fh.write(data)
-    return len(data)
 
 
 def _part_meta(part: list[Group], meta: dict[str, str], aliases: bool) -> dict[str, str]:
@@ -112,7 +96,7 @@ def _tmpfs_pager(out: Path) -> Any:
     than the 4 KiB pages it saves when 8–16 writers allocate at once."""
     from mxlaunch.plugin.cuda_copier import is_tmpfs
 
-    if os.environ.get("MXLAUNCH_CAPTURE_HUGE", "0") != "1" or not is_tmpfs(out):
+    if not settings.capture_huge() or not is_tmpfs(out):
         return None
     from mxlaunch.staging.hugepages import HugePager
 
@@ -122,7 +106,7 @@ def _tmpfs_pager(out: Path) -> Any:
 def _pinned_capture(groups: list[Group], parts: int) -> Any:
     """The device→host path when the tensors live on one GPU (None: pageable copies, one thread)."""
     devices = {g.tensor.device for g in groups if g.tensor.device.type == "cuda"}
-    if len(devices) != 1 or os.environ.get("MXLAUNCH_GPU_COPY", "auto").strip().lower() == "pageable":
+    if len(devices) != 1 or settings.gpu_copy() == "pageable":
         return None
     from mxlaunch.plugin.cuda_capture import PinnedCapture, capture_writers
     from mxlaunch.plugin.pinned import PinError

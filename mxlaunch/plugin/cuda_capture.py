@@ -17,15 +17,17 @@ from typing import BinaryIO, Iterator
 
 import torch
 
+from mxlaunch import settings
 from mxlaunch.plugin import pinned
 from mxlaunch.plugin.cuda_copier import CHUNK
+from mxlaunch.plugin.snapshot_files import write_cpu_tensor
 
 
 def capture_writers(parts: int) -> int:
     """MXLAUNCH_CAPTURE_WRITERS, else one per part up to 16 (and at most the cores): 16 beat 8 on the H200."""
-    env = os.environ.get("MXLAUNCH_CAPTURE_WRITERS", "")
-    if env.isdigit() and int(env) > 0:
-        return min(int(env), parts)
+    wanted = settings.capture_writers()
+    if wanted:
+        return min(wanted, parts)
     return max(1, min(16, parts, os.cpu_count() or 1))
 
 
@@ -41,8 +43,6 @@ class SlotWriter:
     def write(self, fh: BinaryIO, tensor: torch.Tensor) -> int:
         t = tensor.detach()
         if t.device.type != "cuda":
-            from mxlaunch.plugin.capture import write_cpu_tensor
-
             return write_cpu_tensor(fh, t)
         if self.stream is None:  # pool threads start on device 0: use the tensors' device
             torch.cuda.set_device(self.device)

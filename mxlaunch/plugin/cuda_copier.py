@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from mxlaunch import settings
 from mxlaunch.plugin import pinned
 from mxlaunch.staging.hugepages import FileMapping, _libc
 
@@ -126,7 +127,7 @@ class CudaCopier:
                  register_span: int = REGISTER_SPAN, early: bool = False) -> None:
         self.device = device
         self.register_span = register_span
-        self.populate = os.environ.get("MXLAUNCH_GPU_POPULATE", "0") == "1"
+        self.populate = settings.gpu_populate()
         self.chunk = chunk
         self.ring = ring
         self.stats = CopyStats(pinned_bytes=ring.nbytes if ring is not None else 0)

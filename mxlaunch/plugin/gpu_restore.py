@@ -23,11 +23,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from mxlaunch import settings
 from mxlaunch.plugin import pinned
 from mxlaunch.plugin.cuda_copier import CHUNK, CudaCopier, cuda_contiguous
 
 
-MODES = ("auto", "ring", "hybrid", "register", "pageable")
+MODES = settings.GPU_COPY_MODES
 _early: pinned.EarlyBuffer | None = None
 _early_bytes = 0
 _registrar: Any = None  # early_register.EarlyRegistrar, started by prepare()
@@ -35,37 +36,29 @@ _releases: list[threading.Thread] = []
 
 
 def gpu_copy_mode() -> str:
-    """MXLAUNCH_GPU_COPY: auto (staged files registered early + ring), ring, hybrid, register, pageable."""
-    mode = os.environ.get("MXLAUNCH_GPU_COPY", "auto").strip().lower() or "auto"
-    return mode if mode in MODES else "auto"
+    """MXLAUNCH_GPU_COPY (mxlaunch/settings.py): auto, ring, hybrid, register, pageable."""
+    return settings.gpu_copy()
 
 
 def ring_readers() -> int:
     """MXLAUNCH_GPU_READERS, else one per core up to 16 (reads from tmpfs cost memory bandwidth, not cores)."""
-    env = os.environ.get("MXLAUNCH_GPU_READERS", "")
-    if env.isdigit():
-        return int(env)
-    return max(1, min(16, os.cpu_count() or 1))
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() else default
+    readers = settings.gpu_readers()
+    return readers if readers is not None else max(1, min(16, os.cpu_count() or 1))
 
 
 def chunk_bytes() -> int:
     """MXLAUNCH_GPU_CHUNK_MIB: one ring slot / copy window (a multiple of 2 MiB)."""
-    return max(2, _env_int("MXLAUNCH_GPU_CHUNK_MIB", CHUNK >> 20) // 2 * 2) << 20
+    return max(2, (settings.gpu_chunk_mib() or (CHUNK >> 20)) // 2 * 2) << 20
 
 
 def registrars() -> int:
-    """MXLAUNCH_GPU_REGISTRARS: threads registering staged files (each takes a span of one file)."""
-    return max(1, _env_int("MXLAUNCH_GPU_REGISTRARS", 1))
+    """MXLAUNCH_GPU_REGISTRARS: threads registering staged files inside the weight phase (hybrid, register)."""
+    return max(1, settings.gpu_registrars() or 1)
 
 
 def register_span(chunk: int) -> int:
     """MXLAUNCH_GPU_REGISTER_MIB: bytes one registration covers, in windows."""
-    return max(1, (_env_int("MXLAUNCH_GPU_REGISTER_MIB", 128) << 20) // chunk)
+    return max(1, ((settings.gpu_register_mib() or 128) << 20) // chunk)
 
 
 def ring_bytes(readers: int, chunk: int | None = None) -> int:

@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from mxlaunch import settings
 from mxlaunch.plugin.capture import CaptureResult, capture_tensors
 from mxlaunch.plugin.snapshot_files import (
     ALIASES_KEY, MAX_HEADER, PART_BYTES, PART_NAME, SCHEMA_KEY, FileEntry, FileHeader, read_header,
@@ -134,10 +135,8 @@ def wait_for_file(path: str | os.PathLike[str], timeout_s: float, *, landed: boo
 
 
 def default_threads() -> int:
-    env = os.environ.get("MXLAUNCH_RESTORE_THREADS")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, min(8, os.cpu_count() or 1))
+    """MXLAUNCH_RESTORE_THREADS (mxlaunch/settings.py), else one per core up to 8."""
+    return settings.restore_threads() or max(1, min(8, os.cpu_count() or 1))
 
 
 def _cpu_view(t: torch.Tensor) -> memoryview | None:

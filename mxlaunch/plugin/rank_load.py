@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from mxlaunch.contract import ABORT, FALLBACK, gib, loaded_line
 from mxlaunch.plan import Plan, write_marker
 
 
@@ -29,10 +30,6 @@ class Outcome:
     seconds: float
     plan: Any = None
     extra: dict = dataclasses.field(default_factory=dict)
-
-
-def gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f}"
 
 
 def model_bytes(model: Any) -> int:
@@ -61,14 +58,49 @@ def safe_marker(plan: Any, kind: str, rank: int, payload: dict, log: logging.Log
         log.warning("mxlaunch: rank %d could not write marker %s: %s", rank, kind, exc)
 
 
+def report_fallback(plan: Any, rank: int, reason: str, log: logging.Logger, engine: str | None = None) -> None:
+    """Say (log and marker) that this rank serves with the engine's default loader, and why."""
+    if engine:
+        log.warning("mxlaunch: rank %d falls back to %s's default loader: %s", rank, engine, reason)
+    else:
+        log.warning("mxlaunch: rank %d: %s", rank, reason)
+    safe_marker(plan, FALLBACK, rank, {"reason": reason, "strategy": plan.strategy}, log)
+
+
+def fall_back_or_stop(plan: Any, rank: int, reason: str, log: logging.Logger, engine: str) -> None:
+    """Before any tensor landed: fall back when the plan allows it, else stop the engine."""
+    if not plan.fallback_ok:
+        raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
+    report_fallback(plan, rank, reason, log, engine)
+
+
+def wait_for_rank_files(plan: Any, files: list, rank: int, what: str) -> str | None:
+    """None once every file of the rank has landed with its size (loaders that read a whole folder
+    start only then), else why not."""
+    from mxlaunch.plugin.loader import RestoreError, wait_for_file
+
+    if not files:
+        return f"the plan lists no files for rank {rank}"
+    try:
+        for f in files:
+            wait_for_file(f.path, plan.wait_timeout_s, cancelled=lambda: aborted(plan))
+    except RestoreError as exc:
+        return f"{what} restore failed before loading: {exc}"
+    sizes = {f.path: Path(f.path).stat().st_size for f in files}
+    wrong = [p for p, f in zip(sizes, files) if sizes[p] != f.bytes]
+    if wrong:
+        return f"{wrong[0]} has {sizes[wrong[0]]} bytes, the snapshot says otherwise"
+    return None
+
+
 def aborted(plan: Plan) -> bool:
     """The launcher writes markers/abort.json when staging failed: stop waiting for files."""
-    return (plan.markers_dir / "abort.json").exists()
+    return (plan.markers_dir / ABORT).exists()
 
 
 def abort_reason(plan: Plan) -> str:
     try:
-        return str(json.loads((plan.markers_dir / "abort.json").read_text()).get("reason", "no reason given"))
+        return str(json.loads((plan.markers_dir / ABORT).read_text()).get("reason", "no reason given"))
     except (OSError, ValueError, AttributeError):
         return "no reason given"
 
@@ -120,8 +152,7 @@ class RankLoad:
         return Outcome("default", model_bytes(self.model), time.perf_counter() - started, self.plan)
 
     def fall_back(self, reason: str) -> Outcome:
-        self.log.warning("mxlaunch: rank %d falls back to %s's default loader: %s", self.rank, self.engine, reason)
-        safe_marker(self.plan, "fallback", self.rank, {"reason": reason, "strategy": self.plan.strategy}, self.log)
+        report_fallback(self.plan, self.rank, reason, self.log, self.engine)
         return self.default()
 
     def capture(self) -> Outcome:
@@ -131,18 +162,14 @@ class RankLoad:
         outcome = self.default()
         outcome.strategy = "capture"
         if not plan.capture_dir:
-            reason = "capture: the plan names no capture_dir; serving without capturing"
-            log.warning("mxlaunch: rank %d: %s", rank, reason)
-            safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "capture"}, log)
+            report_fallback(plan, rank, "capture: the plan names no capture_dir; serving without capturing", log)
             return outcome
         out_dir = Path(plan.capture_dir) / str(rank)
         try:
             result = capture_tensors(module_tensors(self.model), out_dir,
                                      metadata={"mxlaunch.rank": str(rank), "mxlaunch.source_id": plan.source_id})
         except CaptureError as exc:
-            reason = f"capture failed, serving without a snapshot: {exc}"
-            log.warning("mxlaunch: rank %d: %s", rank, reason)
-            safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "capture"}, log)
+            report_fallback(plan, rank, f"capture failed, serving without a snapshot: {exc}", log)
             return outcome
         files = [{"name": p.name, "path": str(p), "bytes": p.stat().st_size} for p in result.files]
         log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s "
@@ -161,10 +188,8 @@ class RankLoad:
         plan, rank = self.plan, self.rank
         files = plan.files_for_rank(rank)
         if not files:
-            reason = f"the plan lists no files for rank {rank}"
-            if plan.fallback_ok:
-                return self.fall_back(reason)
-            raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
+            fall_back_or_stop(plan, rank, f"the plan lists no files for rank {rank}", self.log, self.engine)
+            return self.default()
         try:
             result = restore_tensors(module_tensors(self.model), [(f.path, f.bytes) for f in files],
                                      wait_timeout_s=plan.wait_timeout_s, cancelled=lambda: aborted(plan))
@@ -176,8 +201,7 @@ class RankLoad:
             where = "after tensors landed" if exc.landed else "and the plan forbids falling back"
             raise RuntimeError(f"mxlaunch: rank {rank}: staged restore failed {where}: {exc} — stopping "
                                "rather than serving partial weights") from exc
-        self.log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, gib(result.bytes),
-                      result.seconds)
+        self.log.info("%s", loaded_line(rank, result.bytes, result.seconds))
         if result.gpu:
             g = result.gpu
             self.log.info("mxlaunch: rank %d GPU copy (%s): %s GiB from registered staged files, %s GiB through "

@@ -30,11 +30,10 @@ import logging
 import os
 from typing import Any
 
+from mxlaunch.contract import PRESHARDED, SHARDED_STATE
 from mxlaunch.plan import PLAN_ENV
 
 TARGET = "sglang.srt.model_loader.loader.get_model_loader"
-SHARDED_STATE = "sglang-sharded_state"  # the plan's snapshot_format for SGLang's own sharded_state dump
-PRESHARDED = "sglang-presharded"  # ... and for its presharded dump
 log = logging.getLogger("sglang.mxlaunch")
 
 _loader_cls: type | None = None
@@ -66,23 +65,22 @@ def around_get_model_loader(original: Any, load_config: Any, model_config: Any =
         return loader
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
+    rank = global_rank()  # once per loader: the adapters below take it as given
     if type(loader) is not DefaultModelLoader:
-        rank = global_rank()
-        reason = f"SGLang chose {type(loader).__name__} for this checkpoint; mxlaunch restores only what DefaultModelLoader loads"
-        log.warning("mxlaunch: rank %d: %s", rank, reason)
-        from mxlaunch.plugin.rank_load import safe_marker
+        from mxlaunch.plugin.rank_load import report_fallback
 
-        safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": plan.strategy}, log)
+        report_fallback(plan, rank, f"SGLang chose {type(loader).__name__} for this checkpoint; mxlaunch restores "
+                                    "only what DefaultModelLoader loads", log)
         return loader
     if plan.snapshot_format == SHARDED_STATE:
         from mxlaunch.plugin.sglang_sharded import sharded_loader
 
-        return sharded_loader(load_config, plan, original=loader)
+        return sharded_loader(load_config, plan, rank, original=loader)
     if plan.snapshot_format == PRESHARDED:
         from mxlaunch.plugin.sglang_sharded import presharded_loader
 
-        return presharded_loader(load_config, plan, original=loader)
-    return loader_class()(load_config, plan)
+        return presharded_loader(load_config, plan, rank, original=loader)
+    return loader_class()(load_config, plan, rank)
 
 
 def global_rank() -> int:
@@ -137,9 +135,10 @@ def loader_class() -> type:
     class MxlaunchSGLangLoader(DefaultModelLoader):
         """SGLang's DefaultModelLoader with the weight step taken from the plan (capture or staged)."""
 
-        def __init__(self, load_config: Any, plan: Any) -> None:
+        def __init__(self, load_config: Any, plan: Any, rank: int) -> None:
             super().__init__(load_config)
             self._plan = plan
+            self._rank = rank
             self._rank_load: Any = None
             self._outcome: Any = None
 
@@ -150,7 +149,7 @@ def loader_class() -> type:
 
         def load_model(self, *, model_config: Any, device_config: Any) -> Any:
             self._outcome = None
-            prepare_gpu(self._plan, global_rank(), log)  # pinning overlaps SGLang building the model
+            prepare_gpu(self._plan, self._rank, log)  # pinning and registration overlap SGLang building the model
             model = super().load_model(model_config=model_config, device_config=device_config)
             if self._outcome is not None:  # after SGLang's post-processing
                 self._rank_load.write_loaded(self._outcome)
@@ -162,7 +161,7 @@ def loader_class() -> type:
             def default_load() -> None:
                 DefaultModelLoader.load_weights_only(model, weights, target_device)
 
-            self._rank_load = RankLoad(model, self._plan, global_rank(), default_load, engine="SGLang", log=log,
+            self._rank_load = RankLoad(model, self._plan, self._rank, default_load, engine="SGLang", log=log,
                                        layout=_layout)
             self._outcome = self._rank_load.run()
             DefaultModelLoader.postprocess_weights(model, target_device)

@@ -19,7 +19,7 @@ staged   wait for every staged file, write READY (not kept in the store: only .s
          dump does not match this launch's shard config it loads from the checkpoint instead, and the
          rank reports a fallback
 
-Both are riskier than raw, and guarded before launch (engines/sglang_argv.snapshot_format_refusal): the dump holds
+Both are riskier than raw, and guarded before launch (engines/sglang_engine.snapshot_format_refusal): the dump holds
 post-processed weights, which some quantized and MLA models cannot reload. Unlike raw, the engine starts
 reading only once all of a rank's files are staged (SGLang's loader globs the folder).
 """
@@ -31,46 +31,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mxlaunch.plugin.rank_load import aborted, gib, model_bytes, safe_marker
+from mxlaunch.contract import gib, loaded_line
+from mxlaunch.plugin.rank_load import fall_back_or_stop, model_bytes, report_fallback, safe_marker, wait_for_rank_files
 
 log = logging.getLogger("sglang.mxlaunch")
 
 
-def sharded_loader(load_config: Any, plan: Any, *, original: Any) -> Any:
-    """The loader for this rank: capture around SGLang's default one, or its ShardedStateLoader on the
-    staged files; `original` (SGLang's own choice) when the files never arrived and the plan allows it."""
-    from mxlaunch.plugin.sglang import global_rank
-
-    rank = global_rank()
+def sharded_loader(load_config: Any, plan: Any, rank: int, *, original: Any) -> Any:
+    """The loader for this rank (its key in the plan, computed once by plugin/sglang.py): capture around
+    SGLang's default one, or its ShardedStateLoader on the staged files; `original` (SGLang's own choice)
+    when the files never arrived and the plan allows it."""
     if plan.strategy == "capture":
         return _capture_class()(load_config, plan, rank)
     files = plan.files_for_rank(rank)
-    reason = _wait_for_files(plan, files, rank)
+    reason = wait_for_rank_files(plan, files, rank, "sharded_state")
     if reason is None:
         return _restore_class()(load_config, plan, rank, Path(files[0].path).parent)
-    if not plan.fallback_ok:
-        raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
-    log.warning("mxlaunch: rank %d falls back to SGLang's default loader: %s", rank, reason)
-    safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": plan.strategy}, log)
+    fall_back_or_stop(plan, rank, reason, log, "SGLang")
     return original
-
-
-def _wait_for_files(plan: Any, files: list, rank: int) -> str | None:
-    """None when every file of the rank has landed, else why not."""
-    from mxlaunch.plugin.loader import RestoreError, wait_for_file
-
-    if not files:
-        return f"the plan lists no files for rank {rank}"
-    try:
-        for f in files:
-            wait_for_file(f.path, plan.wait_timeout_s, cancelled=lambda: aborted(plan))
-    except RestoreError as exc:
-        return f"sharded_state restore failed before loading: {exc}"
-    sizes = {f.path: Path(f.path).stat().st_size for f in files}
-    wrong = [p for p, f in zip(sizes, files) if sizes[p] != f.bytes]
-    if wrong:
-        return f"{wrong[0]} has {sizes[wrong[0]]} bytes, the snapshot says otherwise"
-    return None
 
 
 def _capture_class() -> type:
@@ -103,9 +81,7 @@ def _capture_class() -> type:
                 safe_marker(plan, "captured", rank, {"files": files, "bytes": size, "format": "sharded_state",
                                                      "load_seconds": round(load_seconds, 4)}, log)
             except Exception as exc:  # noqa: BLE001 — serving goes on without a snapshot
-                reason = f"sharded_state capture failed, serving without a snapshot: {exc}"
-                log.warning("mxlaunch: rank %d: %s", rank, reason)
-                safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "capture"}, log)
+                report_fallback(plan, rank, f"sharded_state capture failed, serving without a snapshot: {exc}", log)
             safe_marker(plan, "loaded", rank, {"bytes": model_bytes(model), "seconds": round(load_seconds, 4),
                                                "strategy": "capture"}, log)
             return model
@@ -138,7 +114,7 @@ def _restore_class() -> type:
             model = super().load_model(model_config=model_config, device_config=device_config)
             seconds = time.perf_counter() - started
             size = sum(f.bytes for f in self._plan.files_for_rank(self._rank))
-            log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", self._rank, gib(size), seconds)
+            log.info("%s", loaded_line(self._rank, size, seconds))
             safe_marker(self._plan, "loaded", self._rank, {"bytes": size, "seconds": round(seconds, 4),
                                                            "strategy": "staged", "format": "sharded_state"}, log)
             return model
@@ -146,17 +122,14 @@ def _restore_class() -> type:
     return StagedShardedStateLoader
 
 
-def presharded_loader(load_config: Any, plan: Any, *, original: Any) -> Any:
+def presharded_loader(load_config: Any, plan: Any, rank: int, *, original: Any) -> Any:
     """SGLang's PreshardedModelLoader on the capture folder (capture) or the staged folder (staged)."""
-    from mxlaunch.plugin.sglang import global_rank
-
-    rank = global_rank()
     if plan.strategy == "capture":
         if not plan.capture_dir:
             return original
         return _presharded_class()(load_config, plan, rank, Path(plan.capture_dir) / "0")
     files = plan.files_for_rank(rank)
-    reason = _wait_for_files(plan, files, rank)
+    reason = wait_for_rank_files(plan, files, rank, "sharded_state")
     if reason is None:
         checksum = next((Path(f.path) for f in files if Path(f.path).name == "checksum.json"), None)
         if checksum is None:
@@ -164,10 +137,7 @@ def presharded_loader(load_config: Any, plan: Any, *, original: Any) -> Any:
         else:
             (checksum.parent / "READY").touch()  # SGLang's own "dump complete" flag; every file has landed
             return _presharded_class()(load_config, plan, rank, checksum.parent.parent)
-    if not plan.fallback_ok:
-        raise RuntimeError(f"mxlaunch: rank {rank}: {reason} and the plan forbids falling back")
-    log.warning("mxlaunch: rank %d falls back to SGLang's default loader: %s", rank, reason)
-    safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": plan.strategy}, log)
+    fall_back_or_stop(plan, rank, reason, log, "SGLang")
     return original
 
 
@@ -191,9 +161,8 @@ def _presharded_class() -> type:
             folder = self._presharded_dir(model_config, shard_config)
             reuse = self._presharded_ready(folder) and self._shard_config_matches(folder, shard_config)
             if plan.strategy == "staged" and not reuse:
-                reason = f"the staged presharded dump does not match this launch's shard config ({folder})"
-                log.warning("mxlaunch: rank %d: %s; SGLang loads from the checkpoint", rank, reason)
-                safe_marker(plan, "fallback", rank, {"reason": reason, "strategy": "staged"}, log)
+                report_fallback(plan, rank, f"the staged presharded dump does not match this launch's shard config "
+                                            f"({folder}); SGLang loads from the checkpoint", log)
             started = time.perf_counter()
             model = super().load_model(model_config=model_config, device_config=device_config)
             seconds = time.perf_counter() - started
@@ -211,7 +180,7 @@ def _presharded_class() -> type:
                                                    "strategy": "capture"}, log)
             elif reuse:
                 size = sum(f.bytes for f in plan.files_for_rank(rank))
-                log.info("mxlaunch: rank %d loaded %s GiB in %.2f s (strategy staged)", rank, gib(size), seconds)
+                log.info("%s", loaded_line(rank, size, seconds))
                 safe_marker(plan, "loaded", rank, {"bytes": size, "seconds": round(seconds, 4),
                                                    "strategy": "staged", "format": "presharded"}, log)
             return model

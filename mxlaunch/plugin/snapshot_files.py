@@ -13,6 +13,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -111,3 +112,20 @@ def read_header(path: str | os.PathLike[str], expected_size: int | None = None) 
     except (KeyError, TypeError, ValueError) as exc:
         raise SnapshotCorrupt(f"{p}: malformed safetensors header ({exc!r})") from exc
     return FileHeader(p, size, entries, {str(k): [str(a) for a in v] for k, v in aliases.items()})
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor, on CPU and contiguous (a copy only when it has to be)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_cpu_tensor(fh: BinaryIO, tensor: torch.Tensor) -> int:
+    data = _tensor_bytes(tensor)
+    fh.write(data)
+    return len(data)

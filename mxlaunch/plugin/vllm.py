@@ -38,7 +38,8 @@ import logging
 import sys
 from typing import Any
 
-LOAD_FORMAT = "mxlaunch"
+from mxlaunch.contract import LOAD_FORMAT
+
 _TARGET = "vllm.model_executor.model_loader"
 # Keys DefaultModelLoader accepts in --model-loader-extra-config; others are ours and never reach it.
 _DEFAULT_EXTRA_KEYS = ("enable_multithread_load", "num_threads", "enable_weights_track")
@@ -186,7 +187,7 @@ def loader_class() -> type:
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             self._outcome = None
-            prepare_gpu(self._read_plan()[0], global_rank(), log)  # pinning overlaps vLLM building the model
+            prepare_gpu(self._read_plan()[0], global_rank(), log)  # pinning and registration overlap vLLM building the model
             model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             if self._outcome is not None:  # after vLLM's post-processing
                 self._rank_load.write_loaded(self._outcome)

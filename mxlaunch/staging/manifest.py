@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from mxlaunch.coord.file import write_json_atomic
+from mxlaunch.fileutil import write_json_atomic
 
 from mxlaunch.errors import UsageError
 

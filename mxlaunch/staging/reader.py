@@ -7,20 +7,17 @@ huge pages (hugepages.py), which takes the per-4-KiB page cost — the CPU floor
 A file appears under its final name by rename only when every chunk is in (and its checksum matched,
 when one was asked for); the rename is the ready signal for consumers, and `StageJob.completed()`
 reports the same events in-process. On error or cancel, readers stop and every file and folder this
-job created is removed.
+job created is removed. How a chunk's bytes move per write mode: staging/chunk_io.py; the records and
+small helpers: staging/records.py.
 """
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import queue
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -31,110 +28,13 @@ from mxlaunch.staging.capacity import MEMORY_BACKED_FS, capacity_of, format_byte
 from mxlaunch.staging.hugepages import HUGE, FileMapping, HugePager
 from mxlaunch.staging.lustre import Layout
 from mxlaunch.staging.schedule import Chunk, ChunkScheduler, cut_chunks
+from mxlaunch.staging.chunk_io import ChunkReader
+from mxlaunch.staging.records import (  # noqa: F401 — callers import these from here
+    _O_DIRECT, ALIGN, DEFAULT_CHUNK, WORKER, WRITE_MODES, StageCancelled, StagedFile, StageResult, _FileState, _hash_file_buffered,
+    _RateLimiter)
 from mxlaunch.staging.sources import PARTIAL_SUFFIX, CopyItem
 
-ALIGN = 4096
-DEFAULT_CHUNK = 16 << 20
-# How bytes reach the destination file:
-#   mmap   — O_DIRECT read straight into a shared mapping of the destination: no memcpy and no
-#            bounce buffer. Default: with the destination collapsed into 2 MiB pages (hugepages.py)
-#            it took 0.23–0.26× dd's CPU per GiB on the 2×H200 host at 1.05–1.08× dd's speed; where
-#            2 MiB pages are dear and it falls back to 4 KiB pages, every page is faulted in through
-#            get_user_pages (more CPU than pwrite, but still the fastest mode on the 2-core VM).
-#   pwrite — O_DIRECT read into a reused, pre-faulted per-thread buffer, then pwrite() (one memcpy in
-#            the kernel). Cheapest in CPU when the destination stays in 4 KiB pages.
-#   procs  — pwrite's reads and writes done by reader *processes* (staging/worker.py), one per reader
-#            thread: separate address spaces do not contend on one process's memory locks.
-WRITE_MODES = ("pwrite", "mmap", "procs")
-WORKER = Path(__file__).with_name("worker.py")
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-class StageCancelled(MxlaunchError):
-    """The stage was interrupted (SIGINT/SIGTERM or cancel()); everything it wrote is gone."""
-
-    exit_code = 130
-
-
-@dataclass(frozen=True)
-class StagedFile:
-    """A file that is complete under its final name."""
-
-    src: Path
-    dest: Path
-    rel: str
-    bytes: int
-    seconds: float  # since the job started
-    o_direct: bool
-    xxh3_128: str | None = None
-
-
-@dataclass
-class StageResult:
-    files: list[StagedFile]
-    bytes: int
-    seconds: float
-    readers: int
-    chunk_size: int
-    o_direct: bool
-    huge_bytes: int = 0  # bytes that landed in 2 MiB pages (hugepages.py)
-    huge_note: str | None = None  # why 2 MiB pages were not (or no longer) used
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.bytes / (1 << 30) / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class _FileState:
-    item: CopyItem
-    dest: Path
-    partial: Path
-    remaining: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    src_fd: int | None = None
-    dest_fd: int | None = None
-    mapping: FileMapping | None = None  # aligned map of the destination (mmap mode, 2 MiB pages)
-    o_direct: bool = True
-    done: bool = False
-
-
-class _RateLimiter:
-    """Total bytes/s ceiling shared by all readers (be a good neighbour on a shared filesystem)."""
-
-    def __init__(self, bytes_per_s: float, cancelled: threading.Event) -> None:
-        self.rate = bytes_per_s
-        self.next_free = time.monotonic()
-        self.lock = threading.Lock()
-        self.cancelled = cancelled
-
-    def acquire(self, nbytes: int) -> None:
-        with self.lock:
-            now = time.monotonic()
-            start = max(now, self.next_free)
-            self.next_free = start + nbytes / self.rate
-        delay = start - time.monotonic()
-        if delay > 0:
-            self.cancelled.wait(delay)
-
-
-def _prefault(buf: mmap.mmap) -> None:
-    """Fault a reused buffer in once, up front (MADV_POPULATE_WRITE, Linux ≥ 5.14: no Python copy)."""
-    try:
-        buf.madvise(23)  # MADV_POPULATE_WRITE
-    except (OSError, ValueError):
-        buf.write(b"\0" * len(buf))
-
-
-def _hash_file_buffered(path: Path) -> str:
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as fh:
-        while block := fh.read(DEFAULT_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-class StageJob:
+class StageJob(ChunkReader):
     """Copy `items` into `dest` with `readers` threads; observe files as they complete.
 
     Typical use (the launch pipeline):
@@ -301,103 +201,6 @@ class StageJob:
         for state, count in zip(self._files, counts):
             state.remaining = count
 
-    def _open_source(self, state: _FileState) -> int:
-        with state.lock:
-            if state.src_fd is None:
-                fd = -1
-                if self.use_o_direct:
-                    try:
-                        fd = os.open(state.item.src, os.O_RDONLY | _O_DIRECT)
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                if fd < 0:
-                    fd = os.open(state.item.src, os.O_RDONLY)
-                    state.o_direct = False
-                state.src_fd = fd
-            return state.src_fd
-
-    def _fall_back_to_buffered(self, state: _FileState) -> int:
-        """The filesystem took O_DIRECT at open but refuses the reads: reopen buffered, once."""
-        with state.lock:
-            if state.o_direct:
-                old = state.src_fd
-                state.src_fd = os.open(state.item.src, os.O_RDONLY)
-                state.o_direct = False
-                if old is not None:
-                    os.close(old)
-            assert state.src_fd is not None
-            return state.src_fd
-
-    def _read_into(self, fd: int, view: memoryview, offset: int, state: _FileState) -> None:
-        """Fill `view` from `offset`; short reads continue; EOF before the end is an error."""
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
-                raise OSError(errno.EIO, f"{state.item.src} ended at {offset + got} bytes, expected "
-                              f"{state.item.size} (did it change while staging?)")
-            got += n
-
-    def _collapse(self, state: _FileState, chunk: Chunk) -> None:
-        """Give the chunk's whole 2 MiB blocks one huge page each before any byte lands there."""
-        if state.mapping is not None and state.dest_fd is not None:
-            self._pager.prepare(state.mapping, state.dest_fd, chunk.offset, chunk.offset + chunk.length)
-
-    def _read_chunk(self, chunk: Chunk, bounce: mmap.mmap) -> None:
-        state = self._files[chunk.file_index]
-        fd = self._open_source(state)
-        if self.write_mode != "mmap":
-            self._read_chunk_via_buffer(chunk, state, fd, bounce)
-            return
-        assert state.mapping is not None
-        self._collapse(state, chunk)
-        view = state.mapping.view[chunk.offset : chunk.offset + chunk.length]
-        try:
-            direct_len = chunk.length - (chunk.length % ALIGN) if state.o_direct else chunk.length
-            try:
-                if direct_len:
-                    self._read_into(fd, view[:direct_len], chunk.offset, state)
-                tail = chunk.length - direct_len
-                if tail:  # the last partial block of a file: aligned read into a bounce buffer
-                    n = os.preadv(fd, [memoryview(bounce)[:ALIGN]], chunk.offset + direct_len)
-                    if n < tail:
-                        raise OSError(errno.EIO, f"{state.item.src} is shorter than {state.item.size} bytes")
-                    view[direct_len:] = bounce[:tail]
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not state.o_direct:
-                    raise
-                fd = self._fall_back_to_buffered(state)
-                self._read_into(fd, view, chunk.offset, state)
-        finally:
-            view.release()
-
-    def _read_chunk_via_buffer(self, chunk: Chunk, state: _FileState, fd: int, buf: mmap.mmap) -> None:
-        """O_DIRECT into this thread's aligned buffer (length rounded up to 4 KiB), then pwrite."""
-        padded = -(-chunk.length // ALIGN) * ALIGN
-        view = memoryview(buf)
-        try:
-            try:
-                got = 0
-                while got < chunk.length:
-                    n = os.preadv(fd, [view[got:padded]], chunk.offset + got)
-                    if n == 0:
-                        raise OSError(errno.EIO, f"{state.item.src} ended at {chunk.offset + got} bytes, "
-                                      f"expected {state.item.size} (did it change while staging?)")
-                    got += n
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not state.o_direct:
-                    raise
-                fd = self._fall_back_to_buffered(state)
-                self._read_into(fd, view[: chunk.length], chunk.offset, state)
-            assert state.dest_fd is not None
-            self._collapse(state, chunk)
-            done = 0
-            while done < chunk.length:
-                done += os.pwrite(state.dest_fd, view[done : chunk.length], chunk.offset + done)
-        finally:
-            view.release()
-
     def _run_chunks(self, read: Callable[[Chunk], None]) -> None:
         """Take chunks until none are left (or the job stops); `read` moves one chunk's bytes."""
         while not self._cancel.is_set():
@@ -420,60 +223,6 @@ class StageJob:
                 last = state.remaining == 0
             if last:
                 self._finish_file(state)
-
-    def _reader_loop(self) -> None:
-        if self.write_mode == "procs":
-            self._worker_loop()
-            return
-        size = self.chunk_size if self.write_mode == "pwrite" else ALIGN
-        bounce = mmap.mmap(-1, size)
-        if size >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("MXLAUNCH_NO_THP") is None:
-            # 2 MiB pages: O_DIRECT pins the buffer per folio, not per 4 KiB page — less kernel CPU.
-            try:
-                bounce.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
-        _prefault(bounce)
-        try:
-            self._run_chunks(lambda chunk: self._read_chunk(chunk, bounce))
-        except BaseException as exc:  # noqa: BLE001 — any failure stops the whole job
-            # Drop the traceback: its frames hold views into the destination mmaps.
-            self._fail(exc.with_traceback(None))
-        finally:
-            bounce.close()
-
-    def _worker_loop(self) -> None:
-        """One reader thread driving one reader process over pipes (the thread only waits)."""
-        worker = None
-        try:
-            worker = subprocess.Popen([sys.executable, "-S", "-I", str(WORKER), str(self.chunk_size)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-            self._run_chunks(lambda chunk: self._read_via_worker(worker, chunk))
-        except BaseException as exc:  # noqa: BLE001 — any failure stops the whole job
-            self._fail(exc.with_traceback(None))
-        finally:
-            if worker is not None:
-                try:
-                    worker.stdin.close()  # type: ignore[union-attr]
-                    worker.wait(timeout=5)
-                except (OSError, subprocess.TimeoutExpired, ValueError):
-                    worker.kill()
-                    worker.wait()
-
-    def _read_via_worker(self, worker: subprocess.Popen, chunk: Chunk) -> None:
-        state = self._files[chunk.file_index]
-        assert worker.stdin is not None and worker.stdout is not None
-        self._collapse(state, chunk)  # the mapping lives here; the worker's pwrite lands in the huge pages
-        worker.stdin.write(f"{state.item.src}\t{state.partial}\t{chunk.offset}\t{chunk.length}\t"
-                           f"{int(state.o_direct and self.use_o_direct)}\n")
-        answer = worker.stdout.readline().rstrip("\n").split("\t")
-        if answer[0] == "ok":
-            if answer[1] == "0":
-                state.o_direct = False
-        elif answer[0] == "err":
-            raise OSError(int(answer[1]), answer[2] if len(answer) > 2 else "read failed", str(state.item.src))
-        else:
-            raise OSError(errno.EIO, "a reader process died", str(state.item.src))
 
     def _finish_file(self, state: _FileState) -> None:
         digest = None

@@ -7,10 +7,10 @@ goes on PYTHONPATH: its stubs raise if SGLang ever calls one.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from mxlaunch import settings
 from tests.helpers.vllm_server import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +19,7 @@ SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(SHIM)}
 
 
 def sglang_python() -> Path:
-    return Path(os.environ.get("MXLAUNCH_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
+    return settings.sglang_python(REPO / ".venv-sglang" / "bin" / "python")  # MXLAUNCH_SGLANG_PYTHON overrides
 
 
 def sglang_argv(model_dir: str | Path, port: int, *, extra_args: Iterable[str] = ()) -> list[str]:

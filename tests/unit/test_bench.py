@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mxlaunch import bench  # noqa: E402
+from mxlaunch import bench, bench_http  # noqa: E402
 from mxlaunch.errors import UsageError  # noqa: E402
 from tests.helpers.cli import one_line_error, run_cli  # noqa: E402
 from tests.helpers.fake_servers import FakeEngine  # noqa: E402
@@ -36,7 +36,7 @@ def test_percentiles_match_numpy_linear() -> None:
 
 def _parse(raw: bytes, pieces: list[int]) -> bench.RequestResult:
     async def go() -> bench.RequestResult:
-        resp = bench._Response(asyncio.get_running_loop())
+        resp = bench_http._Response(asyncio.get_running_loop())
         pos, now = 0, 1.0
         for n in pieces + [len(raw)]:
             if pos >= len(raw):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.engines.vllm import parse_vllm_argv
+from mxlaunch.engines.vllm_argv import parse_vllm_argv
 from mxlaunch.identity import (
     canonical_json,
     checkpoint_fingerprint,

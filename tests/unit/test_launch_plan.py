@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.engines.vllm import parse_vllm_argv
-from mxlaunch.launch import LaunchOptions, local_ranks_for, make_plan, remove_stale_runs
+from mxlaunch.engines.vllm_argv import parse_vllm_argv
+from mxlaunch.engines.vllm_engine import local_ranks as local_ranks_for
+from mxlaunch.launch import LaunchOptions, make_plan, remove_stale_runs
 from mxlaunch.store import SnapshotMeta, Store
 
 from tests.helpers.cli import run_cli
@@ -158,7 +159,7 @@ def test_stale_run_folders_of_dead_launchers_are_removed(tmp_path: Path) -> None
 
 
 def test_dp_replicas_point_their_workers_at_shared_staged_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mxlaunch import launch as launch_mod
+    from mxlaunch.launch import cleanup as launch_mod
     from mxlaunch.launch import Launcher
     from mxlaunch.plan import load_plan
 
@@ -192,11 +193,11 @@ def test_orphaned_engine_shared_memory_is_removed_but_live_or_old_segments_stay(
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import mmap
 
-    from mxlaunch import launch as launch_mod
+    from mxlaunch.launch import cleanup as launch_mod
 
     monkeypatch.setattr(launch_mod, "SHM_ROOT", tmp_path)
     (tmp_path / "psm_old").write_bytes(b"x" * 4096)  # there before the run: not ours to judge
-    before = launch_mod._shm_entries()
+    before = launch_mod.shm_entries()
     (tmp_path / "psm_orphan").write_bytes(b"x" * 4096)  # the killed engine's
     (tmp_path / "psm_live").write_bytes(b"x" * 4096)  # still mapped by a live process (this one)
     (tmp_path / "other_file").write_bytes(b"x")  # not an engine segment
@@ -212,21 +213,21 @@ def test_a_live_named_semaphore_of_another_engine_is_not_removed() -> None:
     still uses /dev/shm/sem.mp-*. Removing it makes that engine's spawned workers fail."""
     import multiprocessing
 
-    from mxlaunch import launch as launch_mod
+    from mxlaunch.launch import cleanup as launch_mod
 
-    before = launch_mod._shm_entries()
+    before = launch_mod.shm_entries()
     lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, held by this live process
     name = "sem" + lock._semlock.name.replace("/", ".")
-    assert name in launch_mod._shm_entries()
+    assert name in launch_mod.shm_entries()
     removed = launch_mod.remove_orphaned_engine_shm(before)
-    assert name not in removed and name in launch_mod._shm_entries()
+    assert name not in removed and name in launch_mod.shm_entries()
 
 
 def test_capture_only_that_loses_the_claim_stops_with_1_instead_of_serving_on(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A --capture-only run downgraded at start (another replica took the claim after the plan) can
     never publish: it must end (exit 1), or a capture job would serve until its time limit."""
-    from mxlaunch import launch as launch_mod
+    from mxlaunch.launch import cleanup as launch_mod
     from mxlaunch.launch import Launcher
 
     fake = Path(__file__).resolve().parent / "fixtures_logs" / "fake_vllm_engine.py"

@@ -11,13 +11,8 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.engines import detect_engine
-from mxlaunch.engines.sglang_argv import (
-    local_ranks,
-    parse_sglang_argv,
-    rank_ranges,
-    rewrite_sglang_argv,
-    snapshot_format_refusal,
-)
+from mxlaunch.engines.sglang_argv import parse_sglang_argv, rewrite_sglang_argv
+from mxlaunch.engines.sglang_engine import local_ranks, rank_ranges, snapshot_format_refusal
 from mxlaunch.errors import UsageError
 from tests.helpers.cli import run_cli
 

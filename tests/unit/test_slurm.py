@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from mxlaunch.engines.registry import ENGINES
 from mxlaunch.errors import UsageError
 from mxlaunch.launch import LaunchOptions, make_plan
 from mxlaunch.slurm import (PORT_BASE, PORT_SPAN, SlurmEnv, adapt_launch, default_readers, dist_port,
-                            expand_hostlist, given_flags, read_env, readers_for)
+                            expand_hostlist, read_env, readers_for)
 from tests.helpers.cli import one_line_error, run_cli
 from tests.unit.test_launch_plan import serve, write_checkpoint
 
@@ -177,9 +178,9 @@ def test_vllm_config_file_counts_as_given(tmp_path: Path) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text("nnodes: 2\nmaster-addr: 10.1.1.1\nnode_rank: 1\n")
     argv = VLLM + ["--config", str(config)]
-    assert given_flags(argv, {"nnodes": ("--nnodes",), "node_rank": ("--node-rank",),
-                              "master_addr": ("--master-addr",)}, read_config=True) == {
-        "nnodes": "2", "node_rank": "1", "master_addr": "10.1.1.1"}
+    given = ENGINES["vllm"].explicit_fields(argv)
+    assert {k: given[k] for k in ("nnodes", "node_rank", "master_addr")} == {
+        "nnodes": 2, "node_rank": 1, "master_addr": "10.1.1.1"}
     assert adapt_launch(argv, "vllm", None, STEP1).added == ["--master-port", str(port_of(STEP1)), "--headless"]
 
 

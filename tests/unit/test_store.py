@@ -424,3 +424,18 @@ def test_cli_list_verify_rm(tmp_path: Path) -> None:
     a_file.write_text("x")
     r = run_cli("store", "list", "--artifact-path", str(a_file))
     assert r.returncode == 2 and "not a folder" in one_line_error(r)
+
+
+def test_cli_list_is_readable_at_80_columns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxlaunch.store import model_name
+
+    capture(Store(tmp_path))
+    monkeypatch.setenv("COLUMNS", "80")
+    r = run_cli("store", "list", "--artifact-path", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    row = next(line for line in lines if line.startswith(SID))
+    assert " tiny " in row and f" vllm {META.engine_version} " in row  # the model by name, the engine with its version
+    assert model_name("/root/.cache/huggingface/hub/models--org--m-7B/snapshots/0123abcd") == "org/m-7B"
+    assert model_name("org/m-7B") == "org/m-7B" and model_name("./ckpt/m/") == "m"

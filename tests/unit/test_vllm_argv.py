@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from mxlaunch.engines import vllm as V
+from mxlaunch.engines import vllm_argv as V
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.errors import UsageError
 
@@ -436,7 +436,8 @@ def test_vllm_version_of_another_interpreter(tmp_path) -> None:
 def test_import_stays_light() -> None:
     import subprocess
 
-    code = "import sys, mxlaunch.engines.vllm; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    code = ("import sys, mxlaunch.engines.vllm, mxlaunch.engines.vllm_argv, mxlaunch.engines.registry; "
+            "print('vllm' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
@@ -480,3 +481,20 @@ def test_to_json_round_trip(tmp_path) -> None:
     d["model_loader_extra_config"]["a"].append(2)
     assert spec.model_loader_extra_config == {"a": [1]}
     assert os.path.isabs(d["model_path"])
+
+
+def test_generated_table_has_not_drifted_from_installed_vllm(oracle) -> None:
+    """engines/vllm_flags.py is what scripts/gen_vllm_flags.py makes of the installed vLLM's parser."""
+    import importlib.util
+
+    from mxlaunch.engines import vllm_flags
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gen_vllm_flags.py"
+    spec = importlib.util.spec_from_file_location("gen_vllm_flags", script)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    table = {k: v for k, v in gen.option_table(oracle.api_parser).items() if k.startswith("--")}
+    fix = "regenerate: python scripts/gen_vllm_flags.py > mxlaunch/engines/vllm_flags.py"
+    assert table == vllm_flags.OPTIONS, (fix, sorted(set(table.items()) ^ set(vllm_flags.OPTIONS.items()))[:10])
+    assert gen.short_aliases(oracle.api_parser) == vllm_flags.SHORT, fix
+    assert vllm_flags.VLLM_VERSION == gen.version(), fix

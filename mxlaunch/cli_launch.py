@@ -1,0 +1,79 @@
+"""`mxlaunch launch -- CMD`: plan, then run the engine with the fastest correct weight path (registered by cli.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+
+from mxlaunch.cli_common import artifact_path_option, err, json_option, out, print_json
+from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
+from mxlaunch.engines.registry import ENGINES
+
+CONTEXT = {"allow_interspersed_args": False, "ignore_unknown_options": True}  # CMD's own flags pass through
+_SNAPSHOT_FORMAT_HELP = "raw (mxlaunch's: tensors before post-processing; every engine)" + "".join(
+    f" | {' | '.join(e.snapshot_formats)} ({e.display}'s stock formats; riskier, see docs/)"
+    for e in ENGINES.values() if e.snapshot_formats) + "."
+
+
+def launch(
+    command: List[str] = typer.Argument(None, help="The engine's own command, after --.", show_default=False),
+    artifact_path: Optional[Path] = artifact_path_option(),
+    strategy: str = typer.Option("auto", "--strategy", help=" | ".join(STRATEGIES) + "."),
+    capture_only: bool = typer.Option(False, "--capture-only", help="Serve until the snapshot is published, then stop (exit 0)."),
+    ready_timeout: float = typer.Option(1800.0, "--ready-timeout", help="Seconds to wait for the engine to be ready."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
+    readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 32; in a Slurm job 2 per CPU of the node, 4–32]."),
+    snapshot_format: str = typer.Option("raw", "--snapshot-format", help=_SNAPSHOT_FORMAT_HELP),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
+    as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
+) -> None:
+    """Run an engine command with the fastest correct weight path: staged snapshot, capture, or default."""
+    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
+
+    opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
+                         ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
+                         snapshot_format=snapshot_format)
+    plan = make_plan(list(command or []), opts)
+    if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
+        err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
+    if dry_run:
+        if as_json:
+            print_json(plan.to_json())
+        else:
+            out.print(f"strategy [bold]{plan.strategy}[/]: {escape(plan.reason)}")
+            out.print(f"source id {plan.source_id} · engine {plan.spec.engine} {plan.spec.engine_version or '(not installed)'}"
+                      f" · tp {plan.spec.tp} pp {plan.spec.pp} dp {plan.spec.dp}")
+            out.print("command: " + escape(" ".join(plan.argv)))
+            if plan.stage_files:
+                out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
+        return
+    if capture_only and plan.strategy != "capture":
+        from mxlaunch.errors import UsageError
+
+        raise UsageError(f"--capture-only: nothing to capture ({plan.reason})", "drop --capture-only to serve")
+
+    def emit(event: str, **fields: object) -> None:
+        if as_json:
+            print_json({"event": event, **fields})
+        elif event == "ready":
+            phases = fields.get("phases") or {}
+            shown = " · ".join(f"{name} {sec:.2f}s" for name, sec in phases.items() if sec)  # type: ignore[union-attr]
+            err.print(f"[bold green]mxlaunch ready[/] in {fields['seconds']:.1f} s (strategy {fields['strategy']}): "
+                      f"{escape(shown)}", highlight=False)
+        else:
+            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("argv", "log_tail"))
+            err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)
+            if fields.get("log_tail"):
+                err.print(escape(str(fields["log_tail"])), highlight=False)
+
+    def echo(line: str) -> None:
+        (sys.stderr if as_json else sys.stdout).write(line + "\n")
+
+    if plan.slurm and as_json:
+        emit("slurm", **plan.slurm)
+    code = Launcher(plan, opts, emit=emit, echo=echo).run()
+    raise typer.Exit(code)

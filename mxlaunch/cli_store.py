@@ -1,0 +1,108 @@
+"""`mxlaunch store list/verify/rm`: the artifact store's snapshots (registered by cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from mxlaunch.cli_common import artifact_path_option, err, json_option, out, print_json
+
+# ---- store: list / verify / rm snapshots in the artifact store (issue 3) ----
+
+store_app = typer.Typer(
+    help="See, check and remove snapshots in the artifact store.",
+    no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@store_app.command("list")
+def store_list(
+    artifact_path: Optional[Path] = artifact_path_option(),
+    as_json: bool = json_option("Print the snapshots as JSON."),
+) -> None:
+    """Every snapshot in the store: model, engine, parallelism, size, created, status (ok/incomplete/claimed/refused).
+
+    --json has every field, the model's full path and the snapshot's rank count included."""
+    from rich.table import Table
+
+    from mxlaunch.staging.capacity import format_bytes
+    from mxlaunch.store import Store
+
+    store = Store(artifact_path)
+    entries = store.list()
+    if as_json:
+        print_json({"root": str(store.root), "snapshots": [e.to_dict() for e in entries]})
+        return
+    # Readable at 80 columns: no borders, one space between columns, the model by name (the path is in
+    # --json), the date without the time; only the model may wrap.
+    table = Table(title=f"snapshots in {escape(str(store.root))}", box=None, pad_edge=False, padding=(0, 1, 0, 0),
+                  title_justify="left", header_style="bold underline")
+    for col in ("id", "model", "engine", "tp/pp", "size", "created", "status"):
+        table.add_column(col, justify="right" if col == "size" else "left", overflow="fold",
+                         no_wrap=col in ("id", "engine", "size", "created"), min_width={"model": 12, "status": 6}.get(col))
+    style = {"ok": "green", "claimed": "cyan", "incomplete": "yellow", "refused": "red"}
+    for e in entries:
+        d = e.to_dict()
+        engine = " ".join(str(x) for x in (d["engine"], d["engine_version"]) if x) or "-"
+        tp_pp = f"{d['tp'] or '-'}/{d['pp'] or '-'}" if d["tp"] or d["pp"] else "-"
+        status = f"[{style.get(e.status, 'white')}]{e.status}[/]"
+        if e.status == "claimed" and e.holder is not None:
+            status += f" ({escape(e.holder.describe())})"
+        table.add_row(e.source_id, escape(str(d["model_name"] or "-")), escape(engine), tp_pp, format_bytes(e.bytes), str(d["created_at"] or "-")[:10], status)
+    out.print(table)
+    for e in entries:
+        if e.status == "refused":
+            out.print(f"{e.source_id}: {escape(e.reason)}", highlight=False, soft_wrap=True)
+
+
+@store_app.command("verify")
+def store_verify(
+    source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
+    artifact_path: Optional[Path] = artifact_path_option(),
+    quick: bool = typer.Option(False, "--quick", help="Check manifest, paths and sizes only (no checksums)."),
+    as_json: bool = json_option("Print the result as JSON."),
+) -> None:
+    """Check a snapshot: manifest, ranks, paths inside the store, sizes and xxh3_128 checksums (exit 1 on failure)."""
+    from mxlaunch.errors import CheckFailed, UsageError
+    from mxlaunch.staging.capacity import format_bytes
+    from mxlaunch.store import Store
+
+    store = Store(artifact_path)
+    if not store.folder(source_id).is_dir():
+        raise UsageError(f"no snapshot {source_id} in {store.root}", "see `mxlaunch store list`")
+    with err.status(f"verifying {source_id}"):
+        report = store.verify(source_id, full=not quick)
+    if as_json:
+        print_json(report.to_dict())
+    elif report.ok:
+        out.print(f"{source_id}: ok — {report.files} files, {format_bytes(report.bytes)}"
+                  f"{', checksums match' if report.full else ' (sizes only)'}", highlight=False)
+    else:
+        for problem in report.problems:
+            out.print(f"{source_id}: {escape(problem)}", highlight=False, soft_wrap=True)
+    if not report.ok:
+        more = f" (and {len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+        raise CheckFailed(f"snapshot {source_id} failed verification: {report.problems[0]}{more}",
+                          f"remove it with `mxlaunch store rm {source_id}`; the next launch captures it again")
+
+
+@store_app.command("rm")
+def store_rm(
+    source_id: str = typer.Argument(..., help="Snapshot id (see `mxlaunch store list`)."),
+    artifact_path: Optional[Path] = artifact_path_option(),
+    force: bool = typer.Option(False, "--force", help="Remove it even while a capture claims it."),
+    as_json: bool = json_option("Print the result as JSON."),
+) -> None:
+    """Remove a snapshot (refused while a capture holds its claim, unless --force)."""
+    from mxlaunch.store import Store
+
+    store = Store(artifact_path)
+    store.remove(source_id, force=force)
+    if as_json:
+        print_json({"removed": source_id, "root": str(store.root)})
+    else:
+        out.print(f"removed {source_id} from {escape(str(store.root))}", highlight=False)

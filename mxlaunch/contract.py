@@ -1,0 +1,73 @@
+"""The launcher ↔ plugin ↔ store contract: names and formats both sides must agree on, defined once.
+
+The launcher writes a plan file (mxlaunch/plan.py) and reads marker files; the in-engine plugin reads
+the plan, writes the markers and prints one log line per loaded rank; the store records the snapshot
+format and version. Everything those three share by value lives here, so that a change is one edit.
+This module imports nothing heavy: the plugin imports it inside every engine worker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# ---- load format and snapshot formats ------------------------------------------------------------------
+
+LOAD_FORMAT = "mxlaunch"  # vLLM's --load-format for mxlaunch's registered loader
+RAW = "mxlaunch-raw"  # mxlaunch's own snapshot: each rank's tensors before post-processing (every engine)
+SHARDED_STATE = "sglang-sharded_state"  # SGLang's own sharded_state dump, one folder per rank
+PRESHARDED = "sglang-presharded"  # SGLang's presharded dump: one folder every rank reads (kept as rank 0)
+SHARED_FOLDER_FORMATS = (PRESHARDED,)  # formats whose one folder serves every rank (single node only)
+SNAPSHOT_VERSION = 1  # bump when the raw snapshot's layout changes: old snapshots stop matching
+
+
+def snapshot_format_name(option: str, engine: str) -> str:
+    """The store's format name for `--snapshot-format <option>`: raw is mxlaunch's; the others are the
+    engine's stock formats, named <engine>-<option>."""
+    return RAW if option == "raw" else f"{engine}-{option}"
+
+
+# ---- strategies ----------------------------------------------------------------------------------------
+
+STRATEGIES = ("capture", "staged", "default")  # what a plan file may say
+LAUNCH_STRATEGIES = ("auto", *STRATEGIES)  # what `mxlaunch launch --strategy` accepts
+
+# ---- markers (plugin → launcher, in <run_dir>/markers/) ------------------------------------------------
+
+LOADED = "loaded"  # rank R's weights are in place, after post-processing: its staged files can go
+CAPTURED = "captured"  # rank R's snapshot files are written into the capture folder
+FALLBACK = "fallback"  # rank R serves with the engine's default loader ({"reason"})
+MARKER_KINDS = (LOADED, CAPTURED, FALLBACK)
+ABORT = "abort.json"  # launcher → plugin: staging failed, stop waiting for files ({"reason"})
+
+
+def marker_name(kind: str, rank: int) -> str:
+    return f"{kind}-{rank}.json"
+
+
+def parse_marker_name(path: Path) -> tuple[str, int] | None:
+    """(kind, rank) of a marker file, None for anything else in the folder."""
+    kind, _, rank = Path(path).stem.rpartition("-")
+    return (kind, int(rank)) if kind in MARKER_KINDS and rank.isdigit() else None
+
+
+# ---- the lines mxlaunch prints into the engine's log ---------------------------------------------------
+# Written by the plugin and the launcher, read by `profile` (engines/base.py's mxlaunch_events). The
+# regexes are defined with the engines' log parsers in engines/base.py (one place for every log pattern)
+# and re-exported here next to the functions that write the lines; tests/unit check the round trip.
+
+from mxlaunch.engines.base import MXLAUNCH_LOADED as LOADED_LINE  # noqa: E402,F401
+from mxlaunch.engines.base import MXLAUNCH_STAGED as STAGED_LINE  # noqa: E402,F401
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f}"
+
+
+def loaded_line(rank: int, nbytes: int, seconds: float, strategy: str = "staged") -> str:
+    """'mxlaunch: rank R loaded N GiB in X s (strategy S)' — parsed by LOADED_LINE."""
+    return f"mxlaunch: rank {rank} loaded {gib(nbytes)} GiB in {seconds:.2f} s (strategy {strategy})"
+
+
+def staged_line(nbytes: int, seconds: float) -> str:
+    """'mxlaunch: staged N GiB in X s' — parsed by STAGED_LINE."""
+    return f"mxlaunch: staged {gib(nbytes)} GiB in {seconds:.2f} s"

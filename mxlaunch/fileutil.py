@@ -1,0 +1,187 @@
+"""Small file and process helpers every part of mxlaunch shares: atomic JSON, folders, permissions, pids.
+
+Files and folders are created with the user's umask, never world-writable; with `MXLAUNCH_GROUP` set they
+get that group, g+rw, and folders g+s (see mxlaunch/settings.py). JSON is written to a temp name in the
+same folder and appears by rename (or by link, for a publish that only one racer may win): no reader
+ever sees half a file.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import json
+import os
+import secrets
+import socket
+import stat
+from pathlib import Path
+from typing import Any, Optional
+
+from mxlaunch import settings
+from mxlaunch.errors import UsageError
+
+MAX_JSON_BYTES = 64 << 20
+
+# ---- files ------------------------------------------------------------
+
+
+def shared_gid() -> Optional[int]:
+    """The group named by MXLAUNCH_GROUP (name or number), or None when unset."""
+    name = settings.group()
+    if not name:
+        return None
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError as exc:
+        raise UsageError(f"MXLAUNCH_GROUP={name} is not a group on this host", "unset it or name a group you are in") from exc
+
+
+def secure(path: str | os.PathLike[str], *, is_dir: bool) -> None:
+    """Drop o+w (never world-writable); with MXLAUNCH_GROUP: that group, g+rw, and g+s on folders."""
+    st = os.lstat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    new = mode & ~0o002
+    gid = shared_gid()
+    if gid is not None:
+        if st.st_gid != gid:
+            try:
+                os.chown(path, -1, gid)
+            except PermissionError as exc:
+                raise UsageError(f"cannot give {path} the group {gid} (MXLAUNCH_GROUP)",
+                                 "use a group you are a member of, or unset MXLAUNCH_GROUP") from exc
+        new |= 0o060 | (0o2010 if is_dir else 0)
+    if new != mode or gid is not None:
+        os.chmod(path, new)
+
+
+def ensure_dir(path: str | os.PathLike[str]) -> Path:
+    """mkdir -p; each folder this call creates gets `secure()` (umask, no o+w, optional group)."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    if not p.parent.is_dir() and p.parent != p:
+        ensure_dir(p.parent)
+    try:
+        p.mkdir()
+    except FileExistsError:
+        if not p.is_dir():
+            raise
+        return p
+    secure(p, is_dir=True)
+    return p
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def write_json_temp(folder: str | os.PathLike[str], obj: Any, prefix: str = ".") -> Path:
+    """Write JSON to a fresh, uniquely named file in `folder` (fsynced, secured); the caller renames or links it."""
+    tmp = Path(folder) / (unique_name(prefix) + ".tmp")
+    payload = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        secure(tmp, is_dir=False)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, exclusive: bool = False,
+                      parents: bool = False) -> bool:
+    """Make `path` hold `obj` by one atomic step; nothing half-written is ever visible under `path`.
+
+    exclusive=False replaces what is there (rename). exclusive=True publishes only if `path` does not
+    exist yet and returns whether this call won: `link()` fails with EEXIST for every racer but one. On a
+    filesystem without hard links an O_EXCL `<path>.lock` decides the single winner instead.
+    parents=True creates missing folders first (plain mkdir: run folders in /dev/shm, markers).
+    """
+    target = Path(path)
+    if parents:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = write_json_temp(target.parent, obj, prefix=f".{target.name}.")
+    try:
+        if not exclusive:
+            os.replace(tmp, target)
+            return True
+        try:
+            os.link(tmp, target)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+                raise
+        lock = target.with_name(target.name + ".lock")
+        try:
+            os.close(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            return False
+        if target.exists():
+            return False
+        os.replace(tmp, target)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_json(path: str | os.PathLike[str], limit: int = MAX_JSON_BYTES) -> Any:
+    """Read a JSON file of at most `limit` bytes (regular file only). Raises OSError / ValueError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        data = fh.read(limit + 1)
+    return json.loads(data.decode("utf-8"))
+
+
+# ---- who am I, is that process alive -------------------------------------------------------------------
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_start_time(pid: int) -> int:
+    """Start time of `pid` in clock ticks since boot (field 22 of /proc/PID/stat); 0 when unknown."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text[text.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def pid_alive(pid: int, start_time: int = 0) -> bool:
+    """Is `pid` running (not a zombie) and, when start_time is known, still the same process?"""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: it exists
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        fields = text[text.rindex(")") + 2:].split()
+        if fields[0] in ("Z", "X"):
+            return False
+        if start_time and int(fields[19]) != start_time:
+            return False  # the pid was reused
+    except (OSError, ValueError, IndexError):
+        pass
+    return True

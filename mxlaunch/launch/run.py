@@ -1,0 +1,391 @@
+"""Running a plan: the run folder and plan file, staging ∥ the engine, markers, publish, readiness, cleanup.
+
+`Launcher.run` writes the plan file into a per-user, per-run folder in /dev/shm, starts staging this
+node's ranks and the engine at the same time, frees each rank's staged files once its "loaded" marker
+appears, publishes a captured snapshot once every rank has written its part, watches for readiness,
+and cleans up on every exit path. It returns the engine's own exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import httpx
+
+from mxlaunch.contract import ABORT, SHARED_FOLDER_FORMATS, SNAPSHOT_VERSION, parse_marker_name, staged_line
+from mxlaunch.engines.base import LaunchSpec
+from mxlaunch.engines.registry import spec_engine
+from mxlaunch.errors import MxlaunchError
+from mxlaunch.fileutil import process_start_time, write_json_atomic
+from mxlaunch.launch import process
+from mxlaunch.launch.cleanup import remove_orphaned_engine_shm, remove_run, remove_stale_runs, shm_entries, shm_user_root
+from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
+from mxlaunch.launch.process import default_log_root, log_tail
+from mxlaunch.plan import PLAN_ENV, Plan, RankFile
+from mxlaunch.slurm import default_readers
+from mxlaunch.store import SnapshotMeta, Store
+
+CLAIM_TTL_S = 60.0
+
+
+class Launcher:
+    """Runs one LaunchPlan in the foreground. `emit(event, **fields)` reports progress."""
+
+    def __init__(self, plan: LaunchPlan, opts: LaunchOptions, emit: Callable[..., None],
+                 echo: Callable[[str], None], store: Optional[Store] = None) -> None:
+        self.plan = plan
+        self.opts = opts
+        self.emit = emit
+        self.echo = echo
+        self.store = store
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        job = os.environ.get("SLURM_JOB_ID")
+        if job:
+            self.run_id = f"job{job}-{self.run_id}"
+        self.shm_dir = shm_user_root() / self.run_id
+        self.log_dir = Path(opts.run_dir) if opts.run_dir else default_log_root() / self.run_id
+        self.proc: Optional[subprocess.Popen] = None
+        self.stage_job = None
+        self.claim = None
+        self.writer = None
+        self.stop_reason: Optional[str] = None
+        self.signals: list[int] = []
+        self.ready_at: Optional[float] = None
+        self.t0 = time.monotonic()
+        self.loaded: set[int] = set()
+        self.captured: set[int] = set()
+        self.published = False
+        self.stage_result = None
+        self.stage_error: Optional[str] = None
+        self._profile_lock = threading.Lock()
+        self._shm_before: set[str] = set()
+        from mxlaunch.profile import StartupProfiler
+
+        self.profiler = StartupProfiler(engine=plan.spec.engine, source="engine.log", live=True)
+
+    # -- setup --
+
+    def _prepare(self) -> Plan:
+        for stale in remove_stale_runs(shm_user_root()):
+            self.emit("cleanup", message=f"removed a stale run folder {stale}")
+        self.shm_dir.mkdir(parents=True, mode=0o700)
+        write_json_atomic(self.shm_dir / "owner.json",
+                          {"pid": os.getpid(), "start_time": process_start_time(os.getpid())})
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        plan = Plan(strategy=self.plan.strategy, source_id=self.plan.source_id, run_dir=str(self.shm_dir),
+                    wait_timeout_s=self.opts.ready_timeout, snapshot_format=self.plan.snapshot_format)
+        if self.plan.strategy == "capture":
+            store = self.store or Store(self.opts.artifact_path)
+            self.store = store
+            claim = store.coordinator.try_claim(self.plan.source_id, ttl_s=CLAIM_TTL_S)
+            if claim is None:
+                self._downgrade("another replica claimed the capture first; serving with the default loader")
+                return self._prepare_default(plan)
+            self.claim = claim
+            claim.keep_alive()
+            spec = self.plan.spec
+            meta = SnapshotMeta(engine=spec.engine, engine_version=spec.engine_version, spec=spec.to_json(),
+                                identity=self.plan.identity, snapshot_format=self.plan.snapshot_format,
+                                snapshot_version=SNAPSHOT_VERSION)
+            nranks = 1 if self.plan.snapshot_format in SHARED_FOLDER_FORMATS else spec.tp * spec.pp
+            ranks = sorted({r["snapshot_rank"] for r in self.plan.local_ranks})
+            try:
+                self.writer = store.begin_capture(
+                    self.plan.source_id, meta, nranks=nranks, nnodes=1 if spec.dp > 1 else spec.nnodes,
+                    node_rank=0 if spec.dp > 1 else spec.node_rank, ranks=ranks)
+            except MxlaunchError as exc:
+                claim.release()
+                self.claim = None
+                self._downgrade(f"cannot capture: {exc.one_line()}")
+                return self._prepare_default(plan)
+            plan.capture_dir = str(self.writer.capture_dir)
+        elif self.plan.strategy == "staged":
+            # Files are staged once per snapshot rank; every local worker (its global rank, as the plugin
+            # sees it) is pointed at its snapshot rank's files — DP replicas share them.
+            stage_root = self.shm_dir / "stage"
+            by_snapshot: dict[int, list[RankFile]] = {}
+            for f in self.plan.stage_files:
+                rank, rel = _rank_rel(f.path)
+                by_snapshot.setdefault(rank, []).append(RankFile(path=str(stage_root / str(rank) / rel), bytes=f.bytes))
+            for worker in self.plan.local_ranks:
+                plan.ranks[str(worker["rank"])] = by_snapshot.get(worker["snapshot_rank"], [])
+        write_json_atomic(self.shm_dir / "plan.json", plan.to_dict())
+        return plan
+
+    def _prepare_default(self, plan: Plan) -> Plan:
+        plan.strategy = "default"
+        write_json_atomic(self.shm_dir / "plan.json", plan.to_dict())
+        return plan
+
+    def _downgrade(self, reason: str) -> None:
+        self.plan.strategy = "default"
+        self.plan.reason = reason
+        self.plan.argv = list(self.plan.spec.argv)
+        self.emit("fallback", reason=reason)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[PLAN_ENV] = str(self.shm_dir / "plan.json")
+        allowlist = spec_engine(self.plan.spec).plugin_allowlist
+        if env.get(allowlist):  # an allowlist that leaves mxlaunch out would silently disable the plugin
+            names = env[allowlist].split(",")
+            if "mxlaunch" not in names:
+                env[allowlist] = ",".join(names + ["mxlaunch"])
+        return env
+
+    def _start_stage(self) -> None:
+        if self.plan.strategy != "staged":
+            return
+        from mxlaunch.stage import default_per_file
+        from mxlaunch.staging.reader import StageJob
+        from mxlaunch.staging.sources import CopyItem
+
+        items, expected = [], {}
+        for f in self.plan.stage_files:
+            rank, inner = _rank_rel(f.path)
+            rel = f"{rank}/{inner}"
+            items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
+            expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
+        reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
+        readers = self.opts.readers or default_readers()
+        job = StageJob(items, self.shm_dir / "stage", readers=readers, expected=expected,
+                       per_file=default_per_file(readers), reserve_bytes=reserve)
+        job.start()
+        self.stage_job = job
+
+        def watch() -> None:
+            try:
+                result = job.wait()
+                self.stage_result = result
+                self.emit("staged", bytes=result.bytes, seconds=round(result.seconds, 3),
+                          gib_per_s=round(result.gib_per_s, 3), o_direct=result.o_direct)
+                line = staged_line(result.bytes, result.seconds)
+                self.echo(line)
+                self._feed_profile(line)
+            except Exception as exc:  # noqa: BLE001 — reported to the plugin through the abort marker
+                self.stage_error = getattr(exc, "message", str(exc))
+                write_json_atomic(self.shm_dir / "markers" / ABORT, {"reason": self.stage_error}, parents=True)
+                self.emit("fallback", reason=f"staging failed: {self.stage_error}")
+
+        threading.Thread(target=watch, name="mx-stage-watch", daemon=True).start()
+
+    # -- the run --
+
+    def run(self) -> int:
+        code = 1
+        previous = {}
+        try:
+            self._prepare()
+            argv = self.plan.argv
+            self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
+                      snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"))
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._on_signal)
+            self._shm_before = shm_entries()
+            self._start_stage()  # staging and the engine start together
+            log = open(self.log_dir / "engine.log", "wb")
+            self.proc = process.start(argv, self._env())
+            reader = threading.Thread(target=self._pump, args=(self.proc, log), daemon=True)
+            reader.start()
+            code = self._supervise()
+            reader.join(timeout=5)
+            log.close()
+            return code
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._cleanup()
+
+    def _feed_profile(self, line: str, arrival: Optional[float] = None) -> None:
+        with self._profile_lock:
+            self.profiler.feed(line, arrival=time.monotonic() - self.t0 if arrival is None else arrival)
+
+    def _pump(self, proc: subprocess.Popen, log: Any) -> None:
+        """The engine's output: raw bytes to engine.log, each line (\n or \r) echoed and profiled."""
+        assert proc.stdout is not None
+
+        def chunk(data: bytes) -> None:
+            log.write(data)
+            log.flush()
+
+        def line(text: str, arrival: float) -> None:
+            self.echo(text)
+            self._feed_profile(text, arrival)
+
+        process.read_lines(proc.stdout.fileno(), line, self.t0, on_chunk=chunk)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signals.append(signum)
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        if self.stage_job is not None:
+            self.stage_job.cancel()
+
+    def _supervise(self) -> int:
+        assert self.proc is not None
+        url = f"http://{_client_host(self.plan.spec.host)}:{self.plan.spec.port or 8000}/health"
+        deadline = self.t0 + self.opts.ready_timeout
+        client = httpx.Client(timeout=2.0)
+        http = serves_http(self.plan.spec)
+        if not http:
+            self.emit("worker-node", message=f"node {self.plan.spec.node_rank} of {self.plan.spec.nnodes} runs workers "
+                                             "only (no HTTP server): serving until the engine exits")
+        try:
+            while True:
+                code = self.proc.poll()
+                self._check_markers()
+                if code is not None:
+                    return self._engine_exited(code)
+                if self.ready_at is None and http:
+                    if _healthy(client, url):
+                        self.ready_at = time.monotonic()
+                        self._report_ready()
+                    elif time.monotonic() > deadline:
+                        self.stop_reason = f"not ready after {self.opts.ready_timeout:.0f} s"
+                        self.emit("error", message=self.stop_reason)
+                        self._stop_engine()
+                        return 1
+                if self.opts.capture_only and self.published:
+                    self.emit("capture-only", message="snapshot published; stopping the engine")
+                    self._stop_engine()
+                    self.proc.wait()
+                    return 0
+                if self.opts.capture_only and self.claim is None:  # downgraded, a rank fell back, publish failed
+                    self.emit("error", message="--capture-only: this run will not publish a snapshot (see the fallback "
+                                               "or error above); stopping the engine")
+                    self._stop_engine()
+                    self.proc.wait()
+                    return 1
+                time.sleep(0.25)
+        finally:
+            client.close()
+
+    def _check_markers(self) -> None:
+        markers = self.shm_dir / "markers"
+        if not markers.is_dir():
+            return
+        for path in sorted(markers.glob("*.json")):
+            parsed = parse_marker_name(path)
+            if parsed is None:
+                continue
+            kind, rank = parsed
+            if kind == "loaded" and rank not in self.loaded:
+                self.loaded.add(rank)
+                self._free_stage(rank)  # give /dev/shm back as soon as no worker needs the files
+                self.emit("loaded", rank=rank, **_read_marker(path))
+            elif kind == "fallback" and rank not in self.loaded:
+                self.loaded.add(rank)
+                self._free_stage(rank)
+                self.emit("fallback", rank=rank, reason=_read_marker(path).get("reason", "?"))
+                if self.writer is not None and not self.published:
+                    # a rank that could not capture means no snapshot: free the claim for someone else now
+                    self.writer.abort()
+                    self.writer = None
+                    if self.claim is not None:
+                        self.claim.release()
+                        self.claim = None
+            elif kind == "captured" and rank not in self.captured and self.writer is not None:
+                self.captured.add(rank)
+                self.emit("captured", rank=rank)
+                if self.captured >= set(self.writer.ranks):
+                    self._publish()
+
+    def _free_stage(self, rank: int) -> None:
+        """Remove a snapshot rank's staged files once every local worker that reads them has loaded."""
+        snapshot_rank = next((w["snapshot_rank"] for w in self.plan.local_ranks if w["rank"] == rank), rank)
+        sharing = {w["rank"] for w in self.plan.local_ranks if w["snapshot_rank"] == snapshot_rank}
+        if sharing <= self.loaded:
+            shutil.rmtree(self.shm_dir / "stage" / str(snapshot_rank), ignore_errors=True)
+
+    def _publish(self) -> None:
+        assert self.writer is not None
+        try:
+            for rank in self.writer.ranks:
+                self.writer.add_rank_dir(rank)
+            self.published = self.writer.mark_node_done() or self.store.lookup(self.plan.source_id).snapshot is not None
+            self.emit("published" if self.published else "node-done", source_id=self.plan.source_id,
+                      store=str(self.store.root))
+        except Exception as exc:  # noqa: BLE001 — a failed publish must not stop serving
+            self.emit("error", message=f"could not publish the snapshot: {getattr(exc, 'message', exc)}")
+            self.writer.abort()
+        finally:
+            if self.claim is not None:
+                self.claim.release()
+                self.claim = None
+
+    def _report_ready(self) -> None:
+        seconds = self.ready_at - self.t0
+        with self._profile_lock:
+            timeline = self.profiler.result()
+        phases = {p.name: round(p.seconds, 3) for p in timeline.phases}
+        self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases)
+        self.timeline = timeline
+
+    def _engine_exited(self, code: int) -> int:
+        if self.ready_at is None and not self.signals:
+            tail = log_tail(self.log_dir / "engine.log", 20)
+            self.emit("error", message=f"the engine exited with code {code} before it was ready", log_tail=tail)
+        self.emit("exit", code=code)
+        return 128 - code if code < 0 else code
+
+    def _stop_engine(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            process.stop_group(self.proc, grace=(20.0, 10.0))
+
+    def _cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self._stop_engine()
+        if self.proc is not None:  # anything left in the engine's process group (workers) goes too
+            process.kill_group(self.proc)
+        if self.stage_job is not None:
+            self.stage_job.cancel()
+            try:
+                self.stage_job.wait()
+            except Exception:  # noqa: BLE001 — cancelled or failed: its files are gone either way
+                pass
+        if self.writer is not None and not self.published:
+            self.writer.abort()
+        if self.claim is not None:
+            self.claim.release()
+        remove_run(self.shm_dir)
+        leaked = remove_orphaned_engine_shm(self._shm_before)
+        if leaked:
+            self.emit("cleanup", message=f"removed {len(leaked)} shared-memory segment(s) the engine left in "
+                                         f"/dev/shm: {', '.join(leaked)}")
+
+
+def serves_http(spec: LaunchSpec) -> bool:
+    """False on the worker nodes of a multi-node run: they never answer /health, so readiness is not
+    awaited there and the ready timeout does not apply."""
+    return spec_engine(spec).serves_http(spec)
+
+
+def _read_marker(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return {k: v for k, v in data.items() if k != "rank"} if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _client_host(host: Optional[str]) -> str:
+    return "127.0.0.1" if host in (None, "", "0.0.0.0", "::") else host
+
+
+def _healthy(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,138 @@
+"""Every `MXLAUNCH_*` environment variable, read in one place and documented here.
+
+Modules ask these functions instead of `os.environ`, so `VARIABLES` below is the complete list (the
+README's table is made from it). Each function takes the environment as an argument where a caller
+needs to decide for another environment (Slurm's helpers, tests); otherwise it reads `os.environ`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Optional
+
+ARTIFACT_PATH = "MXLAUNCH_ARTIFACT_PATH"
+PLAN = "MXLAUNCH_PLAN"
+DEVICE = "MXLAUNCH_DEVICE"
+GROUP = "MXLAUNCH_GROUP"
+DIST_ADDR = "MXLAUNCH_DIST_ADDR"
+DIST_PORT = "MXLAUNCH_DIST_PORT"
+NO_THP = "MXLAUNCH_NO_THP"
+RESTORE_THREADS = "MXLAUNCH_RESTORE_THREADS"
+SGLANG_PYTHON = "MXLAUNCH_SGLANG_PYTHON"
+GPU_COPY = "MXLAUNCH_GPU_COPY"
+GPU_READERS = "MXLAUNCH_GPU_READERS"
+GPU_CHUNK_MIB = "MXLAUNCH_GPU_CHUNK_MIB"
+GPU_REGISTRARS = "MXLAUNCH_GPU_REGISTRARS"
+GPU_REGISTER_MIB = "MXLAUNCH_GPU_REGISTER_MIB"
+GPU_POPULATE = "MXLAUNCH_GPU_POPULATE"
+CAPTURE_WRITERS = "MXLAUNCH_CAPTURE_WRITERS"
+CAPTURE_HUGE = "MXLAUNCH_CAPTURE_HUGE"
+GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
+
+VARIABLES: dict[str, str] = {
+    ARTIFACT_PATH: "artifact store root when --artifact-path is not given (default ~/.cache/mxlaunch/store)",
+    PLAN: "set by `mxlaunch launch` for the engine: the plan file the in-engine plugin reads (never set it by hand)",
+    DEVICE: "cpu | cuda: the device type in the source id, when the command's --device and the node do not say",
+    GROUP: "a group (name or number) every store file and folder gets, with g+rw and g+s on folders",
+    DIST_ADDR: "Slurm multi-node runs: the head's address as the other nodes reach it (default: the first node's name)",
+    DIST_PORT: "Slurm multi-node runs: the rendezvous port (default: 21000 + job id mod 8000)",
+    NO_THP: "set (to anything) to keep stage readers from asking for 2 MiB pages for their bounce buffers",
+    RESTORE_THREADS: "copy threads per worker for a staged restore into CPU memory (default min(8, CPUs))",
+    SGLANG_PYTHON: "tests only: the SGLang interpreter the e2e tests run (default .venv-sglang/bin/python)",
+    GPU_COPY: "staged restore into GPU memory: auto (staged files registered while the model is built, a pinned "
+              "ring for the rest; the default) | ring | hybrid | register | pageable (the old per-tensor copy)",
+    GPU_READERS: "pinned-ring reader threads per GPU worker (default one per core, at most 16)",
+    GPU_CHUNK_MIB: "pinned-ring slot size in MiB, a multiple of 2 (default 16; 2 slots per reader)",
+    GPU_REGISTRARS: "hybrid/register modes: threads registering staged files inside the weight phase (default 1)",
+    GPU_REGISTER_MIB: "hybrid/register modes: MiB one registration covers (default 128)",
+    GPU_POPULATE: "1: fill page tables (MADV_POPULATE_READ) before registering (measured: no gain on an H200)",
+    CAPTURE_WRITERS: "capture from a GPU: parts written at once through pinned slots (default min(16, parts, CPUs))",
+    CAPTURE_HUGE: "1: lay captured parts in tmpfs out in 2 MiB pages first (measured slower on an H200; default off)",
+}
+
+
+def artifact_path(environ: Mapping[str, str] = os.environ) -> Optional[Path]:
+    """$MXLAUNCH_ARTIFACT_PATH (user-expanded), or None when unset or empty."""
+    text = environ.get(ARTIFACT_PATH)
+    return Path(text).expanduser() if text else None
+
+
+def plan_path(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The plan file the launcher handed the engine, or None outside `mxlaunch launch`."""
+    return environ.get(PLAN) or None
+
+
+def device(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """A forced device type ("cpu" or "cuda"); None when unset or anything else."""
+    value = environ.get(DEVICE)
+    return value if value in ("cpu", "cuda") else None
+
+
+def group(environ: Mapping[str, str] = os.environ) -> str:
+    """The shared group's name or number as given ("" when unset)."""
+    return environ.get(GROUP, "").strip()
+
+
+def dist_addr(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    return environ.get(DIST_ADDR) or None
+
+
+def dist_port(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The rendezvous port as text (checked by the Slurm helper, which names the fix), or None."""
+    return environ.get(DIST_PORT) or None
+
+
+def no_thp(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(NO_THP) is not None
+
+
+def restore_threads(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """A positive thread count, or None (then the restore picks its own)."""
+    text = environ.get(RESTORE_THREADS)
+    return int(text) if text and text.isdigit() and int(text) > 0 else None
+
+
+def sglang_python(default: Path, environ: Mapping[str, str] = os.environ) -> Path:
+    text = environ.get(SGLANG_PYTHON)
+    return Path(text) if text else default
+
+
+def _int(environ: Mapping[str, str], name: str) -> Optional[int]:
+    text = environ.get(name, "").strip()
+    return int(text) if text.isdigit() else None
+
+
+def gpu_copy(environ: Mapping[str, str] = os.environ) -> str:
+    """The GPU restore mode; anything unknown is the default, auto."""
+    mode = environ.get(GPU_COPY, "auto").strip().lower() or "auto"
+    return mode if mode in GPU_COPY_MODES else "auto"
+
+
+def gpu_readers(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    return _int(environ, GPU_READERS)
+
+
+def gpu_chunk_mib(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    return _int(environ, GPU_CHUNK_MIB)
+
+
+def gpu_registrars(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    return _int(environ, GPU_REGISTRARS)
+
+
+def gpu_register_mib(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    return _int(environ, GPU_REGISTER_MIB)
+
+
+def gpu_populate(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(GPU_POPULATE, "0").strip() == "1"
+
+
+def capture_writers(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    value = _int(environ, CAPTURE_WRITERS)
+    return value if value else None
+
+
+def capture_huge(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(CAPTURE_HUGE, "0").strip() == "1"
