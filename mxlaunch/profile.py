@@ -1,4 +1,4 @@
-"""Engine start-up log → timeline of fixed phases; statistics over runs; live runs of a command.
+"""Engine start-up log → timeline of fixed phases (statistics over runs: profile_report; live runs: profile_live).
 
 Why fixed phase names: a report from SGLang 0.5.10 and one from vLLM 0.33 must line up in one
 table. The engine modules (engines/sglang.py, engines/vllm.py) turn lines into events; this module
@@ -11,36 +11,29 @@ turns events into phase durations, the same way for every engine:
 
 `StartupProfiler` is incremental (feed lines with arrival times) so the launcher can feed it the
 engine's live output; `profile_file` and `profile_live.run_live` are the two ways `mxlaunch profile` uses it.
+
+The phase vocabulary and `RunProfile` are in profile_model.py, statistics and tables in profile_report.py;
+their public names are importable from here too.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from mxlaunch.engines import LOG_FORMATS, LogFormat, LogLine, PhaseEvent
 from mxlaunch.engines.base import mxlaunch_events
 from mxlaunch.engines.registry import ENGINES as _REGISTRY
 from mxlaunch.errors import UsageError
+from mxlaunch.profile_model import NOT_SUMMED, PHASES, Phase, RunProfile, merge_nodes
+from mxlaunch.profile_report import compute_stats, not_ready_message, render, report, unmatched_lines
 
-PHASES: Tuple[str, ...] = (
-    "process_startup",
-    "worker_spawn",
-    "dist_init",
-    "weight_loading",
-    "kv_cache_alloc",
-    "torch_compile",
-    "cuda_graph_capture",
-    "piecewise_cuda_graph_capture",
-    "http_startup",
-    "warmup",
-    "stage",
-    "unknown",
-)
-NOT_SUMMED = {"stage", "unknown"}
+__all__ = [
+    "ENGINES", "NOT_SUMMED", "PHASES", "Phase", "RunProfile", "StartupProfiler", "compute_stats", "merge_nodes",
+    "not_ready_message", "profile_file", "profile_text", "read_log", "render", "report", "unmatched_lines",
+]
+
 ENGINES = ("auto", *_REGISTRY)  # --engine choices
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
@@ -54,44 +47,6 @@ _TIMED = re.compile(
     re.IGNORECASE,
 )
 _AUTO_VLLM_AFTER = 20  # vLLM-format lines with no SGLang line: it is vLLM (SGLang may import vLLM)
-
-
-@dataclass
-class Phase:
-    name: str
-    seconds: float
-
-
-@dataclass
-class RunProfile:
-    """One run (or one merged multi-node run): what `--json` prints per run."""
-
-    source: str
-    engine: str
-    role: str  # "server" (prints the ready line), "worker" (worker node of a multi-node run)
-    ready: bool
-    total_seconds: float
-    phases: List[Phase] = field(default_factory=list)
-    unmatched: List[str] = field(default_factory=list)  # timed lines no pattern read (`--explain`)
-
-    def seconds(self, name: str) -> Optional[float]:
-        for p in self.phases:
-            if p.name == name:
-                return p.seconds
-        return None
-
-    def to_dict(self, explain: bool = False) -> dict:
-        out = {
-            "source": self.source,
-            "engine": self.engine,
-            "role": self.role,
-            "ready": self.ready,
-            "total_seconds": round(self.total_seconds, 3),
-            "phases": [{"name": p.name, "seconds": round(p.seconds, 3)} for p in self.phases],
-        }
-        if explain:
-            out["unmatched"] = list(self.unmatched)
-        return out
 
 
 class StartupProfiler:
@@ -335,104 +290,3 @@ def profile_text(text: str, engine: str = "auto", source: str = "") -> RunProfil
 
 def profile_file(path: Path, engine: str = "auto") -> RunProfile:
     return profile_text(read_log(path), engine=engine, source=str(path))
-
-
-def merge_nodes(runs: Sequence[RunProfile], source: Optional[str] = None) -> RunProfile:
-    """The nodes of one multi-node run → one run: the slowest node per phase; ready when all are."""
-    if not runs:
-        raise UsageError("nothing to merge", fix="pass one --log per node with --multinode")
-    merged: Dict[str, float] = {}
-    for run in runs:
-        for p in run.phases:
-            if p.name != "unknown":
-                merged[p.name] = max(merged.get(p.name, 0.0), p.seconds)
-    total = max(r.total_seconds for r in runs)
-    merged["unknown"] = max(0.0, total - sum(v for k, v in merged.items() if k not in NOT_SUMMED))
-    role = "server" if any(r.role == "server" for r in runs) else "worker"
-    engines = sorted({r.engine for r in runs})
-    return RunProfile(
-        source=source or " + ".join(r.source for r in runs),
-        engine=engines[0] if len(engines) == 1 else "/".join(engines),
-        role=role,
-        ready=all(r.ready for r in runs),
-        total_seconds=total,
-        phases=[Phase(n, merged[n]) for n in PHASES if n in merged],
-        unmatched=[line for r in runs for line in r.unmatched],
-    )
-
-
-# ---- statistics ----------------------------------------------------------------------------------
-
-
-def compute_stats(runs: Sequence[RunProfile]) -> Dict[str, Dict[str, float]]:
-    """mean, sample stddev (0 for one value), min, max and n per phase (and total_seconds)."""
-    values: Dict[str, List[float]] = {}
-    for run in runs:
-        for p in run.phases:
-            values.setdefault(p.name, []).append(p.seconds)
-        values.setdefault("total_seconds", []).append(run.total_seconds)
-    order = [n for n in PHASES if n in values] + ["total_seconds"]
-    return {name: _stat(values[name]) for name in order if name in values}
-
-
-def _stat(xs: List[float]) -> Dict[str, float]:
-    n = len(xs)
-    mean = sum(xs) / n
-    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
-    return {"mean": round(mean, 3), "std": round(std, 3), "min": round(min(xs), 3), "max": round(max(xs), 3), "n": n}
-
-
-def report(runs: Sequence[RunProfile], explain: bool = False) -> dict:
-    """The `--json` document (cli.print_json adds "schema": 1); `explain` adds each run's `unmatched` lines."""
-    return {"runs": [r.to_dict(explain) for r in runs], "stats": compute_stats(runs)}
-
-
-def not_ready_message(runs: Iterable[RunProfile]) -> Optional[str]:
-    bad = [r.source for r in runs if not r.ready]
-    if not bad:
-        return None
-    return f"{len(bad)} run(s) never reached ready: {', '.join(bad)}"
-
-
-# ---- rendering -----------------------------------------------------------------------------------
-
-
-def unmatched_lines(runs: Sequence[RunProfile]) -> List[str]:
-    """`--explain`: per run, the lines that report a duration but that no pattern reads."""
-    out: List[str] = []
-    for i, run in enumerate(runs, 1):
-        out.append(f"run {i}: {len(run.unmatched)} timed line(s) no pattern reads (their time is in unknown)")
-        out += [f"  {line}" for line in run.unmatched]
-    return out
-
-
-def render(runs: Sequence[RunProfile]) -> list:
-    """Rich tables: the runs; then one run's phases with % of total, or statistics over several runs."""
-    from rich.table import Table  # rich is a dependency; imported here to keep the model import-light
-
-    stats = compute_stats(runs)
-    names = [n for n in PHASES if n in stats]
-    summary = Table(title="runs", title_justify="left")
-    for col in ("#", "source", "engine", "role", "ready", "total s"):
-        summary.add_column(col, justify="right" if col in ("#", "total s") else "left", overflow="fold")
-    for i, r in enumerate(runs, 1):
-        summary.add_row(str(i), r.source, r.engine, r.role, "yes" if r.ready else "[red]no[/]", f"{r.total_seconds:.2f}")
-    table = Table(title="start-up phases (seconds)", title_justify="left")
-    table.add_column("phase", no_wrap=True, min_width=len("piecewise_cuda_graph_capture"))
-    if len(runs) == 1:
-        run = runs[0]
-        table.add_column("seconds", justify="right", no_wrap=True)
-        table.add_column("% of total", justify="right", no_wrap=True)
-        for name in names:
-            s = run.seconds(name) or 0.0
-            pct = "overlaps" if name == "stage" else (f"{100 * s / run.total_seconds:.1f}" if run.total_seconds else "-")
-            table.add_row(name, f"{s:.2f}", pct)
-        table.add_row("[bold]total[/]", f"[bold]{run.total_seconds:.2f}[/]", "100.0")
-        return [summary, table]
-    for col in ("mean", "std", "min", "max", "n"):  # per-run values: --json and --chart
-        table.add_column(col, justify="right", no_wrap=True)
-    for name in names + ["total_seconds"]:
-        st = stats[name]
-        label = "[bold]total[/]" if name == "total_seconds" else name
-        table.add_row(label, *(f"{st[k]:.2f}" for k in ("mean", "std", "min", "max")), str(st["n"]))
-    return [summary, table]

@@ -1,0 +1,91 @@
+"""What a start-up profile is: the fixed phase names, one run's phases, and several nodes merged into one run.
+
+Why its own module: the parser (profile.py), the statistics and tables (profile_report.py), live runs
+(profile_live.py) and the chart (chart.py) all speak these types; keeping them apart from the parser lets
+each of those import the vocabulary without the log machinery, and with no import circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from mxlaunch.errors import UsageError
+
+PHASES: Tuple[str, ...] = (
+    "process_startup",
+    "worker_spawn",
+    "dist_init",
+    "weight_loading",
+    "kv_cache_alloc",
+    "torch_compile",
+    "cuda_graph_capture",
+    "piecewise_cuda_graph_capture",
+    "http_startup",
+    "warmup",
+    "stage",
+    "unknown",
+)
+NOT_SUMMED = {"stage", "unknown"}
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+
+
+@dataclass
+class RunProfile:
+    """One run (or one merged multi-node run): what `--json` prints per run."""
+
+    source: str
+    engine: str
+    role: str  # "server" (prints the ready line), "worker" (worker node of a multi-node run)
+    ready: bool
+    total_seconds: float
+    phases: List[Phase] = field(default_factory=list)
+    unmatched: List[str] = field(default_factory=list)  # timed lines no pattern read (`--explain`)
+
+    def seconds(self, name: str) -> Optional[float]:
+        for p in self.phases:
+            if p.name == name:
+                return p.seconds
+        return None
+
+    def to_dict(self, explain: bool = False) -> dict:
+        out = {
+            "source": self.source,
+            "engine": self.engine,
+            "role": self.role,
+            "ready": self.ready,
+            "total_seconds": round(self.total_seconds, 3),
+            "phases": [{"name": p.name, "seconds": round(p.seconds, 3)} for p in self.phases],
+        }
+        if explain:
+            out["unmatched"] = list(self.unmatched)
+        return out
+
+
+def merge_nodes(runs: Sequence[RunProfile], source: Optional[str] = None) -> RunProfile:
+    """The nodes of one multi-node run → one run: the slowest node per phase; ready when all are."""
+    if not runs:
+        raise UsageError("nothing to merge", fix="pass one --log per node with --multinode")
+    merged: Dict[str, float] = {}
+    for run in runs:
+        for p in run.phases:
+            if p.name != "unknown":
+                merged[p.name] = max(merged.get(p.name, 0.0), p.seconds)
+    total = max(r.total_seconds for r in runs)
+    merged["unknown"] = max(0.0, total - sum(v for k, v in merged.items() if k not in NOT_SUMMED))
+    role = "server" if any(r.role == "server" for r in runs) else "worker"
+    engines = sorted({r.engine for r in runs})
+    return RunProfile(
+        source=source or " + ".join(r.source for r in runs),
+        engine=engines[0] if len(engines) == 1 else "/".join(engines),
+        role=role,
+        ready=all(r.ready for r in runs),
+        total_seconds=total,
+        phases=[Phase(n, merged[n]) for n in PHASES if n in merged],
+        unmatched=[line for r in runs for line in r.unmatched],
+    )
