@@ -16,6 +16,7 @@ from mxlaunch import __version__
 from mxlaunch.cli_common import err, json_option, out, print_json
 from mxlaunch.cli_launch import CONTEXT as launch_context
 from mxlaunch.cli_launch import launch
+from mxlaunch.cli_cache import cache_app
 from mxlaunch.cli_store import store_app
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
@@ -331,6 +332,7 @@ def doctor(
 # ---- store: list / verify / rm snapshots in the artifact store (mxlaunch/cli_store.py) ----
 
 app.add_typer(store_app, name="store")
+app.add_typer(cache_app, name="cache")  # JIT kernel caches (mxlaunch/cli_cache.py)
 
 # ---- launch (mxlaunch/cli_launch.py) ----
 

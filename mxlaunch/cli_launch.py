@@ -28,6 +28,7 @@ def launch(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
     readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 32; in a Slurm job 2 per CPU of the node, 4–32]."),
     snapshot_format: str = typer.Option("raw", "--snapshot-format", help=_SNAPSHOT_FORMAT_HELP),
+    no_kernel_cache: bool = typer.Option(False, "--no-kernel-cache", help="Leave the engine's JIT kernel caches alone (no restore, no capture)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
     as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
 ) -> None:
@@ -36,7 +37,7 @@ def launch(
 
     opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
-                         snapshot_format=snapshot_format)
+                         snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache)
     plan = make_plan(list(command or []), opts)
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
         err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
@@ -48,6 +49,9 @@ def launch(
             out.print(f"source id {plan.source_id} · engine {plan.spec.engine} {plan.spec.engine_version or '(not installed)'}"
                       f" · tp {plan.spec.tp} pp {plan.spec.pp} dp {plan.spec.dp}")
             out.print("command: " + escape(" ".join(plan.argv)))
+            kc = plan.kernel_cache or {}
+            out.print(f"kernel cache [bold]{kc.get('status', 'off')}[/]{' ' + kc['key'] if kc.get('key') else ''}: "
+                      f"{escape(str(kc.get('reason', '')))}", highlight=False)
             if plan.stage_files:
                 out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
         return
@@ -62,10 +66,11 @@ def launch(
         elif event == "ready":
             phases = fields.get("phases") or {}
             shown = " · ".join(f"{name} {sec:.2f}s" for name, sec in phases.items() if sec)  # type: ignore[union-attr]
-            err.print(f"[bold green]mxlaunch ready[/] in {fields['seconds']:.1f} s (strategy {fields['strategy']}): "
+            err.print(f"[bold green]mxlaunch ready[/] in {fields['seconds']:.1f} s (strategy {fields['strategy']}, "
+                      f"kernel cache {fields.get('kernel_cache', 'off')}): "
                       f"{escape(shown)}", highlight=False)
         else:
-            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("argv", "log_tail"))
+            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("argv", "log_tail") and v not in ([], ""))
             err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)
             if fields.get("log_tail"):
                 err.print(escape(str(fields["log_tail"])), highlight=False)

@@ -28,6 +28,8 @@ GPU_REGISTER_MIB = "MXLAUNCH_GPU_REGISTER_MIB"
 GPU_POPULATE = "MXLAUNCH_GPU_POPULATE"
 CAPTURE_WRITERS = "MXLAUNCH_CAPTURE_WRITERS"
 CAPTURE_HUGE = "MXLAUNCH_CAPTURE_HUGE"
+KERNEL_CACHE_DIR = "MXLAUNCH_KERNEL_CACHE_DIR"
+KERNEL_CACHE_MAX_GIB = "MXLAUNCH_KERNEL_CACHE_MAX_GIB"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -49,6 +51,9 @@ VARIABLES: dict[str, str] = {
     GPU_POPULATE: "1: fill page tables (MADV_POPULATE_READ) before registering (measured: no gain on an H200)",
     CAPTURE_WRITERS: "capture from a GPU: parts written at once through pinned slots (default min(16, parts, CPUs))",
     CAPTURE_HUGE: "1: lay captured parts in tmpfs out in 2 MiB pages first (measured slower on an H200; default off)",
+    KERNEL_CACHE_DIR: "node-local folder the JIT kernel caches are restored into, one sub-folder per key (default "
+                      "~/.cache/mxlaunch/kernel-cache; use a node-local disk, the same path on every node)",
+    KERNEL_CACHE_MAX_GIB: "largest kernel cache archive captured or restored, in GiB (default 8)",
 }
 
 
@@ -136,3 +141,21 @@ def capture_writers(environ: Mapping[str, str] = os.environ) -> Optional[int]:
 
 def capture_huge(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(CAPTURE_HUGE, "0").strip() == "1"
+
+
+def kernel_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """$MXLAUNCH_KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/mxlaunch/kernel-cache, else ~/.cache/mxlaunch/kernel-cache."""
+    text = environ.get(KERNEL_CACHE_DIR)
+    if text:
+        return Path(text).expanduser()
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "mxlaunch" / "kernel-cache"
+
+
+def kernel_cache_max_bytes(environ: Mapping[str, str] = os.environ) -> int:
+    """The archive size cap in bytes (MXLAUNCH_KERNEL_CACHE_MAX_GIB, a positive number; default 8 GiB)."""
+    try:
+        gib = float(environ.get(KERNEL_CACHE_MAX_GIB, "") or 8)
+    except ValueError:
+        gib = 8.0
+    return int((gib if gib > 0 else 8.0) * (1 << 30))

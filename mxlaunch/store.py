@@ -7,6 +7,7 @@ Layout under the store root (`--artifact-path`, else $MXLAUNCH_ARTIFACT_PATH, el
     <root>/<source_id>/.tmp-<host>-<pid>-<rand>/ranks/<rank>/ a node's capture in progress
     <root>/<source_id>/.nodes-<capture_id>/<node_rank>.json  a node's completion marker (its files, checksums)
     <root>/.claims/<source_id>.claim                          the capture claim (coord/file.py)
+    <root>/kernel-cache/<key>/                                JIT kernel caches (kernelcache_store.py)
 
 A node writes its ranks into its temp folder, moves each finished rank folder into `data-<capture_id>/`
 by rename, then writes its marker. Whichever node sees every rank covered builds the manifest and
@@ -133,7 +134,8 @@ class Store:
             return []
         entries = []
         for child in sorted(self.root.iterdir()):
-            if child.name.startswith(".") or not valid_id(child.name) or child.is_symlink() or not child.is_dir():
+            if child.name.startswith(".") or child.name == "kernel-cache" or not valid_id(child.name) \
+                    or child.is_symlink() or not child.is_dir():
                 continue
             sid = child.name
             found, why = self.lookup(sid)

@@ -223,6 +223,18 @@ def explicit(opts: Sequence[Opt], dest_of: Callable[[Opt], Optional[str]], value
     return {name: values[name] for name in names}
 
 
+def flag_values(opts: Sequence[Opt], flags: Sequence[str]) -> Dict[str, Any]:
+    """canonical flag (with any dotted keys) → its values as written, for the occurrences of `flags`
+    (the last occurrence wins, as argparse; a boolean flag's value is True). The kernel cache digests these."""
+    found: Dict[str, Any] = {}
+    wanted = set(flags)
+    for o in opts:
+        if o.flag in wanted:
+            name = o.flag + "".join("." + k for k in (o.dotted or []))
+            found[name] = list(o.values) if o.values else True
+    return dict(sorted(found.items()))
+
+
 # ---- what mxlaunch cannot serve from a snapshot (the same words for every engine) -------------------------
 
 SAFE_LOAD_FORMATS = ("auto", "safetensors")

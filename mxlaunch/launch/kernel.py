@@ -1,0 +1,134 @@
+"""JIT kernel caches around one launch: the plan's part (key, hit or miss, variables) and the run's part
+(restore before the engine starts, capture back once the server is ready and the folders are still).
+
+Nothing here fails a launch: any problem is a miss (or no capture) with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+from mxlaunch import settings
+from mxlaunch.engines.base import LaunchSpec
+from mxlaunch.engines.registry import spec_engine
+from mxlaunch.kernelcache import cache_key, cache_vars, changed, folder_state, key_fields, local_dir
+from mxlaunch.kernelcache_store import KernelCacheStore
+
+SETTLE_S = 3.0  # the folders must stay unchanged this long after ready before they are captured
+SETTLE_MAX_S = 120.0  # give up waiting for them to settle after this long
+POLL_S = 1.0
+
+
+def plan_kernel_cache(spec: LaunchSpec, *, source_id: str, device_type: str, kc_store: KernelCacheStore,
+                      enabled: bool = True) -> Dict[str, Any]:
+    """The plan's "kernel_cache": status (hit | miss | off), reason, key, fields, folder, variables."""
+    if not enabled:
+        return {"status": "off", "reason": "--no-kernel-cache"}
+    try:
+        fields = key_fields(spec, source_id=source_id, device_type=device_type, argv=spec.argv)
+        key = cache_key(fields)
+        folder = local_dir(key)
+        engine = spec_engine(spec)
+        cv = cache_vars(engine.kernel_cache_vars, folder)
+        meta, why = kc_store.lookup(key)
+    except Exception as exc:  # noqa: BLE001 — the cache is an optimisation: never a failed launch
+        return {"status": "off", "reason": f"kernel cache unavailable ({type(exc).__name__}: {exc})"}
+    if not cv.env:
+        return {"status": "off", "reason": f"every cache variable is set by you ({', '.join(cv.unmanaged)})", "key": key}
+    reason = why or f"archive of {meta['files']} files, {meta['bytes']} bytes in {kc_store.root / key}"
+    if cv.unmanaged:
+        reason += f"; left to you: {', '.join(cv.unmanaged)} (set in your environment)"
+    return {"status": "hit" if meta else "miss", "reason": reason, "key": key, "dir": str(folder),
+            "env": cv.env, "unmanaged": cv.unmanaged, "fields": fields}
+
+
+class KernelCacheRun:
+    """Restore before the engine starts; capture in the background after ready; stop on exit."""
+
+    def __init__(self, info: Optional[Dict[str, Any]], kc_store: Optional[KernelCacheStore], emit: Callable[..., None],
+                 model: Optional[str] = None) -> None:
+        self.info = info or {"status": "off", "reason": "not planned"}
+        self.kc_store = kc_store
+        self.emit = emit
+        self.model = model
+        self.status = self.info["status"]
+        self.before: Dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.max_bytes = settings.kernel_cache_max_bytes()
+
+    @property
+    def active(self) -> bool:
+        return self.status != "off" and self.kc_store is not None
+
+    def restore(self) -> Dict[str, str]:
+        """Restore the key's archive into the node-local folder; the variables for the engine's environment."""
+        if not self.active:
+            self.emit("kernel-cache", status="off", reason=self.info.get("reason", ""))
+            return {}
+        assert self.kc_store is not None
+        key, folder = self.info["key"], Path(self.info["dir"])
+        result = self.kc_store.restore(key, folder, self.max_bytes)
+        self.status = result.status
+        try:
+            for path in self.info["env"].values():
+                Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.status = "off"
+            self.emit("kernel-cache", status="off", reason=f"cannot create {folder}: {exc.strerror or exc}")
+            return {}
+        self.before = folder_state(folder)
+        reason = result.reason if result.status == "miss" else f"restored {result.files} files into {folder}"
+        self.emit("kernel-cache", status=result.status, reason=reason, key=key, dir=str(folder), files=result.files,
+                  bytes=result.bytes, seconds=round(result.seconds, 3), unmanaged=self.info.get("unmanaged", []))
+        return dict(self.info["env"])
+
+    def start_capture(self) -> None:
+        """After ready: wait for the folders to settle, then capture what is new (a background thread)."""
+        if self.active and self._thread is None:
+            self._thread = threading.Thread(target=self._capture, name="mx-kernel-cache", daemon=True)
+            self._thread.start()
+
+    def _settled(self, folder: Path) -> Optional[Dict[str, Any]]:
+        state, still_since, deadline = folder_state(folder), time.monotonic(), time.monotonic() + SETTLE_MAX_S
+        while not self._stop.wait(POLL_S):
+            now_state = folder_state(folder)
+            if now_state != state:
+                state, still_since = now_state, time.monotonic()
+            elif time.monotonic() - still_since >= SETTLE_S:
+                return state
+            if time.monotonic() > deadline:
+                return None
+        return None
+
+    def _capture(self) -> None:
+        assert self.kc_store is not None
+        folder = Path(self.info["dir"])
+        try:
+            state = self._settled(folder)
+            if state is None:
+                if not self._stop.is_set():
+                    self.emit("kernel-cache-capture", status=self.status, published=False,
+                              reason=f"the cache folders kept changing for {SETTLE_MAX_S:.0f} s; not captured")
+                return
+            new = changed(self.before, state)
+            if not new:
+                self.emit("kernel-cache-capture", status=self.status, published=False, new_files=0,
+                          reason="nothing new compiled")
+                return
+            outcome = "partial" if self.status == "hit" else "miss"
+            result = self.kc_store.capture(self.info["key"], self.info["fields"], folder, self.max_bytes,
+                                           model=self.model, stop=self._stop.is_set)
+            self.emit("kernel-cache-capture", status=outcome, published=result.published, new_files=len(new),
+                      files=result.files, bytes=result.bytes, seconds=round(result.seconds, 3), reason=result.reason)
+        except Exception as exc:  # noqa: BLE001 — a failed capture must not stop serving
+            self.emit("kernel-cache-capture", status=self.status, published=False,
+                      reason=f"capture failed ({type(exc).__name__}: {exc})")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,299 @@
+"""JIT kernel caches on real tar files and a real store: member checks, the key, restore/capture, races."""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.coord.file import FileCoordinator
+from mxlaunch.engines.vllm_argv import parse_vllm_argv
+from mxlaunch.kernelcache import cache_key, cache_vars, changed, cpu_isa, folder_state, key_fields
+from mxlaunch.kernelcache_store import KEY_JSON, ArchiveRefused, KernelCacheStore, check_members, extract
+from mxlaunch.launch.kernel import plan_kernel_cache
+
+from tests.helpers.cli import run_cli
+
+pytestmark = pytest.mark.unit
+PY = sys.executable
+VERSIONS = {"torch": "2.13.0+cpu", "triton": "3.9.0", "cuda": None, "python": "3.11.7"}
+ACCEL = {"device": "cpu", "machine": "x86_64", "isa": ["avx2", "avx512f"]}
+CAP = 1 << 20
+
+
+def kc(root: Path) -> KernelCacheStore:
+    return KernelCacheStore(root, FileCoordinator(root))
+
+
+def fields_for(*extra: str, version: str = "0.32.0", source_id: str = "a" * 16) -> dict:
+    argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", *extra]
+    spec = parse_vllm_argv(argv, engine_version=version)
+    return key_fields(spec, source_id=source_id, device_type="cpu", argv=argv, versions=VERSIONS, accel=ACCEL)
+
+
+def make_tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    with tarfile.open(path, "w:") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def reg(name: str, data: bytes = b"x") -> tuple[tarfile.TarInfo, bytes]:
+    return tarfile.TarInfo(name), data
+
+
+def special(name: str, kind: bytes, target: str = "") -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info, None
+
+
+def cache_tree(root: Path) -> Path:
+    (root / "vllm" / "torch_compile_cache" / "abc" / "rank_0_0").mkdir(parents=True)
+    (root / "vllm" / "torch_compile_cache" / "abc" / "rank_0_0" / "model").write_bytes(b"graph" * 100)
+    (root / "inductor" / "fx").mkdir(parents=True)
+    (root / "inductor" / "fx" / "kernel.so").write_bytes(os.urandom(4096))
+    os.chmod(root / "inductor" / "fx" / "kernel.so", 0o755)
+    (root / "triton").mkdir()
+    (root / "triton" / "empty.lock").write_bytes(b"")
+    (root / "triton" / "link").symlink_to("/etc/passwd")  # never archived
+    return root
+
+
+# ---- member checks ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("member, needle", [
+    (reg("/etc/evil"), "absolute"),
+    (reg("a/../../evil"), "'..'"),
+    (special("a/link", tarfile.SYMTYPE, "/etc/passwd"), "a link"),
+    (special("a/hard", tarfile.LNKTYPE, "a/ok"), "a link"),
+    (special("a/fifo", tarfile.FIFOTYPE), "not a regular file"),
+    (special("a/dev", tarfile.CHRTYPE), "not a regular file"),
+    (reg("big", b"y" * (CAP + 1)), "cap"),
+])
+def test_bad_members_are_refused_before_anything_is_written(tmp_path: Path, member: tuple, needle: str) -> None:
+    archive = make_tar(tmp_path / "a.tar", [reg("a/ok", b"fine"), member])  # the good member comes first
+    with tarfile.open(archive) as tar, pytest.raises(ArchiveRefused) as err:
+        check_members(tar, CAP)
+    assert needle in str(err.value)
+    with pytest.raises(ArchiveRefused):
+        extract(archive, tmp_path / "dest", CAP)
+    assert not (tmp_path / "dest" / "a" / "ok").exists()  # nothing written: the checks ran first
+
+
+def test_extract_does_not_follow_a_link_already_in_the_destination(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "triton").symlink_to(outside)
+    archive = make_tar(tmp_path / "a.tar", [reg("triton/x", b"data")])
+    with pytest.raises(ArchiveRefused, match="leads out"):
+        extract(archive, dest, CAP)
+    assert list(outside.iterdir()) == []
+
+
+# ---- the key ----------------------------------------------------------------------------------------------
+
+
+def test_key_is_stable_and_ignores_what_does_not_change_compiled_code() -> None:
+    base = cache_key(fields_for("--dtype", "float32"))
+    assert base == cache_key(fields_for("--dtype", "float32"))
+    assert len(base) == 24 and base.isalnum()
+    assert base == cache_key(fields_for("--dtype", "float32", "--port", "9000", "--served-model-name", "x"))
+
+
+@pytest.mark.parametrize("change", [
+    {"extra": ("--dtype", "bfloat16")},
+    {"extra": ("--dtype", "float32", "--max-num-batched-tokens", "512")},
+    {"extra": ("--dtype", "float32", "--enforce-eager")},
+    {"extra": ("--dtype", "float32", "-O", "0")},
+    {"extra": ("--dtype", "float32", "--compilation-config", '{"mode": 0}')},
+    {"extra": ("--dtype", "float32"), "version": "0.33.0"},
+    {"extra": ("--dtype", "float32"), "source_id": "b" * 16},
+])
+def test_key_changes_with_what_changes_compiled_code(change: dict) -> None:
+    base = cache_key(fields_for("--dtype", "float32"))
+    assert cache_key(fields_for(*change["extra"], **{k: v for k, v in change.items() if k != "extra"})) != base
+
+
+def test_key_changes_with_versions_and_accelerator() -> None:
+    f = fields_for()
+    assert cache_key({**f, "versions": {**VERSIONS, "torch": "2.14.0"}}) != cache_key(f)
+    assert cache_key({**f, "accelerator": {**ACCEL, "isa": ["avx2"]}}) != cache_key(f)
+
+
+def test_cpu_isa_reads_x86_and_arm_cpuinfo() -> None:
+    assert cpu_isa("processor: 0\nflags\t: fpu avx2 smep sse4_2 avx512f amx_tile\n") == ["amx_tile", "avx2", "avx512f", "sse4_2"]
+    assert cpu_isa("Features\t: fp asimd sve i8mm sme\n") == ["asimd", "i8mm", "sme", "sve"]
+
+
+def test_user_set_variables_are_left_alone(tmp_path: Path) -> None:
+    cv = cache_vars((("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton")), tmp_path, {"TRITON_CACHE_DIR": "/mine"})
+    assert cv.env == {"VLLM_CACHE_ROOT": str(tmp_path / "vllm")} and cv.unmanaged == ["TRITON_CACHE_DIR"]
+
+
+# ---- restore / capture ------------------------------------------------------------------------------------
+
+
+def test_capture_then_restore_round_trips_into_a_fresh_folder(tmp_path: Path) -> None:
+    src = cache_tree(tmp_path / "node1")
+    store = kc(tmp_path / "store")
+    fields = fields_for()
+    key = cache_key(fields)
+    assert store.restore(key, tmp_path / "x", CAP).status == "miss"
+    captured = store.capture(key, fields, src, CAP, model="/models/tiny")
+    assert captured.published, captured.reason
+    assert captured.files == 3
+    restored = store.restore(key, tmp_path / "node2", CAP)
+    assert restored.status == "hit" and restored.files == 3, restored.reason
+    want = {p: v[0] for p, v in folder_state(src).items()}
+    assert {p: v[0] for p, v in folder_state(tmp_path / "node2").items()} == want
+    assert (tmp_path / "node2" / "inductor" / "fx" / "kernel.so").read_bytes() == (src / "inductor" / "fx" / "kernel.so").read_bytes()
+    assert os.access(tmp_path / "node2" / "inductor" / "fx" / "kernel.so", os.X_OK)
+    assert not (tmp_path / "node2" / "triton" / "link").exists()
+    # a second capture replaces the archive atomically: one archive, key.json names it
+    (src / "triton" / "new.bin").write_bytes(b"n")
+    assert store.capture(key, fields, src, CAP, model="/models/tiny").published
+    tars = sorted(p.name for p in (tmp_path / "store" / "kernel-cache" / key).glob("cache-*.tar"))
+    meta = json.loads((tmp_path / "store" / "kernel-cache" / key / KEY_JSON).read_text())
+    assert tars == [meta["archive"]] and meta["files"] == 4 and meta["model"] == "/models/tiny"
+    assert [e.key for e in store.list()] == [key]
+
+
+def test_a_cache_is_never_stored_or_restored_under_another_key(tmp_path: Path) -> None:
+    src = cache_tree(tmp_path / "node1")
+    store = kc(tmp_path / "store")
+    fields = fields_for()
+    key = cache_key(fields)
+    other = cache_key(fields_for("--dtype", "bfloat16"))
+    assert not store.capture(other, fields, src, CAP).published  # fields of one key, folder of another: refused
+    assert store.capture(key, fields, src, CAP).published
+    # someone copies the archive under the bfloat16 key: refused (key.json's key and fields)
+    import shutil
+
+    shutil.copytree(tmp_path / "store" / "kernel-cache" / key, tmp_path / "store" / "kernel-cache" / other)
+    result = store.restore(other, tmp_path / "n2", CAP)
+    assert result.status == "miss" and "never restored under another key" in result.reason
+    # a key.json rewritten to claim the other key, with a newer engine version in its fields
+    meta_path = tmp_path / "store" / "kernel-cache" / other / KEY_JSON
+    meta = json.loads(meta_path.read_text())
+    meta["key"] = other
+    meta["fields"]["engine_version"] = "0.33.0"
+    meta_path.write_text(json.dumps(meta))
+    result = store.restore(other, tmp_path / "n3", CAP)
+    assert result.status == "miss" and "do not hash to its key" in result.reason
+    assert not (tmp_path / "n2").exists() and not (tmp_path / "n3").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "missing", "bad-json"])
+def test_a_damaged_archive_is_a_miss_with_one_line(tmp_path: Path, damage: str) -> None:
+    src = cache_tree(tmp_path / "node1")
+    (src / "inductor" / "big.bin").write_bytes(os.urandom(200_000))
+    store = kc(tmp_path / "store")
+    fields = fields_for()
+    key = cache_key(fields)
+    assert store.capture(key, fields, src, CAP).published
+    folder = tmp_path / "store" / "kernel-cache" / key
+    meta = json.loads((folder / KEY_JSON).read_text())
+    archive = folder / meta["archive"]
+    if damage == "truncate":  # cut in the middle of a member, with key.json's size made to agree
+        data = archive.read_bytes()[:100_000]
+        archive.write_bytes(data)
+        meta["archive_bytes"] = len(data)
+        (folder / KEY_JSON).write_text(json.dumps(meta))
+    elif damage == "garbage":
+        archive.write_bytes(b"\x00garbage" * 100)
+        meta["archive_bytes"] = 800
+        (folder / KEY_JSON).write_text(json.dumps(meta))
+    elif damage == "missing":
+        archive.unlink()
+    else:
+        (folder / KEY_JSON).write_text("{not json")
+    result = store.restore(key, tmp_path / "node2", CAP)
+    assert result.status == "miss"
+    assert result.reason and "\n" not in result.reason and key in result.reason
+
+
+def test_oversized_caches_are_not_captured(tmp_path: Path) -> None:
+    src = cache_tree(tmp_path / "node1")
+    store = kc(tmp_path / "store")
+    fields = fields_for()
+    result = store.capture(cache_key(fields), fields, src, 1000)
+    assert not result.published and "cap" in result.reason and "MXLAUNCH_KERNEL_CACHE_MAX_GIB" in result.reason
+    assert list((tmp_path / "store" / "kernel-cache" / cache_key(fields)).iterdir()) == []  # no temp left
+
+
+def _race(root: str, src: str, out: str) -> None:
+    fields = fields_for()
+    result = kc(Path(root)).capture(cache_key(fields), fields, Path(src), CAP)
+    Path(out).write_text(json.dumps({"published": result.published, "reason": result.reason}))
+
+
+def test_concurrent_writers_of_one_key_publish_one_whole_archive(tmp_path: Path) -> None:
+    src = cache_tree(tmp_path / "node1")
+    for i in range(30):
+        (src / "inductor" / f"k{i}.bin").write_bytes(os.urandom(20_000))
+    root = tmp_path / "store"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_race, args=(str(root), str(src), str(tmp_path / f"r{i}.json"))) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    results = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(4)]
+    assert any(r["published"] for r in results)
+    assert all(r["published"] or "another launch" in r["reason"] for r in results), results
+    key = cache_key(fields_for())
+    folder = root / "kernel-cache" / key
+    assert len(list(folder.glob("cache-*.tar"))) == 1 and list(folder.glob(".tmp-*")) == []
+    restored = kc(root).restore(key, tmp_path / "node2", CAP)
+    assert restored.status == "hit" and restored.files == 33
+
+
+# ---- plan and CLI -----------------------------------------------------------------------------------------
+
+
+def test_plan_says_off_miss_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "local"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/users/own")
+    argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    spec = parse_vllm_argv(argv, engine_version="0.32.0")
+    store = kc(tmp_path / "store")
+    assert plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store, enabled=False)["status"] == "off"
+    info = plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)
+    assert info["status"] == "miss" and info["dir"] == str(tmp_path / "local" / info["key"])
+    assert info["env"]["VLLM_CACHE_ROOT"] == str(tmp_path / "local" / info["key"] / "vllm")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in info["env"] and info["unmanaged"] == ["TORCHINDUCTOR_CACHE_DIR"]
+    assert "TORCHINDUCTOR_CACHE_DIR" in info["reason"]
+    assert store.capture(info["key"], info["fields"], cache_tree(tmp_path / "n1"), CAP).published
+    assert plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)["status"] == "hit"
+
+
+def test_cache_list_and_rm(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    fields = fields_for()
+    key = cache_key(fields)
+    assert kc(root).capture(key, fields, cache_tree(tmp_path / "n1"), CAP, model="/models/tiny-llama").published
+    listed = run_cli("cache", "list", "--artifact-path", str(root))
+    assert listed.returncode == 0 and key in listed.stdout and "tiny-llama" in listed.stdout and "vllm 0.32.0" in listed.stdout
+    assert max(len(line) for line in listed.stdout.splitlines()) <= 80
+    data = json.loads(run_cli("cache", "list", "--json", "--artifact-path", str(root)).stdout)
+    assert data["schema"] == 1 and data["caches"][0]["key"] == key and data["caches"][0]["fields"]["engine"] == "vllm"
+    bad = run_cli("cache", "rm", "nope", "--artifact-path", str(root))
+    assert bad.returncode == 2 and "no kernel cache nope" in bad.stderr and "Traceback" not in bad.stderr
+    assert run_cli("cache", "rm", "--artifact-path", str(root)).returncode == 2
+    assert run_cli("cache", "rm", key, "--artifact-path", str(root)).returncode == 0
+    assert kc(root).list() == []
+    assert run_cli("store", "list", "--json", "--artifact-path", str(root)).returncode == 0
