@@ -247,8 +247,7 @@ def explicit_fields(argv: List[str]) -> Dict[str, Any]:
     return A.explicit(scan.opts, dest, values_of(scan, _bad))
 
 
-# Flags that change what vLLM compiles (torch.compile graphs, CUDA graphs, kernels): the kernel cache key
-# digests their values as written (mxlaunch/kernelcache.py). vLLM's own compile hash covers them too.
+# Flags that change what vLLM compiles (graphs, kernels): the kernel cache key digests them (mxlaunch/kernelcache.py).
 COMPILE_FLAGS = ("--compilation-config", "--optimization-level", "--max-num-batched-tokens", "--max-num-seqs",
                  "--max-model-len", "--enforce-eager", "--dtype", "--quantization", "--kv-cache-dtype", "--block-size",
                  "--tensor-parallel-size", "--pipeline-parallel-size", "--enable-expert-parallel", "--attention-backend",
@@ -257,8 +256,7 @@ COMPILE_FLAGS = ("--compilation-config", "--optimization-level", "--max-num-batc
 
 def compile_flags(argv: List[str]) -> Dict[str, Any]:
     """COMPILE_FLAGS the command sets (command line or --config), canonical name → values as written."""
-    argv = [str(a) for a in argv]
-    _, start, serve = _split_command(argv)
+    _, start, serve = _split_command(argv := [str(a) for a in argv])
     scan = _scan(_effective_tokens([(t, k) for k, t in enumerate(argv) if k >= start], serve))
     return A.flag_values(scan.opts, COMPILE_FLAGS)
 

@@ -115,7 +115,7 @@ class KernelCacheRun:
                               reason=f"the cache folders kept changing for {SETTLE_MAX_S:.0f} s; not captured")
                 return
             new = changed(self.before, state)
-            if not new:
+            if not new and (self.status == "hit" or not state):  # a miss with a warm local folder still publishes it
                 self.emit("kernel-cache-capture", status=self.status, published=False, new_files=0,
                           reason="nothing new compiled")
                 return
@@ -123,7 +123,7 @@ class KernelCacheRun:
             result = self.kc_store.capture(self.info["key"], self.info["fields"], folder, self.max_bytes,
                                            model=self.model, stop=self._stop.is_set)
             self.emit("kernel-cache-capture", status=outcome, published=result.published, new_files=len(new),
-                      files=result.files, bytes=result.bytes, seconds=round(result.seconds, 3), reason=result.reason)
+                      new=new[:10], files=result.files, bytes=result.bytes, seconds=round(result.seconds, 3), reason=result.reason)
         except Exception as exc:  # noqa: BLE001 — a failed capture must not stop serving
             self.emit("kernel-cache-capture", status=self.status, published=False,
                       reason=f"capture failed ({type(exc).__name__}: {exc})")

@@ -22,18 +22,21 @@ class LaunchProcess:
     """One launcher; `events` collects its JSON-lines events, `stderr_lines` the engine's output."""
 
     def __init__(self, model: Path, store: Path, *extra: str, port: int | None = None,
-                 launch_args: tuple[str, ...] = (), engine: str = "vllm") -> None:
+                 launch_args: tuple[str, ...] = (), engine: str = "vllm", eager: bool = True,
+                 env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         if engine == "sglang":
             from tests.helpers.sglang_server import SGLANG_ENV, sglang_argv
 
-            command, env = sglang_argv(model, self.port, extra_args=extra), SGLANG_ENV
+            command, engine_env = sglang_argv(model, self.port, extra_args=extra), SGLANG_ENV
         else:
-            command, env = vllm_argv(model, self.port, extra_args=extra), VLLM_ENV
+            command, engine_env = vllm_argv(model, self.port, extra_args=extra), VLLM_ENV
+            if not eager:  # compilation on (vLLM's default): the kernel cache tests
+                command = [a for a in command if a != "--enforce-eager"]
         self.argv = [sys.executable, "-m", "mxlaunch.cli", "launch", "--json", "--artifact-path", str(store),
                      *launch_args, "--", *command]
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     cwd=REPO, env={**os.environ, **env})
+                                     cwd=REPO, env={**os.environ, **engine_env, **(env or {})})
         self.events: list[dict] = []
         self.stderr_lines: list[str] = []
         self._queue: "queue.Queue[dict]" = queue.Queue()

@@ -297,3 +297,40 @@ def test_cache_list_and_rm(tmp_path: Path) -> None:
     assert run_cli("cache", "rm", key, "--artifact-path", str(root)).returncode == 0
     assert kc(root).list() == []
     assert run_cli("store", "list", "--json", "--artifact-path", str(root)).returncode == 0
+
+
+def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxlaunch.launch import kernel
+
+    monkeypatch.setattr(kernel, "SETTLE_S", 0.3)
+    monkeypatch.setattr(kernel, "POLL_S", 0.1)
+    monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "local"))
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    spec = parse_vllm_argv(argv, engine_version="0.32.0")
+    store = kc(tmp_path / "store")
+
+    def launch(compile_into: str | None) -> list[tuple[str, dict]]:
+        events: list[tuple[str, dict]] = []
+        info = plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)
+        run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
+        env = run.restore()
+        if compile_into:  # the "engine" compiles something
+            Path(env["TRITON_CACHE_DIR"], compile_into).write_bytes(b"kernel")
+        run.start_capture()
+        run._thread.join(10)
+        run.stop()
+        return events
+
+    first = launch("k1.bin")
+    assert first[0][0] == "kernel-cache" and first[0][1]["status"] == "miss"
+    assert first[1][0] == "kernel-cache-capture" and first[1][1]["status"] == "miss" and first[1][1]["published"]
+    import shutil
+
+    shutil.rmtree(tmp_path / "local")  # a fresh node
+    second = launch(None)
+    assert second[0][1]["status"] == "hit" and second[0][1]["files"] == 1
+    assert second[1][1]["status"] == "hit" and not second[1][1]["published"]
+    third = launch("k2.bin")  # the same node compiles one more kernel: a partial hit, captured again
+    assert third[1][1]["status"] == "partial" and third[1][1]["published"] and third[1][1]["new"] == ["triton/k2.bin"]
