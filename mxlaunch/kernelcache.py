@@ -15,12 +15,15 @@ a cache is restored only when its stored fields hash to the key asked for.
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
 import os
 import platform
 import re
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -165,3 +168,44 @@ def folder_state(root: Path) -> FolderState:
 def changed(before: FolderState, after: FolderState) -> List[str]:
     """Files new or changed since `before`."""
     return sorted(p for p, v in after.items() if before.get(p) != v)
+
+
+# ---- caches outside the key's folder ------------------------------------------------------------------
+
+
+def side_dirs(environ: Mapping[str, str] = os.environ) -> Dict[str, Path]:
+    """sub-folder of the key's folder → a cache folder no variable moves, restored to / captured from there.
+
+    Inductor's precompiled headers (CPU builds; a ~150 MB .gch that takes seconds to build) live in
+    $TMPDIR/torchinductor_<user>/precompiled_headers whatever TORCHINDUCTOR_CACHE_DIR says
+    (torch/_inductor/codecache.py `_HEADER_DIR`, fixed at import). Their names hash the header's content,
+    the compile command and the compiler version, not the folder: they can be carried to another TMPDIR."""
+    tmp = environ.get("TMPDIR") or tempfile.gettempdir()
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError, ModuleNotFoundError):
+        user = f"uid_{os.getuid()}"
+    return {"inductor_pch": Path(tmp) / f"torchinductor_{re.sub(r'[/:*?<>|]', '_', user)}" / "precompiled_headers"}
+
+
+def sync_tree(src: Path, dst: Path) -> int:
+    """Regular files of src that dst lacks (or has at another size) → dst, each copied (mtime kept) and a
+    rename (never half a file); links and lock folders are left out. Returns how many were added."""
+    added = 0
+    if not src.is_dir():
+        return 0
+    for rel, (size, _) in folder_state(src).items():
+        if rel.split(os.sep)[0] == "locks":
+            continue
+        target = dst / rel
+        if target.is_file() and not target.is_symlink() and target.stat().st_size == size:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
+        try:
+            shutil.copy2(src / rel, tmp)  # a copy, not a link: a rewrite in one place never changes the other
+            os.replace(tmp, target)
+            added += 1
+        finally:
+            tmp.unlink(missing_ok=True)
+    return added

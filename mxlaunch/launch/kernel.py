@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, Optional
 from mxlaunch import settings
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
-from mxlaunch.kernelcache import cache_key, cache_vars, changed, folder_state, key_fields, local_dir
+from mxlaunch.kernelcache import (cache_key, cache_vars, changed, folder_state, key_fields, local_dir, side_dirs,
+                                  sync_tree)
 from mxlaunch.kernelcache_store import KernelCacheStore
 
 SETTLE_S = 3.0  # the folders must stay unchanged this long after ready before they are captured
@@ -70,7 +71,7 @@ class KernelCacheRun:
             self.emit("kernel-cache", status="off", reason=self.info.get("reason", ""))
             return {}
         assert self.kc_store is not None
-        key, folder = self.info["key"], Path(self.info["dir"])
+        key, folder, t0 = self.info["key"], Path(self.info["dir"]), time.monotonic()
         result = self.kc_store.restore(key, folder, self.max_bytes)
         self.status = result.status
         try:
@@ -80,10 +81,15 @@ class KernelCacheRun:
             self.status = "off"
             self.emit("kernel-cache", status="off", reason=f"cannot create {folder}: {exc.strerror or exc}")
             return {}
+        for sub, outside in side_dirs().items():  # caches no variable moves (Inductor's precompiled headers)
+            try:
+                sync_tree(folder / sub, outside)
+            except OSError:
+                pass  # a miss for that cache only: the engine rebuilds it
         self.before = folder_state(folder)
         reason = result.reason if result.status == "miss" else f"restored {result.files} files into {folder}"
         self.emit("kernel-cache", status=result.status, reason=reason, key=key, dir=str(folder), files=result.files,
-                  bytes=result.bytes, seconds=round(result.seconds, 3), unmanaged=self.info.get("unmanaged", []))
+                  bytes=result.bytes, seconds=round(time.monotonic() - t0, 3), unmanaged=self.info.get("unmanaged", []))
         return dict(self.info["env"])
 
     def start_capture(self) -> None:
@@ -114,6 +120,9 @@ class KernelCacheRun:
                     self.emit("kernel-cache-capture", status=self.status, published=False,
                               reason=f"the cache folders kept changing for {SETTLE_MAX_S:.0f} s; not captured")
                 return
+            for sub, outside in side_dirs().items():
+                if sync_tree(outside, folder / sub):
+                    state = folder_state(folder)
             new = changed(self.before, state)
             if not new and (self.status == "hit" or not state):  # a miss with a warm local folder still publishes it
                 self.emit("kernel-cache-capture", status=self.status, published=False, new_files=0,

@@ -305,6 +305,9 @@ def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path:
     monkeypatch.setattr(kernel, "SETTLE_S", 0.3)
     monkeypatch.setattr(kernel, "POLL_S", 0.1)
     monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "local"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
+    pch = kernel.side_dirs()["inductor_pch"]
+    assert pch.parent.parent == tmp_path / "tmpdir"
     for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.delenv(var, raising=False)
     argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
@@ -316,8 +319,10 @@ def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path:
         info = plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)
         run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
         env = run.restore()
-        if compile_into:  # the "engine" compiles something
+        if compile_into:  # the "engine" compiles something, and builds Inductor's precompiled header once
             Path(env["TRITON_CACHE_DIR"], compile_into).write_bytes(b"kernel")
+            pch.mkdir(parents=True, exist_ok=True)
+            (pch / "c0ffee.h.gch").write_bytes(b"pch" * 1000)
         run.start_capture()
         run._thread.join(10)
         run.stop()
@@ -325,12 +330,14 @@ def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path:
 
     first = launch("k1.bin")
     assert first[0][0] == "kernel-cache" and first[0][1]["status"] == "miss"
-    assert first[1][0] == "kernel-cache-capture" and first[1][1]["status"] == "miss" and first[1][1]["published"]
+    assert first[1][0] == "kernel-cache-capture" and first[1][1]["status"] == "miss" and first[1][1]["published"], first
     import shutil
 
-    shutil.rmtree(tmp_path / "local")  # a fresh node
+    shutil.rmtree(tmp_path / "local")  # a fresh node: nothing local, no precompiled header in its TMPDIR
+    shutil.rmtree(tmp_path / "tmpdir")
     second = launch(None)
-    assert second[0][1]["status"] == "hit" and second[0][1]["files"] == 1
+    assert second[0][1]["status"] == "hit" and second[0][1]["files"] == 2
+    assert (pch / "c0ffee.h.gch").read_bytes() == b"pch" * 1000
     assert second[1][1]["status"] == "hit" and not second[1][1]["published"]
     third = launch("k2.bin")  # the same node compiles one more kernel: a partial hit, captured again
     assert third[1][1]["status"] == "partial" and third[1][1]["published"] and third[1][1]["new"] == ["triton/k2.bin"]
