@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (the drift tests)
+from option_table_text import arities, print_options  # noqa: E402
 
 
 def option_table() -> dict[str, str]:
@@ -22,17 +27,7 @@ def option_table() -> dict[str, str]:
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    table: dict[str, str] = {}
-    for action in parser._actions:
-        if action.nargs == 0:
-            arity = "0"
-        elif action.nargs is None:
-            arity = "1"
-        else:
-            arity = str(action.nargs)
-        for opt in action.option_strings:
-            table[opt] = arity
-    return table
+    return arities(parser._actions)
 
 
 def config_unsupported() -> list[str]:
@@ -55,8 +50,6 @@ def main() -> None:
     print()
     print(f"SGLANG_VERSION = {version!r}")
     print()
-    from option_table_text import print_options  # scripts/ is on sys.path when this runs as a script
-
     print_options(table)
     print()
     print("# --config keys (dashes as underscores) that SGLang's ConfigArgumentMerger refuses")

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (the drift tests)
+from option_table_text import arities, print_options  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -23,19 +28,8 @@ def parser() -> argparse.ArgumentParser:
 
 def option_table(p: argparse.ArgumentParser | None = None) -> dict[str, str]:
     """option string → arity: "0" (no value; BooleanOptionalAction's --X and --no-X too), "1", "?", "*", "+"."""
-    table: dict[str, str] = {}
-    for action in (p or parser())._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
-            arity = "0"
-        elif action.nargs is None:
-            arity = "1"
-        else:
-            arity = str(action.nargs)
-        for opt in action.option_strings:
-            table[opt] = arity
-    return table
+    actions = [a for a in (p or parser())._actions if a.option_strings and a.dest != "help"]
+    return arities(actions)
 
 
 def short_aliases(p: argparse.ArgumentParser | None = None) -> dict[str, str]:
@@ -69,8 +63,6 @@ def main() -> None:
     print()
     print(f"VLLM_VERSION = {version()!r}")
     print()
-    from option_table_text import print_options  # scripts/ is on sys.path when this runs as a script
-
     print_options(table)
     print()
     print("SHORT = {")

@@ -100,18 +100,7 @@ def installed_version(dists: Iterable[str], python: Optional[str] = None) -> Opt
             except importlib.metadata.PackageNotFoundError:
                 continue
         return None
-    code = (
-        "import importlib.metadata as m\n"
-        f"for d in {dists!r}:\n"
-        "    try:\n        print(m.version(d)); break\n"
-        "    except m.PackageNotFoundError:\n        pass\n"
-    )
-    try:
-        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    out = r.stdout.strip()
-    return out or None
+    return installed_versions({"wanted": dists}, python)["wanted"]
 
 
 def installed_versions(dists: Dict[str, Tuple[str, ...]], python: Optional[str] = None) -> Dict[str, Optional[str]]:
