@@ -29,15 +29,18 @@ def launch(
     readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 32; in a Slurm job 2 per CPU of the node, 4–32]."),
     snapshot_format: str = typer.Option("raw", "--snapshot-format", help=_SNAPSHOT_FORMAT_HELP),
     no_kernel_cache: bool = typer.Option(False, "--no-kernel-cache", help="Leave the engine's JIT kernel caches alone (no restore, no capture)."),
+    no_p2p: bool = typer.Option(False, "--no-p2p", help="Neither pull the weights from a live replica over NIXL nor serve them to others."),
+    registry: Optional[str] = typer.Option(None, "--registry", help="P2P source registry: file (the store's folder, default) or redis://HOST:PORT/DB [env MXLAUNCH_REGISTRY]."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
     as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
 ) -> None:
-    """Run an engine command with the fastest correct weight path: staged snapshot, capture, or default."""
+    """Run an engine command with the fastest correct weight path: P2P from a live replica, staged snapshot, capture, or default."""
     from mxlaunch.launch import LaunchOptions, Launcher, make_plan
 
     opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
-                         snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache)
+                         snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache, p2p=not no_p2p,
+                         registry=registry)
     plan = make_plan(list(command or []), opts)
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
         err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
@@ -52,6 +55,11 @@ def launch(
             kc = plan.kernel_cache or {}
             out.print(f"kernel cache [bold]{kc.get('status', 'off')}[/]{' ' + kc['key'] if kc.get('key') else ''}: "
                       f"{escape(str(kc.get('reason', '')))}", highlight=False)
+            if plan.p2p is not None:
+                p = plan.p2p
+                out.print(f"p2p {p.layout} layout via {escape(p.registry)}: "
+                          f"{'pull from ' + escape(p.describe()) if p.can_pull else escape(str(p.why_not))}"
+                          f"{'; workers serve after loading' if p.serve else ''}", highlight=False)
             if plan.stage_files:
                 out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
         return

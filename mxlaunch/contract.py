@@ -28,7 +28,8 @@ def snapshot_format_name(option: str, engine: str) -> str:
 
 # ---- strategies ----------------------------------------------------------------------------------------
 
-STRATEGIES = ("capture", "staged", "default")  # what a plan file may say
+STRATEGIES = ("p2p", "capture", "staged", "default")  # what a plan file may say
+P2P_LAYOUTS = ("raw", "processed")  # what a P2P source serves (transfer/tensor_set.py)
 LAUNCH_STRATEGIES = ("auto", *STRATEGIES)  # what `mxlaunch launch --strategy` accepts
 
 # ---- markers (plugin → launcher, in <run_dir>/markers/) ------------------------------------------------

@@ -15,7 +15,10 @@ this file and marker files in the run folder — no sockets, no shared state.
                                                        # each appears by rename when complete
       "wait_timeout_s": 600,                           # staged: give up waiting for a file after this
       "fallback_ok": true,                             # failure before any tensor lands → default loader
-      "snapshot_format": "mxlaunch-raw"                # or "sglang-sharded_state": SGLang's own dump/loader
+      "snapshot_format": "mxlaunch-raw",               # or "sglang-sharded_state": SGLang's own dump/loader
+      "p2p": {"registry": "file:<store>", "layout": "raw" | "processed", "world": 2, "run_id": "<run>",
+              "serve": true, "timeout_s": 300}          # p2p: where to find sources (strategy p2p pulls from one)
+                                                       # and whether each worker publishes itself after loading
     }
 
 Markers (written by the plugin, read by the launcher): `markers/loaded-<R>.json` once rank R's weights
@@ -32,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mxlaunch import settings
-from mxlaunch.contract import RAW, STRATEGIES, marker_name
+from mxlaunch.contract import P2P_LAYOUTS, RAW, STRATEGIES, marker_name
 from mxlaunch.fileutil import write_json_atomic
 
 PLAN_ENV = settings.PLAN
@@ -58,6 +61,7 @@ class Plan:
     wait_timeout_s: float = 600.0
     fallback_ok: bool = True
     snapshot_format: str = RAW
+    p2p: dict | None = None
     schema: int = 1
 
     @property
@@ -89,6 +93,8 @@ def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
     strategy = data.get("strategy")
     if strategy not in STRATEGIES:
         raise PlanError(f"plan {path}: unknown strategy {strategy!r}")
+    if strategy == "p2p" and not isinstance(data.get("p2p"), dict):
+        raise PlanError(f"plan {path}: strategy p2p without a p2p block")
     try:
         ranks = {
             str(rank): [RankFile(path=str(f["path"]), bytes=int(f["bytes"])) for f in files]
@@ -103,9 +109,22 @@ def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
             wait_timeout_s=float(data.get("wait_timeout_s", 600.0)),
             fallback_ok=bool(data.get("fallback_ok", True)),
             snapshot_format=str(data.get("snapshot_format", RAW)),
+            p2p=_p2p(data.get("p2p"), path),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan {path} is malformed: {exc}") from exc
+
+
+def _p2p(data: object, path: object) -> dict | None:
+    """The plan's p2p block, validated (registry URL, layout, world, run id)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("registry"), str) or data.get("layout") not in P2P_LAYOUTS:
+        raise PlanError(f"plan {path}: malformed p2p block {data!r}")
+    if not isinstance(data.get("world"), int) or not isinstance(data.get("run_id"), str):
+        raise PlanError(f"plan {path}: the p2p block needs an integer world and a run_id (got {data!r})")
+    return {"registry": data["registry"], "layout": data["layout"], "world": data["world"], "run_id": data["run_id"],
+            "serve": bool(data.get("serve", True)), "timeout_s": float(data.get("timeout_s", 300.0))}
 
 
 def write_marker(plan: Plan, kind: str, rank: int, payload: dict) -> Path:

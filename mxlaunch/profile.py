@@ -222,7 +222,7 @@ class StartupProfiler:
         out["process_startup"] = self._between(self.t0, self.marks.get("spawn"))
         out["worker_spawn"] = self._between(self.marks.get("spawn"), first_begin)
         for name in ("dist_init", "weight_loading", "kv_cache_alloc", "torch_compile", "cuda_graph_capture",
-                     "piecewise_cuda_graph_capture", "stage"):
+                     "piecewise_cuda_graph_capture", "stage", "p2p"):
             value = self._elapsed(name)
             out[name] = value if value is not None else self._span(name)
         if out["torch_compile"] is None:

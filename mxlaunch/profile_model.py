@@ -24,9 +24,10 @@ PHASES: Tuple[str, ...] = (
     "http_startup",
     "warmup",
     "stage",
+    "p2p",
     "unknown",
 )
-NOT_SUMMED = {"stage", "unknown"}
+NOT_SUMMED = {"stage", "p2p", "unknown"}  # stage overlaps the engine's start; p2p is inside weight_loading
 
 
 @dataclass

@@ -76,7 +76,7 @@ def render(runs: Sequence[RunProfile]) -> list:
         table.add_column("% of total", justify="right", no_wrap=True)
         for name in names:
             s = run.seconds(name) or 0.0
-            pct = "overlaps" if name == "stage" else (f"{100 * s / run.total_seconds:.1f}" if run.total_seconds else "-")
+            pct = "overlaps" if name == "stage" else "in weights" if name == "p2p" else (f"{100 * s / run.total_seconds:.1f}" if run.total_seconds else "-")
             table.add_row(name, f"{s:.2f}", pct)
         table.add_row("[bold]total[/]", f"[bold]{run.total_seconds:.2f}[/]", "100.0")
         return [summary, table]

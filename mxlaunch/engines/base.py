@@ -75,7 +75,10 @@ def mxlaunch_events(text: str) -> List[PhaseEvent]:
     """mxlaunch's own weight-loading and staging lines, whatever engine prefix they carry."""
     m = MXLAUNCH_LOADED.search(text)
     if m:
-        return [PhaseEvent("elapsed", "weight_loading", rank=f"rank{m.group(1)}", seconds=float(m.group(3)), priority=10)]
+        events = [PhaseEvent("elapsed", "weight_loading", rank=f"rank{m.group(1)}", seconds=float(m.group(3)), priority=10)]
+        if m.group(4) == "p2p":  # the pull over NIXL: inside the weight phase, shown on its own
+            events.append(PhaseEvent("elapsed", "p2p", rank=f"rank{m.group(1)}", seconds=float(m.group(3)), priority=10))
+        return events
     m = MXLAUNCH_STAGED.search(text)
     if m:
         return [PhaseEvent("elapsed", "stage", seconds=float(m.group(2)), priority=10)]

@@ -23,6 +23,7 @@ from mxlaunch.errors import UsageError
 from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.kernelcache_store import KernelCacheStore
 from mxlaunch.launch.kernel import plan_kernel_cache
+from mxlaunch.launch.p2p import P2PDecision, decide_p2p
 from mxlaunch.slurm import adapt_launch
 from mxlaunch.store import SnapshotFile, Store
 
@@ -43,6 +44,8 @@ class LaunchOptions:
     as_json: bool = False
     snapshot_format: str = "raw"  # raw (mxlaunch's, every engine) | one of the engine's stock formats (snapshot_formats)
     kernel_cache: bool = True  # restore/capture the JIT kernel caches (--no-kernel-cache: False)
+    p2p: bool = True  # pull from a live source when one serves this source id, and serve after loading (--no-p2p)
+    registry: Optional[str] = None  # the P2P registry URL (--registry; MXLAUNCH_REGISTRY; default: the store's folder)
 
 
 @dataclass
@@ -62,6 +65,7 @@ class LaunchPlan:
     slurm: Optional[dict] = None  # what the Slurm environment changed (mxlaunch/slurm.py); None outside Slurm
     snapshot_format: str = SNAPSHOT_FORMAT
     kernel_cache: Optional[dict] = None  # launch/kernel.py's plan_kernel_cache: status hit | miss | off, key, ...
+    p2p: Optional[P2PDecision] = None  # launch/p2p.py: live sources, layout, whether workers serve; None: off
 
     @property
     def stage_bytes(self) -> int:
@@ -92,6 +96,7 @@ class LaunchPlan:
             "identity": self.identity,
             "slurm": self.slurm,
             "kernel_cache": self.kernel_cache,
+            "p2p": self.p2p.to_json() if self.p2p else None,
         }
 
 
@@ -147,9 +152,11 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
     if fmt in SHARED_FOLDER_FORMATS:  # every worker reads the one shared dump folder
         ranks = [dict(r, snapshot_rank=0) for r in ranks]
 
+    offer: Optional[P2PDecision] = None
+
     def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
         return LaunchPlan(spec, device, sid, fields, strategy, reason, engine.command(spec, strategy), ranks,
-                          files or [], folder, job.to_json(), snapshot_format=fmt)
+                          files or [], folder, job.to_json(), snapshot_format=fmt, p2p=offer if strategy != "default" else None)
 
     if opts.strategy == "default":
         return plan("default", "asked for with --strategy default")
@@ -170,6 +177,14 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
         return plan("default", "mxlaunch is not installed in the engine's Python, so its loader plugin cannot load "
                                "(pip install mxlaunch there)")
     store = store or Store(opts.artifact_path)
+    if fmt == RAW and opts.strategy != "default":
+        offer = decide_p2p(enabled=opts.p2p, registry_url=opts.registry, store_root=store.root, source_id=sid,
+                           device_type=device, world=spec.tp * spec.pp,
+                           snapshot_ranks=sorted({r["snapshot_rank"] for r in ranks}), argv=argv)
+    if offer is not None and offer.can_pull and opts.strategy in ("auto", "p2p") and not opts.capture_only:
+        return plan("p2p", offer.describe())
+    if opts.strategy == "p2p":
+        return plan("default", offer.why_not if offer is not None else "--no-p2p and --strategy p2p contradict")
     found = store.lookup(sid)
     if found.snapshot is not None:
         if opts.strategy == "capture":

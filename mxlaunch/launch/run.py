@@ -30,6 +30,7 @@ from mxlaunch.launch import process
 from mxlaunch.launch.cleanup import remove_orphaned_engine_shm, remove_run, remove_stale_runs, shm_entries, shm_user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
 from mxlaunch.launch.kernel import KernelCacheRun
+from mxlaunch.launch.p2p import unpublish_run
 from mxlaunch.kernelcache_store import KernelCacheStore
 from mxlaunch.launch.process import default_log_root, log_tail
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
@@ -72,6 +73,7 @@ class Launcher:
         self._shm_before: set[str] = set()
         kc = store or Store(opts.artifact_path)  # JIT kernel caches: restored before the engine, captured after ready
         self.kernel = KernelCacheRun(plan.kernel_cache, KernelCacheStore(kc.root, kc.coordinator), emit, model=plan.spec.model)
+        self.store_root = kc.root
         from mxlaunch.profile import StartupProfiler
 
         self.profiler = StartupProfiler(engine=plan.spec.engine, source="engine.log", live=True)
@@ -86,7 +88,8 @@ class Launcher:
                           {"pid": os.getpid(), "start_time": process_start_time(os.getpid())})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         plan = Plan(strategy=self.plan.strategy, source_id=self.plan.source_id, run_dir=str(self.shm_dir),
-                    wait_timeout_s=self.opts.ready_timeout, snapshot_format=self.plan.snapshot_format)
+                    wait_timeout_s=self.opts.ready_timeout, snapshot_format=self.plan.snapshot_format,
+                    p2p=self.plan.p2p.block(self.run_id) if self.plan.p2p else None)
         if self.plan.strategy == "capture":
             store = self.store or Store(self.opts.artifact_path)
             self.store = store
@@ -365,6 +368,8 @@ class Launcher:
             self.writer.abort()
         if self.claim is not None:
             self.claim.release()
+        if unpublish_run(self.plan.p2p, self.run_id, self.store_root):
+            self.emit("cleanup", message="removed this run's P2P source records")
         remove_run(self.shm_dir)
         leaked = remove_orphaned_engine_shm(self._shm_before)
         if leaked:

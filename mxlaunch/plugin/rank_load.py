@@ -25,7 +25,7 @@ from mxlaunch.plan import Plan, write_marker
 class Outcome:
     """What the weight step did; the adapter writes the loaded marker from it after post-processing."""
 
-    strategy: str  # staged | capture | default
+    strategy: str  # p2p | staged | capture | default
     bytes: int
     seconds: float
     plan: Any = None
@@ -123,6 +123,30 @@ def prepare_gpu(plan: Any, rank: int, log: logging.Logger) -> None:
         log.warning("mxlaunch: could not start pinning host memory early: %s", exc)
 
 
+class Reinitialise(RuntimeError):
+    """Raised out of the engine's load step when bytes of a P2P pull landed (or post-processing already
+    ran on placeholders) and the pull failed: the adapter builds the model again and loads it by the
+    engine's default loader. Never serve the partial model."""
+
+
+def prepare_p2p(plan: Any, log: logging.Logger) -> None:
+    """A p2p plan: start this worker's NIXL agent in the background while the engine builds the model."""
+    if plan is None or not getattr(plan, "p2p", None):
+        return
+
+    def start() -> None:
+        try:
+            from mxlaunch.plugin import p2p
+
+            p2p.agent()
+        except Exception as exc:  # noqa: BLE001 - the pull reports it
+            log.debug("mxlaunch: NIXL agent did not start early: %s", exc)
+
+    import threading
+
+    threading.Thread(target=start, name="mx-nixl-start", daemon=True).start()
+
+
 class RankLoad:
     """The plan's weight path for one rank. `default_load()` runs the engine's own weight loading
     (without post-processing); `engine` names it in log lines ("vLLM", "SGLang")."""
@@ -140,11 +164,114 @@ class RankLoad:
     def run(self) -> Outcome:
         """Dispatch on the plan's strategy (no plan: the engine's default, as the adapter decided)."""
         plan = self.plan
-        if plan is not None and plan.strategy == "capture":
-            return self.capture()
-        if plan is not None and plan.strategy == "staged":
-            return self.staged()
-        return self.default()
+        if plan is not None and plan.strategy == "p2p":
+            outcome = self.p2p()
+        elif plan is not None and plan.strategy == "capture":
+            outcome = self.capture()
+        elif plan is not None and plan.strategy == "staged":
+            outcome = self.staged()
+        else:
+            outcome = self.default()
+        self.raw_copy = None
+        if self._serves("raw") and not outcome.extra.get("pending"):
+            self.raw_copy = self._keep_raw()
+        return outcome
+
+    # -- p2p (plugin/p2p.py): pull before post-processing (raw) or after it (processed) --
+
+    def _serves(self, layout: str) -> bool:
+        p2p = getattr(self.plan, "p2p", None)
+        return bool(p2p and p2p.get("serve") and p2p.get("layout") == layout)
+
+    def _keep_raw(self) -> Any:
+        from mxlaunch.plugin import p2p
+        from mxlaunch.plugin.loader import module_tensors
+
+        try:
+            started = time.perf_counter()
+            copy = p2p.keep_raw(module_tensors(self.model))
+            self.log.info("mxlaunch: rank %d keeps a %s GiB host copy of its raw tensors to serve them over P2P "
+                          "(%.2f s; --no-p2p skips this)", self.rank, gib(copy.bytes), time.perf_counter() - started)
+            return copy
+        except Exception as exc:  # noqa: BLE001 - serving is a bonus, never a reason to stop
+            self.log.warning("mxlaunch: rank %d will not serve P2P: %s", self.rank, exc)
+            return None
+
+    def p2p(self) -> Outcome:
+        if self.plan.p2p["layout"] == "processed":  # after the engine's post-processing: finish_p2p()
+            return Outcome("p2p", 0, 0.0, self.plan, {"pending": True})
+        from mxlaunch.plugin.loader import module_tensors
+        from mxlaunch.plugin.tensors import RestoreError
+
+        try:
+            result = self._pull(module_tensors(self.model))
+        except RestoreError as exc:
+            if exc.landed:
+                raise Reinitialise(f"P2P pull failed after bytes landed: {exc}") from exc
+            if not self.plan.fallback_ok:
+                raise RuntimeError(f"mxlaunch: rank {self.rank}: {exc} and the plan forbids falling back") from exc
+            return self.fall_back(f"P2P pull failed before any byte landed: {exc}")
+        return result
+
+    def finish_p2p(self, outcome: Outcome) -> None:
+        """Processed layout, after post-processing on placeholder values: pull every tensor the model
+        now holds. Any failure means rebuilding (post-processing cannot run twice)."""
+        if not outcome.extra.pop("pending", False):
+            return
+        from mxlaunch.plugin.tensors import RestoreError
+        from mxlaunch.transfer.tensor_set import processed_tensors
+
+        try:
+            done = self._pull(processed_tensors(self.model))
+        except RestoreError as exc:
+            raise Reinitialise(f"P2P pull of the processed tensors failed: {exc}") from exc
+        outcome.bytes, outcome.seconds, outcome.extra = done.bytes, done.seconds, done.extra
+
+    def _pull(self, named: list) -> Outcome:
+        from mxlaunch.coord.peers import open_registry
+        from mxlaunch.plugin import p2p
+        from mxlaunch.plugin.tensors import RestoreError
+
+        p = self.plan.p2p
+        try:
+            registry = open_registry(p["registry"], None)
+        except Exception as exc:  # noqa: BLE001
+            raise RestoreError(f"cannot open the P2P registry {p['registry']}: {exc}", landed=False) from exc
+        r = p2p.pull(named, registry=registry, source_id=self.plan.source_id, rank=self.rank, world=p["world"],
+                     layout=p["layout"], timeout_s=p["timeout_s"])
+        self.log.info("%s", loaded_line(self.rank, r.bytes, r.seconds, strategy="p2p"))
+        self.log.info("mxlaunch: rank %d pulled %d tensors from %s on %s over NIXL: %.3f s transfer, %d registration(s) "
+                      "in %.3f s%s", self.rank, r.tensors, r.source, r.host, r.transfer_seconds, r.registrations,
+                      r.register_seconds, f"; passed over: {'; '.join(r.skipped)}" if r.skipped else "")
+        return Outcome("p2p", r.bytes, r.seconds, self.plan,
+                       {"source": r.source, "source_host": r.host, "transfer_seconds": round(r.transfer_seconds, 4),
+                        "register_seconds": round(r.register_seconds, 4), "registrations": r.registrations,
+                        "tensors": r.tensors})
+
+    def serve(self) -> None:
+        """After the loaded marker: publish this worker as a P2P source (never raises)."""
+        p = getattr(self.plan, "p2p", None)
+        if not p or not p.get("serve"):
+            return
+        try:
+            from mxlaunch.coord.peers import open_registry
+            from mxlaunch.plugin import p2p
+            from mxlaunch.transfer.tensor_set import processed_tensors
+
+            if p["layout"] == "raw":
+                if self.raw_copy is None:
+                    return
+                what: Any = self.raw_copy
+            else:
+                what = processed_tensors(self.model)
+            pub = p2p.serve(what, registry=open_registry(p["registry"], None), source_id=self.plan.source_id,
+                            rank=self.rank, world=p["world"], layout=p["layout"], run_id=p["run_id"])
+            extra = pub.record.extra
+            self.log.info("mxlaunch: rank %d serves %s GiB (%s layout) over P2P as %s: %d region(s) registered in "
+                          "%.3f s", self.rank, gib(extra.get("bytes", 0)), p["layout"], pub.record.worker,
+                          extra.get("regions", 0), extra.get("register_seconds", 0.0))
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("mxlaunch: rank %d could not become a P2P source: %s", self.rank, exc)
 
     def default(self) -> Outcome:
         started = time.perf_counter()
@@ -222,3 +349,53 @@ class RankLoad:
         safe_marker(outcome.plan, "loaded", self.rank,
                     {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 4), "strategy": outcome.strategy,
                      **outcome.extra, **self.layout()}, self.log)
+
+
+def build_and_load(adapter: Any, build: Callable[[], Any], *, plan: Any, rank: int, log: logging.Logger,
+                   engine: str, reset: Callable[[], None] = lambda: None) -> Any:
+    """The adapters' load step around the engine's own build → weights → post-processing (`build`):
+    early pinning and NIXL start, the processed P2P pull after post-processing, one rebuild with the
+    engine's default loader when a pull failed past the point of falling back in place, then the loaded
+    marker and P2P serving. `adapter` holds `_outcome`, `_rank_load` and `_force_default`; `reset` undoes
+    what a first build registered in the engine (vLLM: its layer names)."""
+    prepare_gpu(plan, rank, log)
+    prepare_p2p(plan, log)
+    adapter._force_default = False
+    try:
+        model = build()
+        if adapter._outcome is not None:
+            adapter._rank_load.finish_p2p(adapter._outcome)
+    except Reinitialise as exc:
+        if plan is None or not plan.fallback_ok:
+            raise RuntimeError(f"mxlaunch: rank {rank}: {exc} and the plan forbids falling back") from exc
+        report_fallback(plan, rank, f"{exc}; building the model again with {engine}'s default loader", log, engine)
+        model = None
+        adapter._outcome = adapter._rank_load = None
+        adapter._force_default = True
+        reset()
+        _free_device_memory()
+        model = build()
+    if adapter._outcome is not None:
+        adapter._rank_load.write_loaded(adapter._outcome)
+        adapter._rank_load.serve()
+    return model
+
+
+def effective_plan(adapter: Any, plan: Any) -> Any:
+    """The plan a (re)build loads by: after a failed P2P pull, the engine's default."""
+    if plan is not None and getattr(adapter, "_force_default", False):
+        return dataclasses.replace(plan, strategy="default")
+    return plan
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass

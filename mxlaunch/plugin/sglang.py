@@ -52,7 +52,7 @@ def register() -> None:
 
 
 def around_get_model_loader(original: Any, load_config: Any, model_config: Any = None) -> Any:
-    """SGLang's choice of loader, swapped for ours when the plan asks for capture or staged."""
+    """SGLang's choice of loader, swapped for ours when the plan asks for capture, staged or p2p."""
     loader = original(load_config, model_config)
     from mxlaunch.plan import PlanError, load_plan
 
@@ -61,7 +61,7 @@ def around_get_model_loader(original: Any, load_config: Any, model_config: Any =
     except PlanError as exc:
         log.warning("mxlaunch: SGLang's default loader serves this rank: %s", exc)
         return loader
-    if plan is None or plan.strategy not in ("capture", "staged"):
+    if plan is None or plan.strategy not in ("capture", "staged", "p2p"):
         return loader
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
@@ -130,7 +130,7 @@ def loader_class() -> type:
 
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
-    from mxlaunch.plugin.rank_load import RankLoad, prepare_gpu
+    from mxlaunch.plugin.rank_load import RankLoad, build_and_load, effective_plan
 
     class MxlaunchSGLangLoader(DefaultModelLoader):
         """SGLang's DefaultModelLoader with the weight step taken from the plan (capture or staged)."""
@@ -141,19 +141,19 @@ def loader_class() -> type:
             self._rank = rank
             self._rank_load: Any = None
             self._outcome: Any = None
+            self._force_default = False
 
         def download_model(self, model_config: Any) -> None:
-            if self._plan.strategy == "staged":
+            if self._plan.strategy in ("staged", "p2p"):
                 return  # the weights come from the snapshot; a fallback reads the checkpoint then
             super().download_model(model_config)
 
         def load_model(self, *, model_config: Any, device_config: Any) -> Any:
             self._outcome = None
-            prepare_gpu(self._plan, self._rank, log)  # pinning and registration overlap SGLang building the model
-            model = super().load_model(model_config=model_config, device_config=device_config)
-            if self._outcome is not None:  # after SGLang's post-processing
-                self._rank_load.write_loaded(self._outcome)
-            return model
+            return build_and_load(
+                self, lambda: super(MxlaunchSGLangLoader, self).load_model(model_config=model_config,
+                                                                           device_config=device_config),
+                plan=self._plan, rank=self._rank, log=log, engine="SGLang")
 
         def load_weights_and_postprocess(self, model: Any, weights: Any, target_device: Any) -> None:
             # DefaultModelLoader.load_model calls this through self; `weights` is a lazy iterator over
@@ -161,7 +161,7 @@ def loader_class() -> type:
             def default_load() -> None:
                 DefaultModelLoader.load_weights_only(model, weights, target_device)
 
-            self._rank_load = RankLoad(model, self._plan, self._rank, default_load, engine="SGLang", log=log,
+            self._rank_load = RankLoad(model, effective_plan(self, self._plan), self._rank, default_load, engine="SGLang", log=log,
                                        layout=_layout)
             self._outcome = self._rank_load.run()
             DefaultModelLoader.postprocess_weights(model, target_device)

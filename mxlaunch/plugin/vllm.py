@@ -150,7 +150,7 @@ def loader_class() -> type:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from mxlaunch.plan import PlanError, load_plan
-    from mxlaunch.plugin.rank_load import RankLoad, prepare_gpu
+    from mxlaunch.plugin.rank_load import RankLoad, build_and_load, effective_plan
 
     class MxlaunchModelLoader(BaseModelLoader):
         """--load-format mxlaunch: capture or staged restore per MXLAUNCH_PLAN; vLLM's default otherwise."""
@@ -166,6 +166,7 @@ def loader_class() -> type:
             self._default: Any = None
             self._outcome: Any = None
             self._rank_load: Any = None
+            self._force_default = False
 
         # -- vLLM's default weights path, handed a config with a format it knows --
         def default_loader(self) -> Any:
@@ -181,21 +182,28 @@ def loader_class() -> type:
 
         def download_model(self, model_config: Any) -> None:
             plan, _ = self._read_plan()
-            if plan is not None and plan.strategy == "staged":
+            if plan is not None and plan.strategy in ("staged", "p2p"):
                 return  # the weights come from the snapshot; a fallback downloads then
             self.default_loader().download_model(model_config)
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             self._outcome = None
-            prepare_gpu(self._read_plan()[0], global_rank(), log)  # pinning and registration overlap vLLM building the model
-            model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            if self._outcome is not None:  # after vLLM's post-processing
-                self._rank_load.write_loaded(self._outcome)
-            return model
+            layers = vllm_config.compilation_config.static_forward_context
+            before = set(layers)
+
+            def forget_layers() -> None:  # a second build must not meet the first one's layer names
+                for name in set(layers) - before:
+                    layers.pop(name, None)
+
+            return build_and_load(
+                self, lambda: super(MxlaunchModelLoader, self).load_model(
+                    vllm_config=vllm_config, model_config=model_config, prefix=prefix),
+                plan=self._read_plan()[0], rank=global_rank(), log=log, engine="vLLM", reset=forget_layers)
 
         def load_weights(self, model: Any, model_config: Any) -> None:
             rank = global_rank()
             plan, plan_error = self._read_plan()
+            plan = effective_plan(self, plan)
             if plan_error is not None:
                 log.warning("mxlaunch: rank %d falls back to vLLM's default loader: %s", rank, plan_error)
             elif plan is None:

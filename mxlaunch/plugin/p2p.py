@@ -1,0 +1,210 @@
+"""The `p2p` strategy in the engine-neutral core: pull a rank's tensors from a live source, then serve.
+
+Target (a worker whose plan says strategy p2p):
+    sources = registry.sources(source_id, rank)       # live records, freshest first, same world and layout
+    for each source: match names/dtypes/shapes/strides against its manifest (refused before any byte
+    moves) → register this worker's memory by allocation → one-sided READs → done
+    a mismatch or a failure before bytes land → the next source; none left → the caller's fallback;
+    a failure after bytes landed → `landed=True`: the caller re-initialises the model (never serves it).
+Source (any worker whose plan has p2p serving on, after its weights are final):
+    register the tensors it serves (processed: the model's own memory, zero-copy; raw: a host copy made
+    before post-processing), publish a record with the NIXL metadata and the manifest, heartbeat in a
+    daemon thread, unpublish at exit (the launcher also removes its run's records when it stops).
+
+One NIXL agent per worker process: the memory a target registered to pull into is what it serves
+afterwards (processed layout), so becoming a source costs no second registration.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from mxlaunch.plugin.tensors import Group, LayoutMismatch, RestoreError, group_tensors
+from mxlaunch.transfer.regions import Region, region_index, regions_for
+from mxlaunch.transfer.tensor_set import describe, span_bytes
+
+log = logging.getLogger("mxlaunch.plugin")
+
+ALIGN = 256  # offsets of the raw host copy (keeps every dtype aligned and DMA-friendly)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes a transfer moves for `t` (its span), as a uint8 tensor on the same storage."""
+    n = span_bytes(t)
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
+
+
+@dataclass
+class RawCopy:
+    """A host copy of a rank's raw tensors (before post-processing): what a CPU source serves."""
+
+    buffer: torch.Tensor
+    groups: list[Group]
+    entries: list[dict]
+
+    @property
+    def bytes(self) -> int:
+        return int(self.buffer.numel())
+
+
+def keep_raw(named: Iterable[tuple[str, torch.Tensor]]) -> RawCopy:
+    """Copy every storage group's bytes into one host buffer (one registration), recording each one's
+    place; the manifest keeps the original dtype, shape and stride so a target matches its own raw model."""
+    groups = [g for g in group_tensors(named) if g.tensor.numel()]
+    offsets, total = [], 0
+    for g in groups:
+        offsets.append(total)
+        total += -(-span_bytes(g.tensor) // ALIGN) * ALIGN
+    buffer = torch.empty(max(total, ALIGN), dtype=torch.uint8)
+    entries = describe(groups)
+    base = buffer.data_ptr()
+    for g, off, entry in zip(groups, offsets, entries):
+        n = span_bytes(g.tensor)
+        buffer[off:off + n].copy_(byte_view(g.tensor))
+        entry.update(addr=base + off, dev=0, device="cpu", region=0)
+    return RawCopy(buffer, groups, entries)
+
+
+# ---- the worker's agent and what it serves -------------------------------------------------------------
+
+_lock = threading.Lock()
+_agent: Any = None
+_regions: list[Region] = []
+_serving: list[Any] = []  # publications, raw copies: alive as long as the worker
+
+
+def worker_name() -> str:
+    host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname())[:60] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def agent() -> Any:
+    """This worker's NIXL agent (started once; its start overlaps nothing else worth measuring)."""
+    global _agent
+    with _lock:
+        if _agent is None:
+            from mxlaunch.transfer.nixl import Agent
+
+            _agent = Agent(worker_name())
+        return _agent
+
+
+def register_once(regions: Sequence[Region]) -> float:
+    """Register regions not registered yet by this worker; returns seconds spent."""
+    new = [r for r in regions if not any(o.kind == r.kind and o.dev == r.dev and o.addr <= r.addr and r.end <= o.end
+                                         for o in _regions)]
+    if not new:
+        return 0.0
+    took = agent().register(new)
+    _regions.extend(new)
+    return took
+
+
+# ---- target --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PullResult:
+    bytes: int
+    tensors: int
+    seconds: float
+    source: str  # worker name of the source
+    host: str
+    register_seconds: float
+    transfer_seconds: float
+    registrations: int
+    skipped: list[str] = field(default_factory=list)  # why earlier sources were passed over
+
+
+def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id: str, rank: int, world: int,
+         layout: str, timeout_s: float = 300.0, on_batch: Callable[[int], None] | None = None) -> PullResult:
+    """Fill `named` from the freshest live source that matches exactly. Raises RestoreError: landed=False
+    when nothing was written (the caller may fall back), True when the model is partial."""
+    from mxlaunch.transfer.nixl import NixlUnavailable, TransferError
+    from mxlaunch.transfer.tensor_set import match
+
+    started = time.perf_counter()
+    skipped: list[str] = []
+    entries = registry.sources(source_id, rank)
+    if not entries:
+        raise RestoreError(f"no live P2P source of {source_id} rank {rank} in {registry.url}", landed=False)
+    for entry in entries:
+        rec = entry.record
+        who = f"{rec.worker} on {rec.host}"
+        if rec.world != world or rec.layout != layout:
+            skipped.append(f"{who}: serves layout {rec.layout} of {rec.world} ranks, this worker needs {layout} of {world}")
+            continue
+        try:
+            pairs = match(named, rec.tensors)
+        except LayoutMismatch as exc:
+            skipped.append(f"{who}: {exc}")
+            continue
+        try:
+            reg_took = register_once(regions_for([t for _, t in named]))
+            stats = agent().pull(base64.b64decode(rec.agent_metadata), pairs, timeout_s=timeout_s, on_batch=on_batch)
+        except NixlUnavailable as exc:
+            raise RestoreError(str(exc), landed=False) from exc
+        except TransferError as exc:
+            if exc.landed:
+                raise RestoreError(f"the transfer from {who} failed after bytes landed: {exc}", landed=True) from exc
+            skipped.append(f"{who}: {exc}")
+            continue
+        return PullResult(stats.bytes, len(pairs), time.perf_counter() - started, rec.worker, rec.host, reg_took,
+                          stats.transfer_seconds, agent().registrations, skipped)
+    raise RestoreError(f"no P2P source of {source_id} rank {rank} could serve this worker: " + "; ".join(skipped),
+                       landed=False)
+
+
+# ---- source --------------------------------------------------------------------------------------------
+
+
+def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any, source_id: str, rank: int,
+          world: int, layout: str, run_id: str, ttl_s: float = 15.0) -> Any:
+    """Register what this worker serves and publish it; returns the publication (kept alive here)."""
+    from mxlaunch.coord.base import valid_id  # noqa: F401 - light; the registry validates the record
+    from mxlaunch.coord.peers import SourceRecord
+    from mxlaunch.fileutil import boot_id, process_start_time
+
+    if isinstance(named, RawCopy):
+        regions = [Region(named.buffer.data_ptr(), named.bytes, 0, "cpu")]
+        entries = named.entries
+        _serving.append(named)
+    else:
+        groups = [g for g in group_tensors(named) if g.tensor.numel()]
+        regions = regions_for([g.tensor for g in groups])
+        entries = describe(groups, region_index(regions))
+    reg_took = register_once(regions)
+    a = agent()
+    device = "cuda" if any(r.kind == "cuda" for r in regions) else "cpu"
+    record = SourceRecord(
+        source_id=source_id, rank=rank, world=world, layout=layout, worker=a.name, host=socket.gethostname(),
+        pid=os.getpid(), boot_id=boot_id(), start_time=process_start_time(os.getpid()), run_id=run_id,
+        device=device, agent_metadata=base64.b64encode(a.metadata()).decode(), tensors=entries,
+        created_at=time.time(), extra={"register_seconds": round(reg_took, 4), "regions": len(regions),
+                                       "bytes": sum(int(e["bytes"]) for e in entries)})
+    publication = registry.publish(record, ttl_s=ttl_s)
+    publication.keep_alive()
+    _serving.append(publication)
+    atexit.register(_unpublish_all)
+    return publication
+
+
+def _unpublish_all() -> None:
+    for item in _serving:
+        if hasattr(item, "unpublish"):
+            try:
+                item.unpublish()
+            except Exception:  # noqa: BLE001 - exiting anyway; the launcher and the reaper remove it too
+                pass

@@ -1,0 +1,75 @@
+"""A P2P source or target process for the tests, through the plugin core (plugin/p2p.py) and real NIXL.
+
+    python -m tests.helpers.p2p_peer serve  --registry DIR --layout processed|raw --seed 0 --size tiny --ready FILE
+    python -m tests.helpers.p2p_peer pull   --registry DIR --layout processed --size tiny --out FILE
+
+`serve` publishes its model and waits to be killed; `pull` builds a model with other values, pulls, and
+writes {"equal": bool, ...} comparing with the source's seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mxlaunch.coord.peers import open_registry
+from mxlaunch.plugin import p2p
+from mxlaunch.plugin.loader import module_tensors
+from mxlaunch.transfer.tensor_set import processed_tensors
+from tests.helpers.p2p_models import build
+
+SOURCE_ID = "p2ptest0123456789"
+
+
+def serve(args: argparse.Namespace) -> None:
+    registry = open_registry(f"file:{args.registry}", None)
+    if args.layout == "raw":
+        model = build(args.seed, args.size, post=False)
+        what = p2p.keep_raw(module_tensors(model))
+        model.post_process(args.variant)
+    else:
+        model = build(args.seed, args.size, variant=args.variant)
+        what = processed_tensors(model)
+    pub = p2p.serve(what, registry=registry, source_id=args.source_id, rank=0, world=1, layout=args.layout,
+                    run_id=args.run_id, ttl_s=args.ttl)
+    Path(args.ready).write_text(json.dumps({"worker": pub.record.worker}))
+    time.sleep(args.seconds)
+
+
+def pull(args: argparse.Namespace) -> None:
+    registry = open_registry(f"file:{args.registry}", None)
+    model = build(args.seed, args.size, post=args.layout == "processed")
+    named = processed_tensors(model) if args.layout == "processed" else module_tensors(model)
+    result = p2p.pull(named, registry=registry, source_id=args.source_id, rank=0, world=1, layout=args.layout)
+    if args.layout == "raw":
+        model.post_process()
+    gold = build(0, args.size)
+    equal = all(torch.equal(a, b) for (_, a), (_, b) in zip(processed_tensors(gold), processed_tensors(model)))
+    Path(args.out).write_text(json.dumps({"equal": equal, "bytes": result.bytes, "source": result.source}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=("serve", "pull"))
+    ap.add_argument("--registry", required=True)
+    ap.add_argument("--layout", default="processed")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--variant", default="")
+    ap.add_argument("--source-id", default=SOURCE_ID)
+    ap.add_argument("--run-id", default="testrun")
+    ap.add_argument("--ttl", type=float, default=15.0)
+    ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--ready", default="")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    (serve if args.role == "serve" else pull)(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
