@@ -17,6 +17,7 @@ from mxlaunch.cli_common import err, json_option, out, print_json
 from mxlaunch.cli_launch import CONTEXT as launch_context
 from mxlaunch.cli_launch import launch
 from mxlaunch.cli_cache import cache_app
+from mxlaunch.cli_peers import peers as peers_command
 from mxlaunch.cli_store import store_app
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
@@ -333,6 +334,10 @@ def doctor(
 
 app.add_typer(store_app, name="store")
 app.add_typer(cache_app, name="cache")  # JIT kernel caches (mxlaunch/cli_cache.py)
+
+# ---- peers: the P2P source registry (mxlaunch/cli_peers.py) ----
+
+app.command("peers")(peers_command)
 
 # ---- launch (mxlaunch/cli_launch.py) ----
 

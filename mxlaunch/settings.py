@@ -30,6 +30,7 @@ CAPTURE_WRITERS = "MXLAUNCH_CAPTURE_WRITERS"
 CAPTURE_HUGE = "MXLAUNCH_CAPTURE_HUGE"
 KERNEL_CACHE_DIR = "MXLAUNCH_KERNEL_CACHE_DIR"
 KERNEL_CACHE_MAX_GIB = "MXLAUNCH_KERNEL_CACHE_MAX_GIB"
+REGISTRY = "MXLAUNCH_REGISTRY"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -54,6 +55,8 @@ VARIABLES: dict[str, str] = {
     KERNEL_CACHE_DIR: "node-local folder the JIT kernel caches are restored into, one sub-folder per key (default "
                       "~/.cache/mxlaunch/kernel-cache; use a node-local disk, the same path on every node)",
     KERNEL_CACHE_MAX_GIB: "largest kernel cache archive captured or restored, in GiB (default 8)",
+    REGISTRY: "the P2P source registry when --registry is not given: file (the artifact store's .peers folder; "
+              "the default), file:/dir, or redis://host:port/db",
 }
 
 
@@ -159,3 +162,9 @@ def kernel_cache_max_bytes(environ: Mapping[str, str] = os.environ) -> int:
     except ValueError:
         gib = 8.0
     return int((gib if gib > 0 else 8.0) * (1 << 30))
+
+
+def registry(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """$MXLAUNCH_REGISTRY (a registry URL), or None when unset or empty."""
+    text = environ.get(REGISTRY, "").strip()
+    return text or None

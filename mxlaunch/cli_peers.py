@@ -1,0 +1,64 @@
+"""`mxlaunch peers`: the P2P sources in the registry, live and stale (registered by cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from mxlaunch import settings
+from mxlaunch.cli_common import artifact_path_option, json_option, out, print_json
+
+_REGISTRY_HELP = "Peer registry: file (the artifact store's .peers folder; the default), file:/dir or redis://host:port/db."
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.0f} h"
+
+
+def peers(
+    artifact_path: Optional[Path] = artifact_path_option(),
+    registry: Optional[str] = typer.Option(None, "--registry", envvar=settings.REGISTRY, help=_REGISTRY_HELP),
+    source_id: Optional[str] = typer.Option(None, "--source-id", help="Only this source id."),
+    reap: bool = typer.Option(False, "--reap", help="First remove stale records (stale longer than --grace)."),
+    grace: float = typer.Option(0.0, "--grace", min=0.0, help="With --reap: seconds a record must have been stale."),
+    as_json: bool = json_option("Print the sources as JSON."),
+) -> None:
+    """Engine workers that publish their weights for P2P transfer: who, where, live or stale (docs/p2p.md)."""
+    from rich.table import Table
+
+    from mxlaunch.coord.peers import open_registry, redact_url
+    from mxlaunch.staging.capacity import format_bytes
+
+    reg = open_registry(registry, artifact_path)
+    where = redact_url(reg.url)
+    reaped = reg.reap(grace_s=grace) if reap else None
+    entries = reg.sources(source_id, include_stale=True) if source_id else reg.all_sources(include_stale=True)
+    if as_json:
+        payload = {"registry": where, "sources": [e.to_json() for e in entries]}
+        if reaped is not None:
+            payload["reaped"] = reaped
+        print_json(payload)
+        return
+    if not entries:
+        out.print(f"no sources in {escape(where)}", highlight=False)
+    else:
+        table = Table(title=f"P2P sources in {escape(where)}", box=None, pad_edge=False, padding=(0, 1, 0, 0),
+                      title_justify="left", header_style="bold underline")
+        for col in ("source id", "rank", "layout", "device", "host", "pid", "worker", "state", "beat", "tensors",
+                    "size"):
+            table.add_column(col, justify="right" if col in ("pid", "beat", "tensors", "size") else "left",
+                             no_wrap=col not in ("host", "worker"), overflow="fold")
+        for e in entries:
+            r = e.record
+            state = "[green]live[/]" if e.state == "live" else f"[yellow]stale[/] ({escape(e.reason)})"
+            table.add_row(r.source_id, f"{r.rank}/{r.world}", r.layout, r.device, escape(r.host), str(r.pid),
+                          escape(r.worker), state, _age(e.age_s) + " ago", str(len(r.tensors)),
+                          format_bytes(r.total_bytes))
+        out.print(table)
+    if reaped is not None:
+        out.print(f"reaped {reaped} stale record{'' if reaped == 1 else 's'}", highlight=False)

@@ -1,0 +1,320 @@
+"""The P2P source registry in Redis, for clusters without a shared filesystem fast enough to poll.
+
+Keys (prefix `mxlaunch`; `:` never occurs in a source id, rank or worker id):
+
+    mxlaunch:peers:<source_id>:<rank>            hash  worker → SourceRecord JSON (written once, HSETNX)
+    mxlaunch:beats:<source_id>:<rank>            hash  worker → last heartbeat {"at", "ttl_s", "run_id"}
+    mxlaunch:beat:<source_id>:<rank>:<worker>    string, SET with PX ttl: while it exists the record is live
+    mxlaunch:sources                             set   "<source_id>:<rank>" of every hash above (all_sources)
+    mxlaunch:run:<run_id>                        set   "<source_id>:<rank>:<worker>" a run published (remove_run)
+
+Liveness comes from the server's own expiry (no clock skew between hosts); the `beats` hash keeps the
+last heartbeat for display and for reaping. Publish, heartbeat and remove are Lua scripts: each is one
+atomic step on the server. `redis` is imported only here, and only when a redis:// registry is opened.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple, Optional
+
+from mxlaunch.coord.base import valid_id
+from mxlaunch.coord.peers_record import (
+    DEFAULT_TTL_S, MAX_BEAT_BYTES, MAX_RECORD_BYTES, STALE, Beat, BasePublication, PeerEntry, SourceRecord,
+    check_record, check_ttl, judge, ordered, reapable, redact_url)
+from mxlaunch.errors import CheckFailed, UsageError
+from mxlaunch.fileutil import boot_id
+
+_PUBLISH = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
+redis.call('SADD', KEYS[4], ARGV[5])
+redis.call('SADD', KEYS[5], ARGV[6])
+return 1
+"""
+_BEAT = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+# KEYS: record hash, beats hash, beat key, sources set, run set; ARGV: worker, sources member, expected
+# record JSON ('' = any), run member ('' = none)
+_REMOVE = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur and ARGV[3] ~= '' and cur ~= ARGV[3] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[3])
+if ARGV[4] ~= '' then redis.call('SREM', KEYS[5], ARGV[4]) end
+if redis.call('HLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[4], ARGV[2]) end
+if cur then return 1 end
+return 0
+"""
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError as exc:
+        raise UsageError("a redis:// registry needs the redis Python package, which is not installed",
+                         "pip install 'mxlaunch[redis]'") from exc
+    return redis
+
+
+class RedisPublication(BasePublication):
+    """A record this process published in Redis."""
+
+    def __init__(self, registry: "RedisRegistry", record: SourceRecord, ttl_s: float, text: str) -> None:
+        super().__init__(record, ttl_s)
+        self._reg = registry
+        self._text = text  # the stored JSON: unpublish removes the record only while it is still this one
+
+    def _beat(self) -> bool:
+        r = self.record
+        beat = json.dumps(Beat(time.time(), self.ttl_s, r.run_id).to_json())
+        with self._reg._io():
+            keys = self._reg._keys(r.source_id, r.rank, r.worker)
+            return bool(self._reg._beat_script(keys=keys[:3], args=[r.worker, beat, _ms(self.ttl_s)]))
+
+    def _drop(self) -> None:
+        r = self.record
+        self._reg._remove(r.source_id, r.rank, r.worker, expected=self._text, run_id=r.run_id)
+
+
+class RedisRegistry:
+    """Source records in one Redis database. `host` is overridable for tests (another host: no pid check)."""
+
+    def __init__(self, url: str, *, host: str | None = None, prefix: str = "mxlaunch") -> None:
+        self._redis = _import_redis()
+        self.url = url
+        self.prefix = prefix
+        self.host = host or socket.gethostname()
+        self._boot_id = boot_id()
+        try:
+            self._db = self._redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
+        except ValueError as exc:
+            raise UsageError(f"registry URL {redact_url(url)!r} is not a Redis URL ({exc})",
+                             "use redis://host:port/db") from exc
+        self._publish_script = self._db.register_script(_PUBLISH)
+        self._beat_script = self._db.register_script(_BEAT)
+        self._remove_script = self._db.register_script(_REMOVE)
+        with self._io():
+            self._db.ping()
+
+    @contextmanager
+    def _io(self) -> Iterator[None]:
+        """Redis errors become one-line usage errors that name the URL and the fix."""
+        errors = self._redis.exceptions
+        where = redact_url(self.url)
+        try:
+            yield
+        except errors.AuthenticationError as exc:
+            raise UsageError(f"the peer registry at {where} refused our login ({exc})",
+                             "put the right password in the URL: redis://:PASSWORD@host:port/db") from exc
+        except (errors.ConnectionError, errors.TimeoutError) as exc:
+            raise UsageError(f"cannot reach the peer registry at {where} ({exc})",
+                             "start redis-server there, or pass --registry file (or unset MXLAUNCH_REGISTRY)") from exc
+        except errors.RedisError as exc:
+            raise UsageError(f"the peer registry at {where} failed a command ({exc})",
+                             "check that the database holds only mxlaunch's keys, or pick another db in the URL") from exc
+
+    # ---- keys ----
+
+    def _keys(self, source_id: str, rank: int, worker: str, run_id: str = "") -> list[str]:
+        """record hash, beats hash, beat key, sources set, run set."""
+        _check(source_id, rank, worker)
+        p = self.prefix
+        return [f"{p}:peers:{source_id}:{rank}", f"{p}:beats:{source_id}:{rank}",
+                f"{p}:beat:{source_id}:{rank}:{worker}", f"{p}:sources", f"{p}:run:{run_id or '-'}"]
+
+    # ---- writing ----
+
+    def publish(self, record: SourceRecord, ttl_s: float = DEFAULT_TTL_S) -> RedisPublication:
+        """Store the record and its first heartbeat in one step; a live record under the same worker refuses."""
+        check_ttl(ttl_s)
+        check_record(record)
+        r = record
+        text = json.dumps(record.to_json())
+        if len(text) > MAX_RECORD_BYTES:
+            raise UsageError(f"source record of {r.source_id} rank {r.rank} is {len(text)} bytes",
+                             f"readers refuse records over {MAX_RECORD_BYTES} bytes")
+        keys = self._keys(r.source_id, r.rank, r.worker, r.run_id)
+        for _ in range(8):
+            beat = json.dumps(Beat(time.time(), ttl_s, r.run_id).to_json())
+            args = [r.worker, text, beat, _ms(ttl_s), f"{r.source_id}:{r.rank}", f"{r.source_id}:{r.rank}:{r.worker}"]
+            with self._io():
+                if self._publish_script(keys=keys, args=args):
+                    return RedisPublication(self, record, ttl_s, text)
+            entries = self._load(r.source_id, r.rank, [r.worker], time.time())
+            held = entries.get(r.worker)
+            if held.state != STALE if isinstance(held, PeerEntry) else isinstance(held, _Unreadable) and held.live:
+                who = f" (pid {held.record.pid} on {held.record.host})" if isinstance(held, PeerEntry) else ""
+                raise CheckFailed(f"worker {r.worker} already publishes {r.source_id} rank {r.rank}{who}",
+                                  "give each worker a unique id, or unpublish the old record first")
+            self._remove(r.source_id, r.rank, r.worker)  # a stale record under our worker id: replace it
+        raise CheckFailed(f"could not publish {r.source_id} rank {r.rank} worker {r.worker}: it keeps changing",
+                          "retry the publish")
+
+    def remove(self, source_id: str, rank: int, worker: str) -> bool:
+        return self._remove(source_id, rank, worker)
+
+    def _remove(self, source_id: str, rank: int, worker: str, *, expected: str = "", run_id: str = "") -> bool:
+        with self._io():
+            if not run_id:  # the heartbeat knows the run: drop the record from the run's set too
+                beat = _beat_of(self._db.hget(f"{self.prefix}:beats:{source_id}:{rank}", worker))
+                run_id = beat.run_id if beat is not None and valid_id(beat.run_id) else ""
+            keys = self._keys(source_id, rank, worker, run_id)
+            args = [worker, f"{source_id}:{rank}", expected, f"{source_id}:{rank}:{worker}" if run_id else ""]
+            return bool(self._remove_script(keys=keys, args=args))
+
+    def remove_run(self, run_id: str) -> int:
+        if not valid_id(run_id):
+            return 0
+        run_key = f"{self.prefix}:run:{run_id}"
+        removed = 0
+        with self._io():
+            members = [_text(m) for m in self._db.smembers(run_key)]
+        for member in members:
+            parts = (member or "").split(":")
+            if len(parts) != 3 or not parts[1].isdigit():
+                continue
+            sid, rank, worker = parts[0], int(parts[1]), parts[2]
+            with self._io():
+                raw = self._db.hget(f"{self.prefix}:peers:{sid}:{rank}", worker) if _safe(sid, rank, worker) else None
+            record = _record_of(raw)
+            if record is not None and record.run_id == run_id and (record.source_id, record.rank, record.worker) \
+                    == (sid, rank, worker):
+                removed += self._remove(sid, rank, worker, expected=_text(raw) or "", run_id=run_id)
+            with self._io():
+                self._db.srem(run_key, member)
+        return removed
+
+    def reap(self, grace_s: float = 60.0) -> int:
+        """Remove records stale for longer than grace_s, unreadable ones whose heartbeat ended as long ago,
+        and index entries that point at nothing. Returns the records removed."""
+        now, removed = time.time(), 0
+        for sid, rank in self._index():
+            with self._io():
+                workers = [_text(w) for w in self._db.hkeys(f"{self.prefix}:peers:{sid}:{rank}")]
+            for worker, got in self._load(sid, rank, [w for w in workers if w and valid_id(w)], now).items():
+                if isinstance(got, PeerEntry):
+                    gone = reapable(got, grace_s, now)
+                else:  # unreadable (corrupt, or a newer schema): only its heartbeat says whether it is alive
+                    gone = not got.live and (got.since is None or now - got.since > grace_s)
+                if gone:
+                    removed += self._remove(sid, rank, worker)
+            with self._io():
+                if not self._db.exists(f"{self.prefix}:peers:{sid}:{rank}"):
+                    self._db.srem(f"{self.prefix}:sources", f"{sid}:{rank}")
+                    self._db.delete(f"{self.prefix}:beats:{sid}:{rank}")
+        return removed
+
+    # ---- reading ----
+
+    def sources(self, source_id: str, rank: int | None = None, *, include_stale: bool = False) -> list[PeerEntry]:
+        _check(source_id, 0 if rank is None else rank, "w")
+        pairs = [(source_id, rank)] if rank is not None else [(s, k) for s, k in self._index() if s == source_id]
+        return self._collect(pairs, include_stale)
+
+    def all_sources(self, *, include_stale: bool = True) -> list[PeerEntry]:
+        return self._collect(self._index(), include_stale)
+
+    # ---- internals ----
+
+    def _index(self) -> list[tuple[str, int]]:
+        with self._io():
+            members = [_text(m) for m in self._db.smembers(f"{self.prefix}:sources")]
+        pairs = []
+        for m in members:
+            sid, _, rank = (m or "").rpartition(":")
+            if rank.isdigit() and len(rank) < 10 and valid_id(sid):
+                pairs.append((sid, int(rank)))
+        return sorted(pairs)
+
+    def _collect(self, pairs: list[tuple[str, int]], include_stale: bool) -> list[PeerEntry]:
+        now = time.time()
+        entries = []
+        for sid, rank in pairs:
+            with self._io():
+                workers = [_text(w) for w in self._db.hkeys(f"{self.prefix}:peers:{sid}:{rank}")]
+            for got in self._load(sid, rank, [w for w in workers if w and valid_id(w)], now).values():
+                if isinstance(got, PeerEntry) and (include_stale or got.state != STALE):
+                    entries.append(got)
+        return ordered(entries)
+
+    def _load(self, sid: str, rank: int, workers: list[str], now: float) -> dict[str, PeerEntry | _Unreadable]:
+        """worker → its entry, or `_Unreadable` for a record that is not valid; workers without a record are left out."""
+        if not workers:
+            return {}
+        keys = self._keys(sid, rank, workers[0])
+        with self._io():
+            pipe = self._db.pipeline(transaction=False)
+            pipe.hmget(keys[0], workers)
+            pipe.hmget(keys[1], workers)
+            for w in workers:
+                pipe.exists(f"{self.prefix}:beat:{sid}:{rank}:{w}")
+            raws, beats, *alive = pipe.execute()
+        out: dict[str, PeerEntry | _Unreadable] = {}
+        for worker, raw, beat_raw, live in zip(workers, raws, beats, alive):
+            if raw is None:
+                continue
+            record, beat = _record_of(raw), _beat_of(beat_raw)
+            if record is None or (record.source_id, record.rank, record.worker) != (sid, rank, worker):
+                out[worker] = _Unreadable(bool(live), beat.at + beat.ttl_s if beat is not None else None)
+                continue
+            out[worker] = judge(record, beat, host=self.host, boot=self._boot_id, now=now, beat_expired=not live)
+        return out
+
+
+class _Unreadable(NamedTuple):
+    """A stored value that is not a valid record: its heartbeat key says if it is alive, its last beat since when not."""
+
+    live: bool
+    since: Optional[float]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _safe(source_id: str, rank: int, worker: str) -> bool:
+    return valid_id(source_id) and valid_id(worker) and isinstance(rank, int) and not isinstance(rank, bool) \
+        and 0 <= rank < 10**9
+
+
+def _check(source_id: str, rank: int, worker: str) -> None:
+    if not _safe(source_id, rank, worker):
+        raise UsageError(f"source {source_id!r} rank {rank!r} worker {worker!r} is not a valid key",
+                         "use ids of letters, digits, . _ - and a rank ≥ 0")
+
+
+def _text(raw: Optional[bytes]) -> Optional[str]:
+    if raw is None:
+        return None
+    try:
+        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError:
+        return None
+
+
+def _json(raw: Optional[bytes], limit: int) -> Any:
+    text = _text(raw)
+    if text is None or len(text) > limit:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _record_of(raw: Optional[bytes]) -> Optional[SourceRecord]:
+    return SourceRecord.from_json(_json(raw, MAX_RECORD_BYTES))
+
+
+def _beat_of(raw: Optional[bytes]) -> Optional[Beat]:
+    return Beat.from_json(_json(raw, MAX_BEAT_BYTES))
