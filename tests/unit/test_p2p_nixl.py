@@ -1,0 +1,158 @@
+"""P2P through real NIXL (UCX, host memory) between real processes: the plugin core's pull and serve,
+the registry's file backend, and the faults the strategy must survive."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxlaunch.coord.peers import open_registry
+from mxlaunch.plugin import p2p
+from mxlaunch.plugin.loader import module_tensors
+from mxlaunch.plugin.tensors import RestoreError
+from mxlaunch.transfer import nixl as nixl_transfer
+from mxlaunch.transfer.tensor_set import processed_tensors
+from tests.helpers.p2p_models import build
+from tests.helpers.p2p_peer import SOURCE_ID
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Source:
+    """A source process serving seed `seed` of a model; stopped (SIGKILL) by `kill()` or at teardown."""
+
+    def __init__(self, tmp: Path, *args: str, name: str = "src") -> None:
+        self.ready = tmp / f"{name}.ready"
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.p2p_peer", "serve", "--registry", str(tmp / "reg"),
+                                      "--ready", str(self.ready), *args], cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while not self.ready.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"source exited: {self.proc.stderr.read().decode()[-2000:]}")
+            assert time.monotonic() < deadline, "source did not start"
+            time.sleep(0.1)
+        self.worker = json.loads(self.ready.read_text())["worker"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+def sources(tmp_path: Path):
+    started: list[Source] = []
+
+    def start(*args: str, name: str = "src") -> Source:
+        s = Source(tmp_path, *args, name=name)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+def registry(tmp_path: Path):
+    return open_registry(f"file:{tmp_path / 'reg'}", None)
+
+
+def equal_to_seed0(model, size: str = "tiny") -> bool:
+    gold = build(0, size)
+    return all(torch.equal(a, b) for (_, a), (_, b) in zip(processed_tensors(gold), processed_tensors(model)))
+
+
+def test_processed_layout_pull_is_exact_and_the_target_serves_without_registering_again(tmp_path, sources) -> None:
+    sources("--layout", "processed")
+    target = build(7)
+    assert not equal_to_seed0(target)
+    result = p2p.pull(processed_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
+                      layout="processed")
+    assert equal_to_seed0(target)
+    assert result.bytes > 0 and result.registrations >= 1
+    before = p2p.agent().registrations
+    pub = p2p.serve(processed_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
+                    layout="processed", run_id="t2")
+    try:
+        assert p2p.agent().registrations == before  # the memory it pulled into is what it serves
+        workers = {e.record.worker for e in registry(tmp_path).sources(SOURCE_ID, 0)}
+        assert pub.record.worker in workers and len(workers) == 2
+    finally:
+        pub.unpublish()
+
+
+def test_raw_layout_pull_then_post_processing_reproduces_the_source(tmp_path, sources) -> None:
+    sources("--layout", "raw")
+    target = build(7, post=False)
+    p2p.pull(module_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1, layout="raw")
+    target.post_process()
+    assert equal_to_seed0(target)
+
+
+def test_a_stale_record_is_skipped_and_a_live_source_serves(tmp_path, sources) -> None:
+    dead = sources("--layout", "processed", "--ttl", "600", name="dead")
+    dead.kill()  # its record stays, its process is gone: stale on this host
+    live = sources("--layout", "processed", name="live")
+    entries = registry(tmp_path).sources(SOURCE_ID, 0)
+    assert [e.record.worker for e in entries] == [live.worker]
+    target = build(7)
+    result = p2p.pull(processed_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
+                      layout="processed")
+    assert result.source == live.worker and equal_to_seed0(target)
+
+
+def test_another_layout_is_refused_before_any_byte_moves(tmp_path, sources) -> None:
+    sources("--layout", "processed", "--variant", "transposed")
+    target = build(7)
+    before = [t.clone() for _, t in processed_tensors(target)]
+    with pytest.raises(RestoreError) as info:
+        p2p.pull(processed_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
+                 layout="processed")
+    assert info.value.landed is False and "stride" in str(info.value)
+    assert all(torch.equal(a, b) for a, (_, b) in zip(before, processed_tensors(target)))
+
+
+def test_no_live_source_is_a_clean_refusal(tmp_path) -> None:
+    with pytest.raises(RestoreError, match="no live P2P source") as info:
+        p2p.pull(processed_tensors(build(7)), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
+                 layout="processed")
+    assert info.value.landed is False
+
+
+def test_two_targets_pull_from_one_source_at_once(tmp_path, sources) -> None:
+    sources("--layout", "processed", "--size", "big")
+    outs = [tmp_path / f"t{i}.json" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.p2p_peer", "pull", "--registry", str(tmp_path / "reg"),
+                               "--size", "big", "--seed", str(5 + i), "--out", str(out)], cwd=ROOT,
+                              stderr=subprocess.PIPE) for i, out in enumerate(outs)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-2000:]
+    for out in outs:
+        data = json.loads(out.read_text())
+        assert data["equal"] is True and data["bytes"] > 50 << 20
+
+
+def test_a_source_killed_mid_transfer_is_reported_as_landed(tmp_path, sources, monkeypatch) -> None:
+    source = sources("--layout", "processed", "--size", "big")
+    monkeypatch.setattr(nixl_transfer, "BATCH_BYTES", 16 << 20)  # several READ batches
+    target = build(7, "big")
+
+    def kill_after_first(i: int) -> None:
+        if i == 1:
+            source.kill()
+
+    with pytest.raises(RestoreError) as info:
+        p2p.pull(processed_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
+                 layout="processed", timeout_s=30, on_batch=kill_after_first)
+    assert info.value.landed is True
