@@ -15,6 +15,7 @@ _REGISTRY_HELP = "Peer registry: file (the artifact store's .peers folder; the d
 
 
 def _age(seconds: float) -> str:
+    """Time since the last heartbeat, short: 0.4 s, 12 s, 3 min, 5 h."""
     if seconds < 120:
         return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.0f} h"
@@ -46,19 +47,22 @@ def peers(
         return
     if not entries:
         out.print(f"no sources in {escape(where)}", highlight=False)
-    else:
-        table = Table(title=f"P2P sources in {escape(where)}", box=None, pad_edge=False, padding=(0, 1, 0, 0),
-                      title_justify="left", header_style="bold underline")
-        for col in ("source id", "rank", "layout", "device", "host", "pid", "worker", "state", "beat", "tensors",
-                    "size"):
+    # One table per source id (ids are 16 characters: the rest of a row fits 80 columns beside them only so).
+    by_source: dict[str, list] = {}
+    for e in entries:
+        by_source.setdefault(e.record.source_id, []).append(e)
+    for sid, group in sorted(by_source.items()):
+        live = sum(e.state == "live" for e in group)
+        table = Table(title=f"source {sid} in {escape(where)}: {live} live, {len(group) - live} stale", box=None,
+                      pad_edge=False, padding=(0, 1, 0, 0), title_justify="left", header_style="bold underline")
+        for col in ("rank", "layout", "dev", "host", "pid", "worker", "state", "beat", "tensors", "size"):
             table.add_column(col, justify="right" if col in ("pid", "beat", "tensors", "size") else "left",
-                             no_wrap=col not in ("host", "worker"), overflow="fold")
-        for e in entries:
+                             overflow="fold", no_wrap=col not in ("host", "worker"))
+        for e in sorted(group, key=lambda e: (e.record.rank, e.state != "live", -e.heartbeat_at)):
             r = e.record
-            state = "[green]live[/]" if e.state == "live" else f"[yellow]stale[/] ({escape(e.reason)})"
-            table.add_row(r.source_id, f"{r.rank}/{r.world}", r.layout, r.device, escape(r.host), str(r.pid),
-                          escape(r.worker), state, _age(e.age_s) + " ago", str(len(r.tensors)),
-                          format_bytes(r.total_bytes))
+            state = "[green]live[/]" if e.state == "live" else "[yellow]stale[/]"
+            table.add_row(f"{r.rank}/{r.world}", r.layout, r.device, escape(r.host), str(r.pid), escape(r.worker),
+                          state, _age(e.age_s), str(len(r.tensors)), format_bytes(r.total_bytes))
         out.print(table)
     if reaped is not None:
         out.print(f"reaped {reaped} stale record{'' if reaped == 1 else 's'}", highlight=False)

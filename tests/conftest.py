@@ -1,8 +1,9 @@
-"""Shared test wiring: every test gets its marker from the folder it lives in."""
+"""Shared test wiring: every test gets its marker from the folder it lives in; `redis_url` is a real redis-server."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -24,3 +25,16 @@ def _kernel_caches_in_the_session_tmp(tmp_path_factory: pytest.TempPathFactory) 
     import os
 
     os.environ.setdefault("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server for the session (scripts/start_redis.sh), as `redis://127.0.0.1:PORT/0`.
+    Tests that use it are marked `redis`; each one flushes the database it needs."""
+    from tests.helpers.redis_server import redis_session
+
+    folder = tmp_path_factory.mktemp("redis")
+    try:
+        yield from redis_session(folder)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))

@@ -38,10 +38,11 @@ class FilePublication(BasePublication):
         self._reg = registry
         self.path = registry.record_path(record.source_id, record.rank, record.worker)
         self.beat_path = self.path.with_suffix(".beat")
+        self._identity = _identity(self.path)  # a later record under the same worker id is another file
 
     def _beat(self) -> bool:
-        if not self.path.exists():
-            return False
+        if _identity(self.path) != self._identity:
+            return False  # removed (or replaced by a later publisher of the same worker id)
         try:
             write_json_atomic(self.beat_path, Beat(time.time(), self.ttl_s, self.record.run_id).to_json())
         except FileNotFoundError:
@@ -256,6 +257,14 @@ def _children(folder: Path) -> list[Path]:
         return [Path(e.path) for e in os.scandir(folder)]
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _identity(path: Path) -> Optional[tuple[int, int, int, int]]:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _mtime(path: Path) -> Optional[float]:

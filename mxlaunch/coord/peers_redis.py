@@ -5,6 +5,8 @@ Keys (prefix `mxlaunch`; `:` never occurs in a source id, rank or worker id):
     mxlaunch:peers:<source_id>:<rank>            hash  worker → SourceRecord JSON (written once, HSETNX)
     mxlaunch:beats:<source_id>:<rank>            hash  worker → last heartbeat {"at", "ttl_s", "run_id"}
     mxlaunch:beat:<source_id>:<rank>:<worker>    string, SET with PX ttl: while it exists the record is live
+    mxlaunch:owners:<source_id>:<rank>           hash  worker → the publication's random token (heartbeats
+                                                 and unpublish touch only their own record)
     mxlaunch:sources                             set   "<source_id>:<rank>" of every hash above (all_sources)
     mxlaunch:run:<run_id>                        set   "<source_id>:<rank>:<worker>" a run published (remove_run)
 
@@ -16,6 +18,7 @@ atomic step on the server. `redis` is imported only here, and only when a redis:
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import time
 from contextlib import contextmanager
@@ -28,32 +31,35 @@ from mxlaunch.coord.peers_record import (
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.fileutil import boot_id
 
+# KEYS (all three scripts): record hash, beats hash, beat key, sources set, run set, owners hash
+# ARGV: worker, record JSON, beat JSON, ttl ms, sources member, run member, token
 _PUBLISH = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[6], ARGV[1], ARGV[7])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
 redis.call('SADD', KEYS[4], ARGV[5])
 redis.call('SADD', KEYS[5], ARGV[6])
 return 1
 """
+# ARGV: worker, beat JSON, ttl ms, token
 _BEAT = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+if redis.call('HGET', KEYS[6], ARGV[1]) ~= ARGV[4] or redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
 return 1
 """
-# KEYS: record hash, beats hash, beat key, sources set, run set; ARGV: worker, sources member, expected
-# record JSON ('' = any), run member ('' = none)
+# ARGV: worker, sources member, expected token ('' = any), run member ('' = none)
 _REMOVE = """
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if cur and ARGV[3] ~= '' and cur ~= ARGV[3] then return 0 end
+local cur = redis.call('HEXISTS', KEYS[1], ARGV[1])
+if ARGV[3] ~= '' and redis.call('HGET', KEYS[6], ARGV[1]) ~= ARGV[3] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[6], ARGV[1])
 redis.call('DEL', KEYS[3])
 if ARGV[4] ~= '' then redis.call('SREM', KEYS[5], ARGV[4]) end
 if redis.call('HLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[4], ARGV[2]) end
-if cur then return 1 end
-return 0
+return cur
 """
 
 
@@ -69,21 +75,21 @@ def _import_redis() -> Any:
 class RedisPublication(BasePublication):
     """A record this process published in Redis."""
 
-    def __init__(self, registry: "RedisRegistry", record: SourceRecord, ttl_s: float, text: str) -> None:
+    def __init__(self, registry: "RedisRegistry", record: SourceRecord, ttl_s: float, token: str) -> None:
         super().__init__(record, ttl_s)
         self._reg = registry
-        self._text = text  # the stored JSON: unpublish removes the record only while it is still this one
+        self._token = token  # stored with the record: beats and unpublish touch it only while it is ours
 
     def _beat(self) -> bool:
         r = self.record
         beat = json.dumps(Beat(time.time(), self.ttl_s, r.run_id).to_json())
         with self._reg._io():
             keys = self._reg._keys(r.source_id, r.rank, r.worker)
-            return bool(self._reg._beat_script(keys=keys[:3], args=[r.worker, beat, _ms(self.ttl_s)]))
+            return bool(self._reg._beat_script(keys=keys, args=[r.worker, beat, _ms(self.ttl_s), self._token]))
 
     def _drop(self) -> None:
         r = self.record
-        self._reg._remove(r.source_id, r.rank, r.worker, expected=self._text, run_id=r.run_id)
+        self._reg._remove(r.source_id, r.rank, r.worker, expected=self._token, run_id=r.run_id)
 
 
 class RedisRegistry:
@@ -126,11 +132,12 @@ class RedisRegistry:
     # ---- keys ----
 
     def _keys(self, source_id: str, rank: int, worker: str, run_id: str = "") -> list[str]:
-        """record hash, beats hash, beat key, sources set, run set."""
+        """record hash, beats hash, beat key, sources set, run set, owners hash."""
         _check(source_id, rank, worker)
         p = self.prefix
         return [f"{p}:peers:{source_id}:{rank}", f"{p}:beats:{source_id}:{rank}",
-                f"{p}:beat:{source_id}:{rank}:{worker}", f"{p}:sources", f"{p}:run:{run_id or '-'}"]
+                f"{p}:beat:{source_id}:{rank}:{worker}", f"{p}:sources", f"{p}:run:{run_id or '-'}",
+                f"{p}:owners:{source_id}:{rank}"]
 
     # ---- writing ----
 
@@ -146,17 +153,21 @@ class RedisRegistry:
         keys = self._keys(r.source_id, r.rank, r.worker, r.run_id)
         for _ in range(8):
             beat = json.dumps(Beat(time.time(), ttl_s, r.run_id).to_json())
-            args = [r.worker, text, beat, _ms(ttl_s), f"{r.source_id}:{r.rank}", f"{r.source_id}:{r.rank}:{r.worker}"]
+            token = secrets.token_hex(16)
+            args = [r.worker, text, beat, _ms(ttl_s), f"{r.source_id}:{r.rank}", f"{r.source_id}:{r.rank}:{r.worker}",
+                    token]
             with self._io():
                 if self._publish_script(keys=keys, args=args):
-                    return RedisPublication(self, record, ttl_s, text)
-            entries = self._load(r.source_id, r.rank, [r.worker], time.time())
-            held = entries.get(r.worker)
+                    return RedisPublication(self, record, ttl_s, token)
+            found = self._load(r.source_id, r.rank, [r.worker], time.time()).get(r.worker)
+            if found is None:
+                continue  # removed meanwhile: try again
+            held, owner = found
             if held.state != STALE if isinstance(held, PeerEntry) else isinstance(held, _Unreadable) and held.live:
                 who = f" (pid {held.record.pid} on {held.record.host})" if isinstance(held, PeerEntry) else ""
                 raise CheckFailed(f"worker {r.worker} already publishes {r.source_id} rank {r.rank}{who}",
                                   "give each worker a unique id, or unpublish the old record first")
-            self._remove(r.source_id, r.rank, r.worker)  # a stale record under our worker id: replace it
+            self._remove(r.source_id, r.rank, r.worker, expected=owner)  # a stale record under our id: replace it
         raise CheckFailed(f"could not publish {r.source_id} rank {r.rank} worker {r.worker}: it keeps changing",
                           "retry the publish")
 
@@ -189,7 +200,7 @@ class RedisRegistry:
             record = _record_of(raw)
             if record is not None and record.run_id == run_id and (record.source_id, record.rank, record.worker) \
                     == (sid, rank, worker):
-                removed += self._remove(sid, rank, worker, expected=_text(raw) or "", run_id=run_id)
+                removed += self._remove(sid, rank, worker, run_id=run_id)
             with self._io():
                 self._db.srem(run_key, member)
         return removed
@@ -201,13 +212,13 @@ class RedisRegistry:
         for sid, rank in self._index():
             with self._io():
                 workers = [_text(w) for w in self._db.hkeys(f"{self.prefix}:peers:{sid}:{rank}")]
-            for worker, got in self._load(sid, rank, [w for w in workers if w and valid_id(w)], now).items():
+            for worker, (got, owner) in self._load(sid, rank, [w for w in workers if w and valid_id(w)], now).items():
                 if isinstance(got, PeerEntry):
                     gone = reapable(got, grace_s, now)
                 else:  # unreadable (corrupt, or a newer schema): only its heartbeat says whether it is alive
                     gone = not got.live and (got.since is None or now - got.since > grace_s)
-                if gone:
-                    removed += self._remove(sid, rank, worker)
+                if gone:  # only the record judged here: a fresh one published meanwhile has another owner
+                    removed += self._remove(sid, rank, worker, expected=owner)
             with self._io():
                 if not self._db.exists(f"{self.prefix}:peers:{sid}:{rank}"):
                     self._db.srem(f"{self.prefix}:sources", f"{sid}:{rank}")
@@ -242,13 +253,14 @@ class RedisRegistry:
         for sid, rank in pairs:
             with self._io():
                 workers = [_text(w) for w in self._db.hkeys(f"{self.prefix}:peers:{sid}:{rank}")]
-            for got in self._load(sid, rank, [w for w in workers if w and valid_id(w)], now).values():
+            for got, _ in self._load(sid, rank, [w for w in workers if w and valid_id(w)], now).values():
                 if isinstance(got, PeerEntry) and (include_stale or got.state != STALE):
                     entries.append(got)
         return ordered(entries)
 
-    def _load(self, sid: str, rank: int, workers: list[str], now: float) -> dict[str, PeerEntry | _Unreadable]:
-        """worker → its entry, or `_Unreadable` for a record that is not valid; workers without a record are left out."""
+    def _load(self, sid: str, rank: int, workers: list[str], now: float) -> dict[str, tuple[PeerEntry | _Unreadable, str]]:
+        """worker → (its entry, or `_Unreadable` for a value that is not a valid record; its owner token, "" if none).
+        Workers without a record are left out."""
         if not workers:
             return {}
         keys = self._keys(sid, rank, workers[0])
@@ -256,18 +268,20 @@ class RedisRegistry:
             pipe = self._db.pipeline(transaction=False)
             pipe.hmget(keys[0], workers)
             pipe.hmget(keys[1], workers)
+            pipe.hmget(keys[5], workers)
             for w in workers:
                 pipe.exists(f"{self.prefix}:beat:{sid}:{rank}:{w}")
-            raws, beats, *alive = pipe.execute()
-        out: dict[str, PeerEntry | _Unreadable] = {}
-        for worker, raw, beat_raw, live in zip(workers, raws, beats, alive):
+            raws, beats, owners, *alive = pipe.execute()
+        out: dict[str, tuple[PeerEntry | _Unreadable, str]] = {}
+        for worker, raw, beat_raw, owner, live in zip(workers, raws, beats, owners, alive):
             if raw is None:
                 continue
             record, beat = _record_of(raw), _beat_of(beat_raw)
             if record is None or (record.source_id, record.rank, record.worker) != (sid, rank, worker):
-                out[worker] = _Unreadable(bool(live), beat.at + beat.ttl_s if beat is not None else None)
-                continue
-            out[worker] = judge(record, beat, host=self.host, boot=self._boot_id, now=now, beat_expired=not live)
+                got: PeerEntry | _Unreadable = _Unreadable(bool(live), beat.at + beat.ttl_s if beat else None)
+            else:
+                got = judge(record, beat, host=self.host, boot=self._boot_id, now=now, beat_expired=not live)
+            out[worker] = (got, _text(owner) or "")
         return out
 
 

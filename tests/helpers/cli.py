@@ -9,9 +9,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`env`: the whole environment of the command (default: this process's)."""
     return subprocess.run([sys.executable, "-m", "mxlaunch.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+                          timeout=timeout, cwd=REPO, env=env)
 
 
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
