@@ -166,6 +166,8 @@ class FileRegistry:
     # ---- internals ----
 
     def _scan(self, folder: Path, now: float, include_stale: bool) -> Iterator[PeerEntry]:
+        if folder.is_symlink() or folder.parent.is_symlink():
+            return  # records live in real folders of the registry, never somewhere a link points
         for path in self._records_in(folder):
             if not include_stale:  # skip reading (maybe large) records whose heartbeat already ran out
                 beat = self._read_beat(path.with_suffix(".beat"))

@@ -61,6 +61,13 @@ if ARGV[4] ~= '' then redis.call('SREM', KEYS[5], ARGV[4]) end
 if redis.call('HLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[4], ARGV[2]) end
 return cur
 """
+# KEYS: record hash, beats hash, owners hash, sources set; ARGV: sources member. A source/rank with no records
+# left leaves the index in the same step (a publish in between would otherwise be dropped from it).
+_PRUNE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('DEL', KEYS[2], KEYS[3])
+return redis.call('SREM', KEYS[4], ARGV[1])
+"""
 
 
 def _import_redis() -> Any:
@@ -109,6 +116,7 @@ class RedisRegistry:
         self._publish_script = self._db.register_script(_PUBLISH)
         self._beat_script = self._db.register_script(_BEAT)
         self._remove_script = self._db.register_script(_REMOVE)
+        self._prune_script = self._db.register_script(_PRUNE)
         with self._io():
             self._db.ping()
 
@@ -207,11 +215,16 @@ class RedisRegistry:
 
     def reap(self, grace_s: float = 60.0) -> int:
         """Remove records stale for longer than grace_s, unreadable ones whose heartbeat ended as long ago,
-        and index entries that point at nothing. Returns the records removed."""
+        fields and index entries that are not ours or point at nothing. Returns the records removed."""
         now, removed = time.time(), 0
-        for sid, rank in self._index():
+        for sid, rank in self._index(drop_invalid=True):
+            key = f"{self.prefix}:peers:{sid}:{rank}"
             with self._io():
-                workers = [_text(w) for w in self._db.hkeys(f"{self.prefix}:peers:{sid}:{rank}")]
+                names = self._db.hkeys(key)
+                bad = [n for n in names if not valid_id(_text(n))]
+                if bad:
+                    self._db.hdel(key, *bad)
+            workers = [_text(n) for n in names if n not in bad]
             for worker, (got, owner) in self._load(sid, rank, [w for w in workers if w and valid_id(w)], now).items():
                 if isinstance(got, PeerEntry):
                     gone = reapable(got, grace_s, now)
@@ -219,10 +232,10 @@ class RedisRegistry:
                     gone = not got.live and (got.since is None or now - got.since > grace_s)
                 if gone:  # only the record judged here: a fresh one published meanwhile has another owner
                     removed += self._remove(sid, rank, worker, expected=owner)
+            p = self.prefix
             with self._io():
-                if not self._db.exists(f"{self.prefix}:peers:{sid}:{rank}"):
-                    self._db.srem(f"{self.prefix}:sources", f"{sid}:{rank}")
-                    self._db.delete(f"{self.prefix}:beats:{sid}:{rank}")
+                self._prune_script(keys=[key, f"{p}:beats:{sid}:{rank}", f"{p}:owners:{sid}:{rank}", f"{p}:sources"],
+                                   args=[f"{sid}:{rank}"])
         return removed
 
     # ---- reading ----
@@ -237,14 +250,20 @@ class RedisRegistry:
 
     # ---- internals ----
 
-    def _index(self) -> list[tuple[str, int]]:
+    def _index(self, drop_invalid: bool = False) -> list[tuple[str, int]]:
+        """(source id, rank) of every records hash; members that are not such a pair are skipped (or dropped)."""
         with self._io():
-            members = [_text(m) for m in self._db.smembers(f"{self.prefix}:sources")]
-        pairs = []
+            members = self._db.smembers(f"{self.prefix}:sources")
+        pairs, bad = [], []
         for m in members:
-            sid, _, rank = (m or "").rpartition(":")
+            sid, _, rank = (_text(m) or "").rpartition(":")
             if rank.isdigit() and len(rank) < 10 and valid_id(sid):
                 pairs.append((sid, int(rank)))
+            else:
+                bad.append(m)
+        if drop_invalid and bad:
+            with self._io():
+                self._db.srem(f"{self.prefix}:sources", *bad)
         return sorted(pairs)
 
     def _collect(self, pairs: list[tuple[str, int]], include_stale: bool) -> list[PeerEntry]:

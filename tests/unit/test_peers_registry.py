@@ -323,6 +323,11 @@ def test_file_backend_refuses_corrupt_records(tmp_path: Path) -> None:
     assert reg.reap(grace_s=10) == 1
     assert sorted(p.name for p in folder.iterdir()) == ["good.beat", "good.json", "noise.txt"]
     assert workers(reg.sources(SID, 0)) == ["good"]
+    outside = FileRegistry(tmp_path / "outside")
+    outside.publish(rec(sid=SID2, worker="foreign"))  # valid records, in a folder outside this registry
+    (reg.dir / SID2).symlink_to(outside.dir / SID2)
+    assert workers(outside.sources(SID2, 0)) == ["foreign"]
+    assert reg.sources(SID2, 0, include_stale=True) == [] and workers(reg.all_sources()) == ["good"]
     good.unpublish()
 
 
@@ -344,8 +349,10 @@ def test_redis_backend_refuses_corrupt_records(redis_url: str) -> None:
     db.sadd("mxlaunch:sources", "../bad:0", f"{SID}:x")  # index entries that are not keys of ours
     assert workers(reg.sources(SID, 0, include_stale=True)) == ["good"]
     assert workers(reg.all_sources()) == ["good"]
+    db.hset(key, "../evil", json.dumps(rec().to_json()))  # a field that is no worker id
     assert reg.reap(grace_s=0) == 4
     assert sorted(k.decode() for k in db.hkeys(key)) == ["good", "schema"]
+    assert db.smembers("mxlaunch:sources") == {f"{SID}:0".encode()}  # the foreign index entries are gone
     good.unpublish()
 
 
