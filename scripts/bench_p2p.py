@@ -1,0 +1,299 @@
+"""P2P weights GPU to GPU over NIXL, through the plugin core's `p2p` strategy, exact (issue 12).
+
+Two processes, one per GPU. The source builds a transformers Llama from a config (≥ 8 GiB bf16, random
+weights), runs a post-processing that packs each MLP's gate and up weights into one tensor attached as a
+plain attribute (like the engines' qkv/gate_up packing), computes gold logits, and publishes itself
+through the file registry (plugin/p2p.serve: registration by allocation). Each target run is a fresh
+process that loads the way an engine adapter does (rank_load.build_and_load + RankLoad, strategy p2p,
+processed layout): NIXL agent started while the model is built, post-processing on placeholder values,
+then the pull of every tensor the model holds; logits compared with `torch.equal`. In the same target
+process: the torch peer copy of the same bytes (the baseline) and registration per tensor vs per
+allocation. Writes JSON.
+
+    python scripts/bench_p2p.py --out p2p.json                 # 2 GPUs: cuda:0 serves, cuda:1 pulls
+    python scripts/bench_p2p.py --devices cpu,cpu --layers 2 --hidden 256 --inter 512 --out smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GiB = 1 << 30
+SOURCE_ID = "benchp2p0123456789"
+log = logging.getLogger("bench_p2p")
+
+
+def config(args: argparse.Namespace):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_hidden_layers=args.layers,
+                       num_attention_heads=max(1, args.hidden // 128), num_key_value_heads=max(1, args.hidden // 512),
+                       vocab_size=32000, max_position_embeddings=2048)
+
+
+def build(args: argparse.Namespace, device: str, seed: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config(args), dtype=torch.bfloat16)
+    return model.eval()
+
+
+def packed_mlp_forward(self, x):
+    import torch.nn.functional as F
+
+    gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def post_process(model) -> None:
+    """Pack gate_proj and up_proj into one `gate_up` tensor (a plain attribute); drop the originals."""
+    import torch
+
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        mlp.gate_up = torch.cat([mlp.gate_proj.weight.data, mlp.up_proj.weight.data]).contiguous()
+        del mlp.gate_proj, mlp.up_proj
+        mlp.forward = types.MethodType(packed_mlp_forward, mlp)
+
+
+def logits(model, device: str):
+    import torch
+
+    ids = torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+# ---- source --------------------------------------------------------------------------------------------
+
+
+def run_source(args: argparse.Namespace) -> None:
+    import torch
+
+    from mxlaunch.coord.peers import open_registry
+    from mxlaunch.plugin import p2p
+    from mxlaunch.transfer.tensor_set import processed_tensors
+
+    device = args.device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    model = build(args, device, seed=0)
+    post_process(model)
+    gold = logits(model, device).cpu()
+    torch.save(gold, Path(args.work) / "gold.pt")
+    named = processed_tensors(model)
+    started = time.perf_counter()
+    pub = p2p.serve(named, registry=open_registry(f"file:{args.work}/reg", None), source_id=SOURCE_ID, rank=0,
+                    world=1, layout="processed", run_id="bench-source", ttl_s=60)
+    info = {"serve_seconds": time.perf_counter() - started, "agent_start_seconds": p2p.agent().start_seconds,
+            **pub.record.extra, "tensors": len(pub.record.tensors)}
+    (Path(args.work) / "source.json").write_text(json.dumps(info))
+    stop = Path(args.work) / "stop"
+    while not stop.exists():
+        time.sleep(0.2)
+    pub.unpublish()
+
+
+# ---- target --------------------------------------------------------------------------------------------
+
+
+class BenchEngine:
+    """An engine adapter in miniature: build (placeholders), weight step by the plan, post-process."""
+
+    def __init__(self, args: argparse.Namespace, plan) -> None:
+        self.args, self.plan = args, plan
+        self._outcome = self._rank_load = None
+        self._force_default = False
+        self.build_seconds = 0.0
+        self.finish_started = 0.0
+
+    def build(self):
+        from mxlaunch.plugin.rank_load import RankLoad, effective_plan
+
+        t0 = time.perf_counter()
+        model = build(self.args, self.args.device, seed=1)
+        sync(self.args.device)
+        self.build_seconds = time.perf_counter() - t0
+
+        def default_load() -> None:
+            raise RuntimeError("the benchmark has no checkpoint: the default loader must not run")
+
+        self._rank_load = RankLoad(model, effective_plan(self, self.plan), 0, default_load, engine="bench", log=log)
+        self._outcome = self._rank_load.run()
+        post_process(model)
+        sync(self.args.device)
+        self.finish_started = time.perf_counter()
+        return model
+
+
+def peer_copy(nbytes: int, src: str, dst: str, reps: int = 5) -> list[float]:
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    out = []
+    for _ in range(reps):
+        sync(src), sync(dst)
+        t0 = time.perf_counter()
+        b.copy_(a, non_blocking=True)
+        sync(src), sync(dst)
+        out.append(nbytes / GiB / (time.perf_counter() - t0))
+    del a, b
+    return out
+
+
+def registration_strategies(named) -> dict:
+    """Register the same tensors per tensor and per allocation (fresh agents), time each."""
+    from mxlaunch.plugin.tensors import group_tensors
+    from mxlaunch.transfer.nixl import Agent
+    from mxlaunch.transfer.regions import Region, regions_for
+
+    tensors = [g.tensor for g in group_tensors(named) if g.tensor.numel()]
+    out = {}
+    per_tensor = [Region(t.data_ptr(), t.numel() * t.element_size(), t.device.index or 0, t.device.type) for t in tensors]
+    for name, regions in (("per_tensor", per_tensor), ("per_allocation", regions_for(tensors))):
+        agent = Agent(f"bench-reg-{name}-{os.getpid()}")
+        took = agent.register(regions)
+        agent.close()
+        out[name] = {"registrations": len(regions), "seconds": round(took, 4)}
+    return out
+
+
+def run_target(args: argparse.Namespace) -> None:
+    import torch
+
+    from mxlaunch.plan import Plan
+    from mxlaunch.plugin.rank_load import build_and_load
+    from mxlaunch.transfer.tensor_set import processed_tensors
+
+    device = args.device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    run_dir = Path(args.work) / f"run-{os.getpid()}"
+    plan = Plan(strategy="p2p", source_id=SOURCE_ID, run_dir=str(run_dir), fallback_ok=False,
+                p2p={"registry": f"file:{args.work}/reg", "layout": "processed", "world": 1,
+                     "run_id": f"bench-target-{os.getpid()}", "serve": True, "timeout_s": 120})
+    engine = BenchEngine(args, plan)
+    t0 = time.perf_counter()
+    model = build_and_load(engine, engine.build, plan=plan, rank=0, log=log, engine="bench")
+    sync(device)
+    done = time.perf_counter()
+    loaded = json.loads((run_dir / "markers" / "loaded-0.json").read_text())
+    gold = torch.load(Path(args.work) / "gold.pt")
+    mine = logits(model, device).cpu()
+    named = processed_tensors(model)
+    nbytes = loaded["bytes"]
+    row = {
+        "bytes": nbytes, "gib": nbytes / GiB, "tensors": loaded["tensors"],
+        "build_seconds": round(engine.build_seconds, 3),
+        "p2p_phase_seconds": round(done - engine.finish_started, 4),  # after post-processing → weights final (+ serve)
+        "pull_seconds": loaded["seconds"], "transfer_seconds": loaded["transfer_seconds"],
+        "register_seconds": loaded["register_seconds"], "registrations": loaded["registrations"],
+        "transfer_gibps": nbytes / GiB / loaded["transfer_seconds"], "pull_gibps": nbytes / GiB / loaded["seconds"],
+        "logits_equal": bool(torch.equal(gold, mine)), "total_seconds": round(done - t0, 3),
+    }
+    src = args.source_device
+    row["peer_copy_gibps"] = peer_copy(nbytes, src, device) if device.startswith("cuda") else []
+    row["registration"] = registration_strategies(named)
+    Path(args.out).write_text(json.dumps(row))
+
+
+# ---- orchestration -------------------------------------------------------------------------------------
+
+
+def child(role: str, args: argparse.Namespace, device: str, out: str = "") -> list[str]:
+    cmd = [sys.executable, __file__, "--role", role, "--device", device, "--work", args.work, "--layers", str(args.layers),
+           "--hidden", str(args.hidden), "--inter", str(args.inter), "--source-device", args.devices.split(",")[0]]
+    return cmd + (["--out", out] if out else [])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="p2p.json")
+    ap.add_argument("--devices", default="cuda:0,cuda:1", help="source,target")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--inter", type=int, default=14336)
+    ap.add_argument("--work", default="/dev/shm/mx-bench-p2p")
+    ap.add_argument("--role", default="")
+    ap.add_argument("--device", default="")
+    ap.add_argument("--source-device", default="")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.role == "source":
+        return run_source(args)
+    if args.role == "target":
+        return run_target(args)
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    src_dev, dst_dev = args.devices.split(",")
+    source = subprocess.Popen(child("source", args, src_dev))
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "devices": args.devices, "runs": []}
+    try:
+        deadline = time.monotonic() + 600
+        while not (work / "source.json").exists():
+            if source.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the source did not start")
+            time.sleep(0.5)
+        res["source"] = json.loads((work / "source.json").read_text())
+        for i in range(args.runs):
+            out = work / f"target-{i}.json"
+            subprocess.run(child("target", args, dst_dev, str(out)), check=True)
+            res["runs"].append(json.loads(out.read_text()))
+            print(json.dumps(res["runs"][-1]), flush=True)
+    finally:
+        (work / "stop").touch()
+        try:
+            source.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            source.kill()
+    runs = res["runs"]
+    if runs:
+        med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+        peer = statistics.median(x for r in runs for x in r["peer_copy_gibps"]) if runs[0]["peer_copy_gibps"] else None
+        res["summary"] = {
+            "gib": runs[0]["gib"], "transfer_gibps_median": med("transfer_gibps"), "pull_gibps_median": med("pull_gibps"),
+            "peer_copy_gibps_median": peer, "ratio_vs_peer_copy": med("transfer_gibps") / peer if peer else None,
+            "register_seconds_median": med("register_seconds"), "registrations": runs[0]["registrations"],
+            "p2p_phase_seconds_median": med("p2p_phase_seconds"), "transfer_seconds_median": med("transfer_seconds"),
+            "phase_minus_transfer_s": med("p2p_phase_seconds") - med("transfer_seconds"),
+            "logits_equal_all": all(r["logits_equal"] for r in runs),
+        }
+        try:
+            import torch
+
+            res["machine"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        except Exception:  # noqa: BLE001
+            pass
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res.get("summary"), indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
