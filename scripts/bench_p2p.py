@@ -4,7 +4,7 @@ Two processes, one per GPU. The source builds a transformers Llama from a config
 weights), runs a post-processing that packs each MLP's gate and up weights into one tensor attached as a
 plain attribute (like the engines' qkv/gate_up packing), computes gold logits, and publishes itself
 through the file registry (plugin/p2p.serve: registration by allocation). Each target run is a fresh
-process that loads the way an engine adapter does (rank_load.build_and_load + RankLoad, strategy p2p,
+process that loads the way an engine adapter does (load_step.build_and_load + RankLoad, strategy p2p,
 processed layout): NIXL agent started while the model is built, post-processing on placeholder values,
 then the pull of every tensor the model holds; logits compared with `torch.equal`. In the same target
 process: the torch peer copy of the same bytes (the baseline) and registration per tensor vs per
@@ -131,7 +131,8 @@ class BenchEngine:
         self.finish_started = 0.0
 
     def build(self):
-        from mxlaunch.plugin.rank_load import RankLoad, effective_plan
+        from mxlaunch.plugin.load_step import effective_plan
+        from mxlaunch.plugin.rank_load import RankLoad
 
         t0 = time.perf_counter()
         model = build(self.args, self.args.device, seed=1)
@@ -186,7 +187,7 @@ def run_target(args: argparse.Namespace) -> None:
     import torch
 
     from mxlaunch.plan import Plan
-    from mxlaunch.plugin.rank_load import build_and_load
+    from mxlaunch.plugin.load_step import build_and_load
     from mxlaunch.transfer.tensor_set import processed_tensors
 
     device = args.device
@@ -214,6 +215,7 @@ def run_target(args: argparse.Namespace) -> None:
         "register_seconds": loaded["register_seconds"], "registrations": loaded["registrations"],
         "transfer_gibps": nbytes / GiB / loaded["transfer_seconds"], "pull_gibps": nbytes / GiB / loaded["seconds"],
         "logits_equal": bool(torch.equal(gold, mine)), "total_seconds": round(done - t0, 3),
+        "pull_phases": loaded.get("phases", {}), "prepared_during_build": loaded.get("prepared", {}),
     }
     src = args.source_device
     row["peer_copy_gibps"] = peer_copy(nbytes, src, device) if device.startswith("cuda") else []

@@ -126,6 +126,8 @@ class PullResult:
     transfer_seconds: float
     registrations: int
     skipped: list[str] = field(default_factory=list)  # why earlier sources were passed over
+    phases: dict = field(default_factory=dict)  # seconds: lookup, match, regions, register, connect, transfer
+    warmed: bool = False  # the source's memory was opened while the engine built the model (prepare_pull)
 
 
 def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id: str, rank: int, world: int,
@@ -140,20 +142,30 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
     entries = registry.sources(source_id, rank)
     if not entries:
         raise RestoreError(f"no live P2P source of {source_id} rank {rank} in {registry.url}", landed=False)
+    warmed = _warmed.get((source_id, rank))
+    entries.sort(key=lambda e: e.record.worker != warmed)  # the source opened during the build goes first
+    phases = {"lookup": time.perf_counter() - started}
     for entry in entries:
         rec = entry.record
         who = f"{rec.worker} on {rec.host}"
         if rec.world != world or rec.layout != layout:
             skipped.append(f"{who}: serves layout {rec.layout} of {rec.world} ranks, this worker needs {layout} of {world}")
             continue
+        t0 = time.perf_counter()
         try:
             pairs = match(named, rec.tensors)
         except LayoutMismatch as exc:
             skipped.append(f"{who}: {exc}")
             continue
+        phases["match"] = time.perf_counter() - t0
         try:
-            reg_took = register_once(regions_for([t for _, t in named]))
+            t0 = time.perf_counter()
+            regions = regions_for([t for _, t in named])
+            phases["regions"] = time.perf_counter() - t0
+            reg_took = register_once(regions)
+            phases["register"] = reg_took
             stats = agent().pull(base64.b64decode(rec.agent_metadata), pairs, timeout_s=timeout_s, on_batch=on_batch)
+            phases["connect"], phases["transfer"] = stats.connect_seconds, stats.transfer_seconds
         except NixlUnavailable as exc:
             raise RestoreError(str(exc), landed=False) from exc
         except TransferError as exc:
@@ -162,9 +174,47 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
             skipped.append(f"{who}: {exc}")
             continue
         return PullResult(stats.bytes, len(pairs), time.perf_counter() - started, rec.worker, rec.host, reg_took,
-                          stats.transfer_seconds, agent().registrations, skipped)
+                          stats.transfer_seconds, agent().registrations, skipped,
+                          {k: round(v, 4) for k, v in phases.items()}, rec.worker == warmed)
     raise RestoreError(f"no P2P source of {source_id} rank {rank} could serve this worker: " + "; ".join(skipped),
                        landed=False)
+
+
+_warmed: dict[tuple[str, int], str] = {}  # (source id, rank) → the worker prepare_pull opened
+WARM_BYTES = 4096
+
+
+def prepare_pull(*, registry: Any, source_id: str, rank: int, world: int, layout: str, device: str,
+                 device_index: int = 0) -> dict:
+    """While the engine builds the model: start the agent, pick the freshest compatible source, load its
+    metadata and open each of its registered regions with one small READ into a scratch buffer (the
+    first access to a peer GPU's allocation maps it, and that costs more than its bytes). The pull after
+    post-processing then is the transfer alone. Best effort: any failure leaves the pull to do it all."""
+    started = time.perf_counter()
+    a = agent()
+    agent_s = time.perf_counter() - started
+    entries = [e for e in registry.sources(source_id, rank) if e.record.world == world and e.record.layout == layout]
+    if not entries:
+        return {"agent_seconds": agent_s, "warmed": 0}
+    rec = entries[0].record
+    first: dict[int, dict] = {}
+    for e in rec.tensors:
+        r = int(e.get("region", -1))
+        if int(e["bytes"]) > 0 and (r not in first or int(e["addr"]) < int(first[r]["addr"])):
+            first[r] = e
+    global _scratch
+    if _scratch is None:
+        _scratch = torch.empty(WARM_BYTES, dtype=torch.uint8, device=f"{device}:{device_index}" if device == "cuda" else "cpu")
+    scratch = Region(_scratch.data_ptr(), WARM_BYTES, device_index if device == "cuda" else 0, device)
+    register_once([scratch])
+    spans = [(int(e["addr"]), int(e["bytes"]), int(e["dev"]), str(e.get("device", "cpu"))) for e in first.values()]
+    opened = a.warm(base64.b64decode(rec.agent_metadata), spans, scratch)
+    _warmed[(source_id, rank)] = rec.worker
+    return {"agent_seconds": round(agent_s, 4), "warmed": opened, "seconds": round(time.perf_counter() - started, 4),
+            "source": rec.worker}
+
+
+_scratch: Any = None
 
 
 # ---- source --------------------------------------------------------------------------------------------

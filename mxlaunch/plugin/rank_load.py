@@ -123,30 +123,6 @@ def prepare_gpu(plan: Any, rank: int, log: logging.Logger) -> None:
         log.warning("mxlaunch: could not start pinning host memory early: %s", exc)
 
 
-class Reinitialise(RuntimeError):
-    """Raised out of the engine's load step when bytes of a P2P pull landed (or post-processing already
-    ran on placeholders) and the pull failed: the adapter builds the model again and loads it by the
-    engine's default loader. Never serve the partial model."""
-
-
-def prepare_p2p(plan: Any, log: logging.Logger) -> None:
-    """A p2p plan: start this worker's NIXL agent in the background while the engine builds the model."""
-    if plan is None or not getattr(plan, "p2p", None):
-        return
-
-    def start() -> None:
-        try:
-            from mxlaunch.plugin import p2p
-
-            p2p.agent()
-        except Exception as exc:  # noqa: BLE001 - the pull reports it
-            log.debug("mxlaunch: NIXL agent did not start early: %s", exc)
-
-    import threading
-
-    threading.Thread(target=start, name="mx-nixl-start", daemon=True).start()
-
-
 class RankLoad:
     """The plan's weight path for one rank. `default_load()` runs the engine's own weight loading
     (without post-processing); `engine` names it in log lines ("vLLM", "SGLang")."""
@@ -207,6 +183,8 @@ class RankLoad:
             result = self._pull(module_tensors(self.model))
         except RestoreError as exc:
             if exc.landed:
+                from mxlaunch.plugin.tensors import Reinitialise
+
                 raise Reinitialise(f"P2P pull failed after bytes landed: {exc}") from exc
             if not self.plan.fallback_ok:
                 raise RuntimeError(f"mxlaunch: rank {self.rank}: {exc} and the plan forbids falling back") from exc
@@ -218,7 +196,7 @@ class RankLoad:
         now holds. Any failure means rebuilding (post-processing cannot run twice)."""
         if not outcome.extra.pop("pending", False):
             return
-        from mxlaunch.plugin.tensors import RestoreError
+        from mxlaunch.plugin.tensors import Reinitialise, RestoreError
         from mxlaunch.transfer.tensor_set import processed_tensors
 
         try:
@@ -237,6 +215,9 @@ class RankLoad:
             registry = open_registry(p["registry"], None)
         except Exception as exc:  # noqa: BLE001
             raise RestoreError(f"cannot open the P2P registry {p['registry']}: {exc}", landed=False) from exc
+        from mxlaunch.plugin.p2p_prepare import join_p2p_prepare
+
+        prepared = join_p2p_prepare()
         r = p2p.pull(named, registry=registry, source_id=self.plan.source_id, rank=self.rank, world=p["world"],
                      layout=p["layout"], timeout_s=p["timeout_s"])
         self.log.info("%s", loaded_line(self.rank, r.bytes, r.seconds, strategy="p2p"))
@@ -246,7 +227,7 @@ class RankLoad:
         return Outcome("p2p", r.bytes, r.seconds, self.plan,
                        {"source": r.source, "source_host": r.host, "transfer_seconds": round(r.transfer_seconds, 4),
                         "register_seconds": round(r.register_seconds, 4), "registrations": r.registrations,
-                        "tensors": r.tensors})
+                        "tensors": r.tensors, "phases": r.phases, "prepared": prepared})
 
     def serve(self) -> None:
         """After the loaded marker: publish this worker as a P2P source (never raises)."""
@@ -350,52 +331,3 @@ class RankLoad:
                     {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 4), "strategy": outcome.strategy,
                      **outcome.extra, **self.layout()}, self.log)
 
-
-def build_and_load(adapter: Any, build: Callable[[], Any], *, plan: Any, rank: int, log: logging.Logger,
-                   engine: str, reset: Callable[[], None] = lambda: None) -> Any:
-    """The adapters' load step around the engine's own build → weights → post-processing (`build`):
-    early pinning and NIXL start, the processed P2P pull after post-processing, one rebuild with the
-    engine's default loader when a pull failed past the point of falling back in place, then the loaded
-    marker and P2P serving. `adapter` holds `_outcome`, `_rank_load` and `_force_default`; `reset` undoes
-    what a first build registered in the engine (vLLM: its layer names)."""
-    prepare_gpu(plan, rank, log)
-    prepare_p2p(plan, log)
-    adapter._force_default = False
-    try:
-        model = build()
-        if adapter._outcome is not None:
-            adapter._rank_load.finish_p2p(adapter._outcome)
-    except Reinitialise as exc:
-        if plan is None or not plan.fallback_ok:
-            raise RuntimeError(f"mxlaunch: rank {rank}: {exc} and the plan forbids falling back") from exc
-        report_fallback(plan, rank, f"{exc}; building the model again with {engine}'s default loader", log, engine)
-        model = None
-        adapter._outcome = adapter._rank_load = None
-        adapter._force_default = True
-        reset()
-        _free_device_memory()
-        model = build()
-    if adapter._outcome is not None:
-        adapter._rank_load.write_loaded(adapter._outcome)
-        adapter._rank_load.serve()
-    return model
-
-
-def effective_plan(adapter: Any, plan: Any) -> Any:
-    """The plan a (re)build loads by: after a failed P2P pull, the engine's default."""
-    if plan is not None and getattr(adapter, "_force_default", False):
-        return dataclasses.replace(plan, strategy="default")
-    return plan
-
-
-def _free_device_memory() -> None:
-    import gc
-
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001
-        pass

@@ -130,7 +130,8 @@ def loader_class() -> type:
 
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
-    from mxlaunch.plugin.rank_load import RankLoad, build_and_load, effective_plan
+    from mxlaunch.plugin.load_step import build_and_load, effective_plan
+    from mxlaunch.plugin.rank_load import RankLoad
 
     class MxlaunchSGLangLoader(DefaultModelLoader):
         """SGLang's DefaultModelLoader with the weight step taken from the plan (capture or staged)."""

@@ -50,6 +50,12 @@ class LayoutMismatch(RestoreError):
     """The snapshot's tensors do not match the target's: unknown, missing, twice, shape or dtype."""
 
 
+class Reinitialise(RuntimeError):
+    """Raised out of the engine's load step when bytes of a P2P pull landed (or post-processing already
+    ran on placeholders) and the pull failed: the adapter builds the model again and loads it by the
+    engine's default loader. Never serve the partial model."""
+
+
 class CaptureError(RuntimeError):
     """Writing the snapshot failed (the partial files were removed)."""
 

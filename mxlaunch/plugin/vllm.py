@@ -150,7 +150,8 @@ def loader_class() -> type:
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from mxlaunch.plan import PlanError, load_plan
-    from mxlaunch.plugin.rank_load import RankLoad, build_and_load, effective_plan
+    from mxlaunch.plugin.load_step import build_and_load, effective_plan
+    from mxlaunch.plugin.rank_load import RankLoad
 
     class MxlaunchModelLoader(BaseModelLoader):
         """--load-format mxlaunch: capture or staged restore per MXLAUNCH_PLAN; vLLM's default otherwise."""

@@ -80,6 +80,7 @@ class Agent:
         self.name = name
         self.start_seconds = time.perf_counter() - started
         self._registered: list = []
+        self._remotes: dict[bytes, object] = {}
         self.registrations = 0
         self.register_seconds = 0.0
 
@@ -104,10 +105,7 @@ class Agent:
         posted (tests use it to kill a source mid-transfer)."""
         stats = PullStats()
         started = time.perf_counter()
-        try:
-            remote = self._agent.add_remote_agent(remote_metadata)
-        except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"NIXL could not load the source's metadata: {exc}", landed=False) from exc
+        remote = self.connect(remote_metadata)
         stats.connect_seconds = time.perf_counter() - started
         deadline = time.monotonic() + timeout_s
         landed = False
@@ -144,14 +142,55 @@ class Agent:
                 stats.bytes += sum(p.bytes for p in batch)
                 stats.descriptors += len(batch)
                 stats.batches += 1
-        finally:
+        except TransferError:
+            self.disconnect(remote_metadata)
+            raise
+        return stats
+
+    def connect(self, remote_metadata: bytes) -> object:
+        """Load a peer's metadata once (kept: a warm-up and the pull share the connection)."""
+        remote = self._remotes.get(remote_metadata)
+        if remote is None:
+            try:
+                remote = self._agent.add_remote_agent(remote_metadata)
+            except Exception as exc:  # noqa: BLE001
+                raise TransferError(f"NIXL could not load the source's metadata: {exc}", landed=False) from exc
+            self._remotes[remote_metadata] = remote
+        return remote
+
+    def disconnect(self, remote_metadata: bytes) -> None:
+        remote = self._remotes.pop(remote_metadata, None)
+        if remote is not None:
             try:
                 self._agent.remove_remote_agent(remote)
             except Exception:  # noqa: BLE001
                 pass
-        return stats
+
+    def warm(self, remote_metadata: bytes, spans: Sequence[tuple[int, int, int, str]], scratch: Region,
+             timeout_s: float = 30.0) -> int:
+        """Open the peer's memory before the pull: one small READ from each (addr, bytes, dev, kind) span
+        into a scratch region of this agent. Between two GPUs the first READ from an allocation maps it
+        (CUDA IPC), which costs more than moving its bytes; done while the engine builds the model, it
+        leaves the pull after post-processing to the transfer alone. Returns how many spans were read."""
+        remote = self.connect(remote_metadata)
+        pairs = [Pair("warm", scratch.addr, addr, min(n, scratch.bytes), scratch.dev, dev, scratch.kind, kind)
+                 for addr, n, dev, kind in spans if n > 0]
+        deadline = time.monotonic() + timeout_s
+        for batch in _batches(pairs):
+            local = self._agent.get_xfer_descs([(p.local_addr, p.bytes, p.local_dev) for p in batch], _MEM[batch[0].local_kind])
+            far = self._agent.get_xfer_descs([(p.remote_addr, p.bytes, p.remote_dev) for p in batch], _MEM[batch[0].remote_kind])
+            handle = self._agent.initialize_xfer("READ", local, far, remote)
+            try:
+                state = _wait(self._agent, handle, self._agent.transfer(handle), deadline)
+            finally:
+                _release(self._agent, handle)
+            if state != "DONE":
+                raise TransferError(f"the warm-up READ from {_text(remote)} ended in state {state}", landed=False)
+        return len(pairs)
 
     def close(self) -> None:
+        for metadata in list(self._remotes):
+            self.disconnect(metadata)
         for reg in self._registered:
             try:
                 self._agent.deregister_memory(reg)

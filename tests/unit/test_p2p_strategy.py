@@ -1,4 +1,4 @@
-"""The p2p strategy as the engine adapters run it (rank_load.build_and_load + RankLoad), with real NIXL
+"""The p2p strategy as the engine adapters run it (load_step.build_and_load + RankLoad), with real NIXL
 sources in other processes: raw and processed layouts, serving after loading, and the fallback rules —
 a failure before any byte lands falls back in place, a failure after bytes landed rebuilds the model and
 loads it with the default loader (never the partial one), and markers tell the launcher."""
@@ -14,7 +14,8 @@ import torch
 
 from mxlaunch.coord.peers import open_registry
 from mxlaunch.plan import Plan
-from mxlaunch.plugin.rank_load import RankLoad, build_and_load, effective_plan
+from mxlaunch.plugin.load_step import build_and_load, effective_plan
+from mxlaunch.plugin.rank_load import RankLoad
 from mxlaunch.transfer import nixl as nixl_transfer
 from mxlaunch.transfer.tensor_set import processed_tensors
 from tests.helpers.p2p_models import build, checkpoint
