@@ -150,7 +150,8 @@ class BenchEngine:
         return model
 
 
-def peer_copy(nbytes: int, src: str, dst: str, reps: int = 5) -> list[float]:
+def peer_copy(nbytes: int, src: str, dst: str, reps: int = 5, on: str | None = None) -> list[float]:
+    """b (on dst) ← a (on src), timed; `on` names the device whose stream runs it (None: torch's choice)."""
     import torch
 
     a = torch.empty(nbytes, dtype=torch.uint8, device=src)
@@ -159,7 +160,11 @@ def peer_copy(nbytes: int, src: str, dst: str, reps: int = 5) -> list[float]:
     for _ in range(reps):
         sync(src), sync(dst)
         t0 = time.perf_counter()
-        b.copy_(a, non_blocking=True)
+        if on is None:
+            b.copy_(a, non_blocking=True)
+        else:
+            with torch.cuda.device(on):
+                b.copy_(a, non_blocking=True)
         sync(src), sync(dst)
         out.append(nbytes / GiB / (time.perf_counter() - t0))
     del a, b
@@ -180,6 +185,77 @@ def registration_strategies(named) -> dict:
         took = agent.register(regions)
         agent.close()
         out[name] = {"registrations": len(regions), "seconds": round(took, 4)}
+    return out
+
+
+SWEEP = [(0, 1), (0, 2), (0, 4), (64 << 20, 1), (64 << 20, 4), (16 << 20, 8), (256 << 20, 8)]
+
+
+def sweep(args: argparse.Namespace, named, nbytes: int) -> list[dict]:
+    """Pull the same bytes again (same agent, source already mapped) with other descriptor shapes:
+    spans cut into chunks, several READ requests in flight."""
+    import base64
+
+    from mxlaunch.coord.peers import open_registry
+    from mxlaunch.plugin import p2p
+    from mxlaunch.transfer.tensor_set import match
+
+    rec = [e for e in open_registry(f"file:{args.work}/reg", None).sources(SOURCE_ID, 0)
+           if e.record.run_id == "bench-source"][0].record
+    pairs = match(named, rec.tensors)
+    meta = base64.b64decode(rec.agent_metadata)
+    out = []
+    for chunk, inflight in SWEEP:
+        rates = []
+        for _ in range(3):
+            stats = p2p.agent().pull(meta, pairs, chunk_bytes=chunk, inflight=inflight)
+            rates.append(nbytes / GiB / stats.transfer_seconds)
+        out.append({"chunk_mib": chunk >> 20, "inflight": inflight, "gibps": rates,
+                    "median": statistics.median(rates), "descriptors": stats.descriptors})
+        print(json.dumps(out[-1]), flush=True)
+    # the push direction: the same spans written from this GPU into the source's (identical bytes)
+    rates = [nbytes / GiB / p2p.agent().pull(meta, pairs, op="WRITE").transfer_seconds for _ in range(3)]
+    out.append({"op": "WRITE", "gibps": rates, "median": statistics.median(rates)})
+    print(json.dumps(out[-1]), flush=True)
+    # time = fixed + bytes / rate: pulls of growing prefixes of the same spans
+    fit = []
+    total = sum(p.bytes for p in pairs)
+    for share in (0.0, 0.125, 0.25, 0.5, 1.0):
+        some, acc = [], 0
+        for p in pairs:
+            if acc >= share * total and some:
+                break
+            some.append(p)
+            acc += p.bytes
+        if not share:
+            some = [some[0].__class__("one", some[0].local_addr, some[0].remote_addr, min(4096, some[0].bytes),
+                                      some[0].local_dev, some[0].remote_dev, some[0].local_kind, some[0].remote_kind)]
+        secs = sorted(p2p.agent().pull(meta, some).transfer_seconds for _ in range(5))
+        fit.append({"bytes": sum(p.bytes for p in some), "descriptors": len(some), "seconds_median": secs[2]})
+        print(json.dumps(fit[-1]), flush=True)
+    return {"shapes": out, "fit": fit}
+
+
+def torch_copy_per_tensor(named, src: str, reps: int = 3) -> list[float]:
+    """The same tensors copied one by one from copies on the source GPU (torch, one stream)."""
+    import torch
+
+    from mxlaunch.plugin.tensors import group_tensors
+
+    dst = [g.tensor for g in group_tensors(named) if g.tensor.numel() and g.tensor.is_contiguous()]
+    srcs = [torch.empty_like(t, device=src) for t in dst]
+    nbytes = sum(t.numel() * t.element_size() for t in dst)
+    out = []
+    saved = [t.clone() for t in dst]
+    for _ in range(reps):
+        sync(src), sync(str(dst[0].device))
+        t0 = time.perf_counter()
+        for d, s_ in zip(dst, srcs):
+            d.copy_(s_, non_blocking=True)
+        sync(src), sync(str(dst[0].device))
+        out.append(nbytes / GiB / (time.perf_counter() - t0))
+    for d, s_ in zip(dst, saved):
+        d.copy_(s_)
     return out
 
 
@@ -217,8 +293,17 @@ def run_target(args: argparse.Namespace) -> None:
         "logits_equal": bool(torch.equal(gold, mine)), "total_seconds": round(done - t0, 3),
         "pull_phases": loaded.get("phases", {}), "prepared_during_build": loaded.get("prepared", {}),
     }
+    if args.sweep:
+        row["sweep"] = sweep(args, named, nbytes)
+        row["logits_equal_after_sweep"] = bool(torch.equal(gold, logits(model, device).cpu()))
     src = args.source_device
     row["peer_copy_gibps"] = peer_copy(nbytes, src, device) if device.startswith("cuda") else []
+    if device.startswith("cuda") and args.sweep:
+        row["peer_copy_on_source_stream_gibps"] = peer_copy(nbytes, src, device, on=src)
+        row["peer_copy_on_target_stream_gibps"] = peer_copy(nbytes, src, device, on=device)
+    if device.startswith("cuda"):
+        row["torch_copy_per_tensor_gibps"] = torch_copy_per_tensor(named, src)
+        row["logits_equal_at_end"] = bool(torch.equal(gold, logits(model, device).cpu()))
     row["registration"] = registration_strategies(named)
     Path(args.out).write_text(json.dumps(row))
 
@@ -229,7 +314,7 @@ def run_target(args: argparse.Namespace) -> None:
 def child(role: str, args: argparse.Namespace, device: str, out: str = "") -> list[str]:
     cmd = [sys.executable, __file__, "--role", role, "--device", device, "--work", args.work, "--layers", str(args.layers),
            "--hidden", str(args.hidden), "--inter", str(args.inter), "--source-device", args.devices.split(",")[0]]
-    return cmd + (["--out", out] if out else [])
+    return cmd + (["--out", out] if out else []) + (["--sweep"] if args.sweep else [])
 
 
 def main() -> None:
@@ -241,6 +326,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--work", default="/dev/shm/mx-bench-p2p")
+    ap.add_argument("--sweep", action="store_true", help="also re-pull with other descriptor shapes")
     ap.add_argument("--role", default="")
     ap.add_argument("--device", default="")
     ap.add_argument("--source-device", default="")

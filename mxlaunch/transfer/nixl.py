@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, Iterable, Sequence
@@ -100,52 +101,74 @@ class Agent:
         return bytes(self._agent.get_agent_metadata())
 
     def pull(self, remote_metadata: bytes, pairs: Sequence[Pair], *, timeout_s: float = 300.0,
-             on_batch: Callable[[int], None] | None = None) -> PullStats:
-        """READ every pair from the peer whose metadata is given. `on_batch(i)` runs before batch i is
-        posted (tests use it to kill a source mid-transfer)."""
+             on_batch: Callable[[int], None] | None = None, chunk_bytes: int = 0, inflight: int = 1,
+             op: str = "READ") -> PullStats:
+        """READ every pair from the peer whose metadata is given: batches of descriptors, up to `inflight`
+        of them posted at once; `chunk_bytes` > 0 splits big spans (more copies in parallel).
+        `on_batch(i)` runs before batch i is posted (tests use it to kill a source mid-transfer).
+        op="WRITE" moves the same spans the other way (local → peer; the push direction)."""
         stats = PullStats()
         started = time.perf_counter()
         remote = self.connect(remote_metadata)
         stats.connect_seconds = time.perf_counter() - started
         deadline = time.monotonic() + timeout_s
+        work = split(pairs, chunk_bytes) if chunk_bytes > 0 else list(pairs)
+        total = sum(p.bytes for p in work)
+        limit = BATCH_BYTES if inflight <= 1 else max(1, -(-total // inflight))
+        pending: deque = deque()
         landed = False
+        t0 = time.perf_counter()
         try:
-            for i, batch in enumerate(_batches(pairs)):
+            for i, batch in enumerate(_batches(work, limit)):
                 if on_batch is not None:
                     on_batch(i)
-                local_kind, remote_kind = batch[0].local_kind, batch[0].remote_kind
-                local = self._agent.get_xfer_descs([(p.local_addr, p.bytes, p.local_dev) for p in batch], _MEM[local_kind])
-                far = self._agent.get_xfer_descs([(p.remote_addr, p.bytes, p.remote_dev) for p in batch], _MEM[remote_kind])
-                try:
-                    handle = self._agent.initialize_xfer("READ", local, far, remote)
-                except Exception as exc:  # noqa: BLE001 - e.g. the source's memory is no longer registered
-                    raise TransferError(f"NIXL refused the transfer: {exc}", landed=landed) from exc
-                try:
-                    t0 = time.perf_counter()
-                    try:
-                        state = self._agent.transfer(handle)
-                    except Exception as exc:  # noqa: BLE001 - e.g. NIXL_ERR_REMOTE_DISCONNECT: the source is gone
-                        raise TransferError(f"NIXL could not post the READ from {_text(remote)}: {exc}",
-                                            landed=landed) from exc
-                    landed = True
-                    try:
-                        state = _wait(self._agent, handle, state, deadline)
-                    except Exception as exc:  # noqa: BLE001
-                        raise TransferError(f"the READ from {_text(remote)} failed: {exc}", landed=True) from exc
-                    stats.transfer_seconds += time.perf_counter() - t0
-                    if state != "DONE":
-                        raise TransferError(f"the READ from {_text(remote)} ended in state {state}", landed=True)
-                    if not stats.backends:
-                        stats.backends = [_backend(self._agent, handle)]
-                finally:
-                    _release(self._agent, handle)
-                stats.bytes += sum(p.bytes for p in batch)
-                stats.descriptors += len(batch)
-                stats.batches += 1
+                pending.append((self._post(remote, batch, landed, op), batch))
+                landed = True
+                while len(pending) >= max(1, inflight):
+                    self._finish(remote, *pending.popleft(), deadline, stats)
+            while pending:
+                self._finish(remote, *pending.popleft(), deadline, stats)
         except TransferError:
+            for handle, _ in pending:
+                _release(self._agent, handle)
             self.disconnect(remote_metadata)
             raise
+        stats.transfer_seconds = time.perf_counter() - t0
         return stats
+
+    def _post(self, remote: object, batch: list[Pair], landed: bool, op: str = "READ") -> object:
+        """Prepare and post one READ; a failure here means this batch wrote nothing."""
+        local = self._agent.get_xfer_descs([(p.local_addr, p.bytes, p.local_dev) for p in batch], _MEM[batch[0].local_kind])
+        far = self._agent.get_xfer_descs([(p.remote_addr, p.bytes, p.remote_dev) for p in batch], _MEM[batch[0].remote_kind])
+        try:
+            handle = self._agent.initialize_xfer(op, local, far, remote)
+        except Exception as exc:  # noqa: BLE001 - e.g. the source's memory is no longer registered
+            raise TransferError(f"NIXL refused the transfer: {exc}", landed=landed) from exc
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001 - e.g. NIXL_ERR_REMOTE_DISCONNECT: the source is gone
+            _release(self._agent, handle)
+            raise TransferError(f"NIXL could not post the READ from {_text(remote)}: {exc}", landed=landed) from exc
+        if state == "ERR":
+            _release(self._agent, handle)
+            raise TransferError(f"NIXL could not post the READ from {_text(remote)}", landed=True)
+        return handle
+
+    def _finish(self, remote: object, handle: object, batch: list[Pair], deadline: float, stats: PullStats) -> None:
+        try:
+            try:
+                state = _wait(self._agent, handle, "PROC", deadline)
+            except Exception as exc:  # noqa: BLE001
+                raise TransferError(f"the READ from {_text(remote)} failed: {exc}", landed=True) from exc
+            if state != "DONE":
+                raise TransferError(f"the READ from {_text(remote)} ended in state {state}", landed=True)
+            if not stats.backends:
+                stats.backends = [_backend(self._agent, handle)]
+        finally:
+            _release(self._agent, handle)
+        stats.bytes += sum(p.bytes for p in batch)
+        stats.descriptors += len(batch)
+        stats.batches += 1
 
     def connect(self, remote_metadata: bytes) -> object:
         """Load a peer's metadata once (kept: a warm-up and the pull share the connection)."""
@@ -176,7 +199,7 @@ class Agent:
         pairs = [Pair("warm", scratch.addr, addr, min(n, scratch.bytes), scratch.dev, dev, scratch.kind, kind)
                  for addr, n, dev, kind in spans if n > 0]
         deadline = time.monotonic() + timeout_s
-        for batch in _batches(pairs):
+        for batch in _batches(pairs):  # warm-up
             local = self._agent.get_xfer_descs([(p.local_addr, p.bytes, p.local_dev) for p in batch], _MEM[batch[0].local_kind])
             far = self._agent.get_xfer_descs([(p.remote_addr, p.bytes, p.remote_dev) for p in batch], _MEM[batch[0].remote_kind])
             handle = self._agent.initialize_xfer("READ", local, far, remote)
@@ -199,8 +222,19 @@ class Agent:
         self._registered.clear()
 
 
-def _batches(pairs: Iterable[Pair]) -> Iterable[list[Pair]]:
-    """Pairs grouped by memory kinds, each batch at most BATCH_BYTES and BATCH_DESCS."""
+def split(pairs: Iterable[Pair], chunk: int) -> list[Pair]:
+    """Spans longer than `chunk` bytes cut into pieces (each piece its own copy)."""
+    out = []
+    for p in pairs:
+        for off in range(0, p.bytes, chunk):
+            out.append(Pair(p.name, p.local_addr + off, p.remote_addr + off, min(chunk, p.bytes - off), p.local_dev,
+                            p.remote_dev, p.local_kind, p.remote_kind))
+    return out
+
+
+def _batches(pairs: Iterable[Pair], limit: int | None = None) -> Iterable[list[Pair]]:
+    """Pairs grouped by memory kinds, each batch at most `limit` (BATCH_BYTES) bytes and BATCH_DESCS."""
+    limit = limit or BATCH_BYTES
     by_kind: dict[tuple[str, str], list[Pair]] = {}
     for p in pairs:
         by_kind.setdefault((p.local_kind, p.remote_kind), []).append(p)
@@ -208,7 +242,7 @@ def _batches(pairs: Iterable[Pair]) -> Iterable[list[Pair]]:
         batch: list[Pair] = []
         size = 0
         for p in group:
-            if batch and (size + p.bytes > BATCH_BYTES or len(batch) >= BATCH_DESCS):
+            if batch and (size + p.bytes > limit or len(batch) >= BATCH_DESCS):
                 yield batch
                 batch, size = [], 0
             batch.append(p)
