@@ -49,3 +49,20 @@ def test_every_variable_read_in_the_code_is_in_settings() -> None:
 def test_every_variable_is_documented() -> None:
     text = (ROOT / "docs" / "engines.md").read_text()
     assert [v for v in settings.VARIABLES if f"`{v}`" not in text] == []
+
+
+def test_a_p2p_loaded_line_gives_the_profile_a_p2p_phase_inside_weight_loading() -> None:
+    from pathlib import Path
+
+    from mxlaunch.profile import profile_text
+
+    line = contract.loaded_line(0, 1 << 30, 0.42, strategy="p2p")
+    events = mxlaunch_events(line)
+    assert {(e.name, e.seconds) for e in events} == {("weight_loading", 0.42), ("p2p", 0.42)}
+    log = (Path(__file__).resolve().parents[1] / "fixtures" / "logs" / "vllm-0.32-cpu-tiny-llama.log").read_text()
+    lines = log.splitlines()
+    at = next(i for i, text in enumerate(lines) if "Loading weights took" in text)
+    prefix = lines[at].split("[")[0]  # the engine's own prefix and timestamp
+    run = profile_text("\n".join(lines[:at] + [prefix + line] + lines[at:]), engine="vllm")
+    assert run.seconds("p2p") == 0.42
+    assert run.seconds("weight_loading") >= 0.42  # the pull is inside the weight phase
