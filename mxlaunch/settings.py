@@ -30,6 +30,7 @@ CAPTURE_WRITERS = "MXLAUNCH_CAPTURE_WRITERS"
 CAPTURE_HUGE = "MXLAUNCH_CAPTURE_HUGE"
 KERNEL_CACHE_DIR = "MXLAUNCH_KERNEL_CACHE_DIR"
 KERNEL_CACHE_MAX_GIB = "MXLAUNCH_KERNEL_CACHE_MAX_GIB"
+KILL_WAIT = "MXLAUNCH_KILL_WAIT"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -54,6 +55,8 @@ VARIABLES: dict[str, str] = {
     KERNEL_CACHE_DIR: "node-local folder the JIT kernel caches are restored into, one sub-folder per key (default "
                       "~/.cache/mxlaunch/kernel-cache; use a node-local disk, the same path on every node)",
     KERNEL_CACHE_MAX_GIB: "largest kernel cache archive captured or restored, in GiB (default 8)",
+    KILL_WAIT: "in a Slurm job: the scheduler's KillWait in seconds (SIGTERM to SIGKILL), which bounds how long the "
+               "launcher takes to stop (default: read from `scontrol show config`; 30, Slurm's default, if that fails)",
 }
 
 
@@ -159,3 +162,9 @@ def kernel_cache_max_bytes(environ: Mapping[str, str] = os.environ) -> int:
     except ValueError:
         gib = 8.0
     return int((gib if gib > 0 else 8.0) * (1 << 30))
+
+
+def kill_wait(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """$MXLAUNCH_KILL_WAIT as whole seconds ≥ 0, or None when unset or not a number."""
+    text = environ.get(KILL_WAIT, "").strip()
+    return int(text) if text.isdigit() else None
