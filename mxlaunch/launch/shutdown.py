@@ -61,8 +61,10 @@ class StopBudget:
         return ((None, 0.6 * rest), (signal.SIGTERM, 0.4 * rest), (signal.SIGKILL, kill))
 
     def describe(self) -> dict:
-        return {"kill_wait_s": self.kill_wait, "budget_s": None if self.seconds is None else round(self.seconds, 1),
-                "from": self.source}
+        """The `stopping` event's fields: KillWait (in a Slurm job), the seconds the stop may take, why."""
+        total = sum(wait for _, wait in self.steps())
+        head = {} if self.kill_wait is None else {"kill_wait_s": self.kill_wait}
+        return {**head, "budget_s": round(total, 1), "from": self.source}
 
 
 def read_budget(environ: Mapping[str, str] = os.environ) -> StopBudget:

@@ -50,6 +50,9 @@ def test_the_stop_budget_fits_inside_kill_wait_with_a_margin() -> None:
     assert StopBudget(15, "test").seconds == 12.0
     assert StopBudget(2, "test").seconds == 1.0  # never below a second
     assert StopBudget(None, "outside").steps() == USUAL_STEPS  # outside Slurm: 20 s, SIGTERM 10 s, SIGKILL 5 s
+    assert StopBudget(None, "outside").describe() == {"budget_s": 35.0, "from": "outside"}
+    assert StopBudget(15, "scontrol show config").describe() == {"kill_wait_s": 15, "budget_s": 12.0,
+                                                                 "from": "scontrol show config"}
 
 
 def test_the_budget_comes_from_the_job_or_the_override() -> None:
