@@ -31,6 +31,7 @@ CAPTURE_HUGE = "MXLAUNCH_CAPTURE_HUGE"
 KERNEL_CACHE_DIR = "MXLAUNCH_KERNEL_CACHE_DIR"
 KERNEL_CACHE_MAX_GIB = "MXLAUNCH_KERNEL_CACHE_MAX_GIB"
 REGISTRY = "MXLAUNCH_REGISTRY"
+KILL_WAIT = "MXLAUNCH_KILL_WAIT"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -57,6 +58,8 @@ VARIABLES: dict[str, str] = {
     KERNEL_CACHE_MAX_GIB: "largest kernel cache archive captured or restored, in GiB (default 8)",
     REGISTRY: "the P2P source registry when --registry is not given: file (the artifact store's .peers folder; "
               "the default), file:/dir, or redis://host:port/db",
+    KILL_WAIT: "in a Slurm job: the scheduler's KillWait in seconds (SIGTERM to SIGKILL), which bounds how long the "
+               "launcher takes to stop (default: read from `scontrol show config`; 30, Slurm's default, if that fails)",
 }
 
 
@@ -168,3 +171,7 @@ def registry(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """$MXLAUNCH_REGISTRY (a registry URL), or None when unset or empty."""
     text = environ.get(REGISTRY, "").strip()
     return text or None
+def kill_wait(environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """$MXLAUNCH_KILL_WAIT as whole seconds ≥ 0, or None when unset or not a number."""
+    text = environ.get(KILL_WAIT, "").strip()
+    return int(text) if text.isdigit() else None

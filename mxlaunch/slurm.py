@@ -5,13 +5,17 @@ can tell its place. So inside a multi-node step mxlaunch adds the engine's multi
 lacks — node count, this node's rank, the head node's rendezvous address — from Slurm's variables, and
 says so. Flags already in the command always win. It also sizes the stage readers to the CPUs Slurm
 gave this node when `--readers` was not passed. Pure functions of (argv, environment): no Slurm
-commands run, so a login node, a test or a dry run sees exactly what a compute node decides.
+commands run, so a login node, a test or a dry run sees exactly what a compute node decides — with one
+exception at the end: `kill_wait()` asks `scontrol show config` for Slurm's KillWait, the seconds
+between the SIGTERM of a cancelled job and its SIGKILL, which bounds how long the launcher may take to
+stop (mxlaunch/launch/shutdown.py); its parser is pure.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence
 
@@ -258,3 +262,23 @@ def multinode_flags(argv: Sequence[str], engine: str, env: SlurmEnv,
     engine decides which (engines/protocol.py `multinode_flags`), with the head's address and the port."""
     addr = settings.dist_addr(environ) or env.head
     return ENGINES[engine].multinode_flags(argv, env.nnodes, env.node_rank, addr, dist_port(env, environ))
+
+
+# ---- KillWait: how long a stop may take ---------------------------------------------------------------
+
+_KILL_WAIT = re.compile(r"^KillWait\s*=\s*(\d+)\s*(?:sec)?\s*$", re.MULTILINE)
+
+
+def parse_kill_wait(text: str) -> Optional[int]:
+    """Seconds from `scontrol show config` output ("KillWait                = 30 sec"), or None."""
+    m = _KILL_WAIT.search(text)
+    return int(m.group(1)) if m else None
+
+
+def kill_wait(timeout: float = 5.0) -> Optional[int]:
+    """This cluster's KillWait from `scontrol show config` (None: no scontrol, no answer, no such line)."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_kill_wait(proc.stdout) if proc.returncode == 0 else None

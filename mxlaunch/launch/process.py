@@ -60,23 +60,38 @@ def read_lines(fd: int, on_line: Callable[[str, float], None], start: float,
             on_line(tail.decode("utf-8", errors="replace"), time.monotonic() - start)
 
 
-def stop_group(proc: subprocess.Popen, grace: Tuple[float, float] = (15.0, 10.0)) -> None:
-    """Stop the command's whole process group: SIGINT, then SIGTERM, then SIGKILL, each until the group is gone."""
+Step = Tuple[Optional[int], float]  # (signal to send, or None: one already sent; seconds to wait after it)
+
+
+def stop_steps(grace: Tuple[float, float] = (15.0, 10.0)) -> Tuple[Step, ...]:
+    """The usual sequence: SIGINT, grace[0] s; SIGTERM, grace[1] s; SIGKILL, 5 s."""
+    return ((signal.SIGINT, grace[0]), (signal.SIGTERM, grace[1]), (signal.SIGKILL, 5.0))
+
+
+def stop_group(proc: subprocess.Popen, grace: Tuple[float, float] = (15.0, 10.0), *,
+               steps: Optional[Sequence[Step]] = None, since: Optional[float] = None) -> None:
+    """Stop the command's whole process group, one step after the other, each until the group is gone:
+    by default SIGINT, then SIGTERM, then SIGKILL (`stop_steps(grace)`). A step with signal None is a
+    signal already sent at `since` (time.monotonic()): its wait counts from then."""
     pgid = proc.pid  # started with start_new_session: its own group
-    for sig, wait in ((signal.SIGINT, grace[0]), (signal.SIGTERM, grace[1]), (signal.SIGKILL, 5.0)):
+    for sig, wait in steps if steps is not None else stop_steps(grace):
         if not group_alive(pgid) and proc.poll() is not None:
             return
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + wait
+        start = time.monotonic()
+        if sig is None:
+            start = since if since is not None else start
+        else:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = start + wait
         while time.monotonic() < deadline:
             if proc.poll() is not None and not group_alive(pgid):
                 return
             time.sleep(0.05)
     try:
-        proc.wait(timeout=5)
+        proc.wait(timeout=5 if steps is None else 0.5)
     except subprocess.TimeoutExpired:
         pass
 
@@ -102,12 +117,16 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL whatever is left in the group (workers that outlived the engine's main process)."""
+def kill_group(proc: subprocess.Popen, wait: float = 0.0) -> None:
+    """SIGKILL whatever is left in the group (workers that outlived the engine's main process), and wait
+    up to `wait` seconds for it to be gone (its shared memory is unmapped only then)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and group_alive(proc.pid):
+        time.sleep(0.05)
 
 
 def log_tail(path: Path, lines: int) -> str:

@@ -3,7 +3,8 @@
 `Launcher.run` writes the plan file into a per-user, per-run folder in /dev/shm, starts staging this
 node's ranks and the engine at the same time, frees each rank's staged files once its "loaded" marker
 appears, publishes a captured snapshot once every rank has written its part, watches for readiness,
-and cleans up on every exit path. It returns the engine's own exit code.
+and cleans up on every exit path. It returns the engine's own exit code. A stop signal frees the staged
+files first and stops the engine within the scheduler's grace (shutdown.py).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError
 from mxlaunch.fileutil import process_start_time, write_json_atomic
 from mxlaunch.launch import process
-from mxlaunch.launch.cleanup import remove_orphaned_engine_shm, remove_run, remove_stale_runs, shm_entries, shm_user_root
+from mxlaunch.launch.cleanup import SegmentRecord, reap_stale_runs, shm_entries, shm_user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
 from mxlaunch.launch.kernel import KernelCacheRun
-from mxlaunch.launch.p2p import unpublish_run
 from mxlaunch.kernelcache_store import KernelCacheStore
-from mxlaunch.launch.process import default_log_root, log_tail
+from mxlaunch.launch.process import default_log_root
+from mxlaunch.launch.shutdown import BudgetReader, Stopping
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
 from mxlaunch.slurm import default_readers
 from mxlaunch.store import SnapshotMeta, Store
@@ -40,7 +41,7 @@ from mxlaunch.store import SnapshotMeta, Store
 CLAIM_TTL_S = 60.0
 
 
-class Launcher:
+class Launcher(Stopping):
     """Runs one LaunchPlan in the foreground. `emit(event, **fields)` reports progress."""
 
     def __init__(self, plan: LaunchPlan, opts: LaunchOptions, emit: Callable[..., None],
@@ -62,6 +63,10 @@ class Launcher:
         self.writer = None
         self.stop_reason: Optional[str] = None
         self.signals: list[int] = []
+        self.signal_at: Optional[float] = None
+        self.forwarded = False
+        self.budget = BudgetReader()  # KillWait, read in the background (scontrol) while the engine starts
+        self.segments: Optional[SegmentRecord] = None
         self.ready_at: Optional[float] = None
         self.t0 = time.monotonic()
         self.loaded: set[int] = set()
@@ -81,8 +86,9 @@ class Launcher:
     # -- setup --
 
     def _prepare(self) -> Plan:
-        for stale in remove_stale_runs(shm_user_root()):
-            self.emit("cleanup", message=f"removed a stale run folder {stale}")
+        for stale, segments in reap_stale_runs(shm_user_root()):
+            more = f" and the {len(segments)} segment(s) it recorded: {', '.join(segments)}" if segments else ""
+            self.emit("cleanup", message=f"removed a stale run folder {stale}{more}")
         self.shm_dir.mkdir(parents=True, mode=0o700)
         write_json_atomic(self.shm_dir / "owner.json",
                           {"pid": os.getpid(), "start_time": process_start_time(os.getpid())})
@@ -189,15 +195,16 @@ class Launcher:
 
     def run(self) -> int:
         code = 1
-        previous = {}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._prepare()
             argv = self.plan.argv
             self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
                       snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"))
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, self._on_signal)
             self._shm_before = shm_entries()
+            self.segments = SegmentRecord(self.shm_dir, self._shm_before)
+            if self.signals:  # stopped before the engine started
+                return 128 + self.signals[0]
             self._start_stage()  # staging and the engine start together
             log = open(self.log_dir / "engine.log", "wb")
             self.proc = process.start(argv, {**self._env(), **self.kernel.restore()})
@@ -230,16 +237,6 @@ class Launcher:
 
         process.read_lines(proc.stdout.fileno(), line, self.t0, on_chunk=chunk)
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self.signals.append(signum)
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signum)
-            except ProcessLookupError:
-                pass
-        if self.stage_job is not None:
-            self.stage_job.cancel()
-
     def _supervise(self) -> int:
         assert self.proc is not None
         url = f"http://{_client_host(self.plan.spec.host)}:{self.plan.spec.port or 8000}/health"
@@ -251,6 +248,10 @@ class Launcher:
                                              "only (no HTTP server): serving until the engine exits")
         try:
             while True:
+                if self.signals:
+                    return self._stop_on_signal()
+                assert self.segments is not None
+                self.segments.update()
                 code = self.proc.poll()
                 self._check_markers()
                 if code is not None:
@@ -340,41 +341,6 @@ class Launcher:
         self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases, kernel_cache=self.kernel.status)
         self.kernel.start_capture()
         self.timeline = timeline
-
-    def _engine_exited(self, code: int) -> int:
-        if self.ready_at is None and not self.signals:
-            tail = log_tail(self.log_dir / "engine.log", 20)
-            self.emit("error", message=f"the engine exited with code {code} before it was ready", log_tail=tail)
-        self.emit("exit", code=code)
-        return 128 - code if code < 0 else code
-
-    def _stop_engine(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            process.stop_group(self.proc, grace=(20.0, 10.0))
-
-    def _cleanup(self) -> None:
-        self.kernel.stop()
-        if self.proc is not None and self.proc.poll() is None:
-            self._stop_engine()
-        if self.proc is not None:  # anything left in the engine's process group (workers) goes too
-            process.kill_group(self.proc)
-        if self.stage_job is not None:
-            self.stage_job.cancel()
-            try:
-                self.stage_job.wait()
-            except Exception:  # noqa: BLE001 — cancelled or failed: its files are gone either way
-                pass
-        if self.writer is not None and not self.published:
-            self.writer.abort()
-        if self.claim is not None:
-            self.claim.release()
-        if unpublish_run(self.plan.p2p, self.run_id, self.store_root):
-            self.emit("cleanup", message="removed this run's P2P source records")
-        remove_run(self.shm_dir)
-        leaked = remove_orphaned_engine_shm(self._shm_before)
-        if leaked:
-            self.emit("cleanup", message=f"removed {len(leaked)} shared-memory segment(s) the engine left in "
-                                         f"/dev/shm: {', '.join(leaked)}")
 
 
 def serves_http(spec: LaunchSpec) -> bool:

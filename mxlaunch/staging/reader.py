@@ -355,6 +355,10 @@ class StageJob(ChunkReader):
                 return
             yield event
 
+    def finished(self, timeout: float) -> bool:
+        """Has the job ended (readers joined, files settled)? Waits up to `timeout` seconds."""
+        return self._done.wait(timeout)
+
     def wait(self, poll: float = 0.2) -> StageResult:
         """Block until done (waking often so signal handlers run); raise on failure or cancel."""
         while not self._done.wait(poll):

@@ -15,6 +15,7 @@ import pytest
 from mxlaunch.store import MANIFEST, Store
 from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess
+from tests.helpers.shm import ShmWatch
 
 READY_S = 400
 
@@ -136,8 +137,8 @@ def test_two_launches_racing_on_a_new_model_capture_once_and_both_serve(tiny_mod
 
 
 def test_sigkill_of_the_engine_ends_the_launch_with_its_code_and_cleans_up(tiny_model: Path, store_root: Path) -> None:
-    shm_before = set(os.listdir("/dev/shm"))
     launch = LaunchProcess(tiny_model, store_root)
+    watch = ShmWatch(lambda: [p.pid for p in launch.engine_processes()])  # only our engine's segments count
     plan = launch.wait_event("plan", 120)
     try:
         launch.wait_event("ready", READY_S)
@@ -150,6 +151,8 @@ def test_sigkill_of_the_engine_ends_the_launch_with_its_code_and_cleans_up(tiny_
     assert code == 128 + signal.SIGKILL
     assert launch.wait_event("exit", 5)["code"] == -signal.SIGKILL
     assert_gone(launch, plan["run_dir"], procs)
-    # the killed engine could not unlink its shared-memory segments; the launcher did
-    leaked = [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")]
-    assert leaked == [], leaked
+    # the killed engine could not unlink its shared-memory segments; the launcher did (counted: the names
+    # our engine's processes mapped — another person's vLLM on this host makes and drops its own psm_*)
+    seen = watch.stop()
+    assert any(n.startswith("psm_") for n in seen), seen
+    assert watch.left() == [], watch.left()

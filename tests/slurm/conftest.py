@@ -51,6 +51,8 @@ class Cluster:
     def env(self, **extra: str) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # never our own job's
         bindir = str(Path(sys.executable).parent)
+        if extra.get("PYTHONPATH") and env.get("PYTHONPATH"):  # a test's folder first, the caller's kept
+            extra = {**extra, "PYTHONPATH": f"{extra['PYTHONPATH']}:{env['PYTHONPATH']}"}
         env.update(VLLM_ENV, SLURM_CONF=str(self.conf), PATH=f"{bindir}:{env.get('PATH', '')}",
                    MXLAUNCH=str(Path(bindir) / "mxlaunch"), **extra)
         return env

