@@ -291,10 +291,15 @@ class RankLoad:
         if not plan.capture_dir:
             report_fallback(plan, rank, "capture: the plan names no capture_dir; serving without capturing", log)
             return outcome
-        out_dir = Path(plan.capture_dir) / str(rank)
+        target = plan.capture_target(rank) if hasattr(plan, "capture_target") else rank
+        if target is None:  # another DP replica's worker captures this snapshot rank: one copy per rank
+            log.info("mxlaunch: rank %d serves without capturing: another DP replica writes its snapshot rank", rank)
+            outcome.strategy = "default"
+            return outcome
+        out_dir = Path(plan.capture_dir) / str(target)
         try:
             result = capture_tensors(module_tensors(self.model), out_dir,
-                                     metadata={"mxlaunch.rank": str(rank), "mxlaunch.source_id": plan.source_id})
+                                     metadata={"mxlaunch.rank": str(target), "mxlaunch.source_id": plan.source_id})
         except CaptureError as exc:
             report_fallback(plan, rank, f"capture failed, serving without a snapshot: {exc}", log)
             return outcome

@@ -66,7 +66,13 @@ def _capture_class() -> type:
             model = super().load_model(model_config=model_config, device_config=device_config)
             load_seconds = time.perf_counter() - started
             plan, rank = self._plan, self._rank
-            out = Path(plan.capture_dir or "") / str(rank)
+            target = plan.capture_target(rank)
+            if target is None:  # another DP replica's worker captures this snapshot rank: one copy per rank
+                log.info("mxlaunch: rank %d serves without capturing: another DP replica writes its snapshot rank", rank)
+                safe_marker(plan, "loaded", rank, {"bytes": model_bytes(model), "seconds": round(load_seconds, 4),
+                                                   "strategy": "default"}, log)
+                return model
+            out = Path(plan.capture_dir or "") / str(target)
             try:
                 if not plan.capture_dir:
                     raise RuntimeError("the plan names no capture_dir")
