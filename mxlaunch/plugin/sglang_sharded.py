@@ -131,7 +131,7 @@ def _restore_class() -> type:
 def presharded_loader(load_config: Any, plan: Any, rank: int, *, original: Any) -> Any:
     """SGLang's PreshardedModelLoader on the capture folder (capture) or the staged folder (staged)."""
     if plan.strategy == "capture":
-        if not plan.capture_dir:
+        if not plan.capture_dir or plan.capture_target(rank) is None:  # another DP replica writes the dump
             return original
         return _presharded_class()(load_config, plan, rank, Path(plan.capture_dir) / "0")
     files = plan.files_for_rank(rank)
