@@ -166,8 +166,8 @@ class RankLoad:
         plan = self.plan
         if plan is not None and plan.strategy == "p2p":
             outcome = self.p2p()
-        elif plan is not None and plan.strategy == "capture":
-            outcome = self.capture()
+        elif plan is not None and plan.strategy == "capture":  # other DP replicas' workers only load: one copy per rank
+            outcome = self.capture() if plan.capture_target(self.rank) is not None else self.default()
         elif plan is not None and plan.strategy == "staged":
             outcome = self.staged()
         else:
@@ -291,27 +291,20 @@ class RankLoad:
         if not plan.capture_dir:
             report_fallback(plan, rank, "capture: the plan names no capture_dir; serving without capturing", log)
             return outcome
-        target = plan.capture_target(rank) if hasattr(plan, "capture_target") else rank
-        if target is None:  # another DP replica's worker captures this snapshot rank: one copy per rank
-            log.info("mxlaunch: rank %d serves without capturing: another DP replica writes its snapshot rank", rank)
-            outcome.strategy = "default"
-            return outcome
-        out_dir = Path(plan.capture_dir) / str(target)
+        out_dir = Path(plan.capture_dir) / str(plan.capture_target(rank))  # the snapshot rank this worker writes
         try:
             result = capture_tensors(module_tensors(self.model), out_dir,
-                                     metadata={"mxlaunch.rank": str(target), "mxlaunch.source_id": plan.source_id})
+                                     metadata={"mxlaunch.rank": out_dir.name, "mxlaunch.source_id": plan.source_id})
         except CaptureError as exc:
             report_fallback(plan, rank, f"capture failed, serving without a snapshot: {exc}", log)
             return outcome
         files = [{"name": p.name, "path": str(p), "bytes": p.stat().st_size} for p in result.files]
-        log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s "
-                 "(added to this first start; %s's weight loading took %.2f s)",
-                 rank, gib(result.bytes), result.tensors, len(files), out_dir, result.seconds, self.engine,
-                 outcome.seconds)
-        safe_marker(plan, "captured", rank,
-                    {"files": files, "bytes": result.bytes, "tensors": result.tensors,
-                     "seconds": round(result.seconds, 4), "load_seconds": round(outcome.seconds, 4), **self.layout()},
-                    log)
+        log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s (added to this first "
+                 "start; %s's weight loading took %.2f s)", rank, gib(result.bytes), result.tensors, len(files),
+                 out_dir, result.seconds, self.engine, outcome.seconds)
+        safe_marker(plan, "captured", rank, {"files": files, "bytes": result.bytes, "tensors": result.tensors,
+                                             "seconds": round(result.seconds, 4), "load_seconds": round(outcome.seconds, 4),
+                                             **self.layout()}, log)
         return outcome
 
     def staged(self) -> Outcome:
