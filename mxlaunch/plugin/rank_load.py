@@ -237,7 +237,7 @@ class RankLoad:
             registry = open_registry(p["registry"], None)
         except Exception as exc:  # noqa: BLE001
             raise RestoreError(f"cannot open the P2P registry {p['registry']}: {exc}", landed=False) from exc
-        r = p2p.pull(named, registry=registry, source_id=self.plan.source_id, rank=self.rank, world=p["world"],
+        r = p2p.pull(named, registry=registry, source_id=self.plan.source_id, rank=self.rank % p["world"], world=p["world"],
                      layout=p["layout"], timeout_s=p["timeout_s"])
         self.log.info("%s", loaded_line(self.rank, r.bytes, r.seconds, strategy="p2p"))
         self.log.info("mxlaunch: rank %d pulled %d tensors from %s on %s over NIXL: %.3f s transfer, %d registration(s) "
@@ -265,7 +265,7 @@ class RankLoad:
             else:
                 what = processed_tensors(self.model)
             pub = p2p.serve(what, registry=open_registry(p["registry"], None), source_id=self.plan.source_id,
-                            rank=self.rank, world=p["world"], layout=p["layout"], run_id=p["run_id"])
+                            rank=self.rank % p["world"], world=p["world"], layout=p["layout"], run_id=p["run_id"])
             extra = pub.record.extra
             self.log.info("mxlaunch: rank %d serves %s GiB (%s layout) over P2P as %s: %d region(s) registered in "
                           "%.3f s", self.rank, gib(extra.get("bytes", 0)), p["layout"], pub.record.worker,
