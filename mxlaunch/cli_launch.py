@@ -31,6 +31,8 @@ def launch(
     no_kernel_cache: bool = typer.Option(False, "--no-kernel-cache", help="Leave the engine's JIT kernel caches alone (no restore, no capture)."),
     no_p2p: bool = typer.Option(False, "--no-p2p", help="Neither pull the weights from a live replica over NIXL nor serve them to others."),
     registry: Optional[str] = typer.Option(None, "--registry", help="P2P source registry: file (the store's folder, default) or redis://HOST:PORT/DB [env MXLAUNCH_REGISTRY]."),
+    capture_id: Optional[str] = typer.Option(None, "--capture-id", help="One capture over several nodes: the same id on "
+                                             "every node (in a Slurm job step: the job and step ids, set for you)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
     as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
 ) -> None:
@@ -40,7 +42,7 @@ def launch(
     opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
                          snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache, p2p=not no_p2p,
-                         registry=registry)
+                         registry=registry, capture_id=capture_id)
     plan = make_plan(list(command or []), opts)
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
         err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)

@@ -9,7 +9,10 @@ this file and marker files in the run folder — no sockets, no shared state.
       "strategy": "capture" | "staged" | "default",
       "source_id": "0123456789abcdef",
       "run_dir": "/dev/shm/mxlaunch-<uid>/<run>",      # markers live in <run_dir>/markers/
-      "capture_dir": "<store>/<id>/.tmp-.../ranks",    # capture: rank R writes <capture_dir>/<R>/*.safetensors
+      "capture_dir": "<store>/<id>/.tmp-<capture>/.../ranks",  # capture: worker R writes <capture_dir>/<S>/*.safetensors
+      "capture_ranks": {"0": 0, "1": 1},               # capture: worker rank R → the snapshot rank S it writes;
+                                                       # workers not listed (other DP replicas) serve without
+                                                       # capturing; empty: every worker writes its own rank
       "ranks": {"0": [{"path": "/dev/shm/.../0/part-00000.safetensors", "bytes": 123}], ...},
                                                        # staged: the files rank R loads, in order;
                                                        # each appears by rename when complete
@@ -62,6 +65,7 @@ class Plan:
     fallback_ok: bool = True
     snapshot_format: str = RAW
     p2p: dict | None = None
+    capture_ranks: dict[str, int] = field(default_factory=dict)
     schema: int = 1
 
     @property
@@ -70,6 +74,12 @@ class Plan:
 
     def files_for_rank(self, rank: int) -> list[RankFile]:
         return self.ranks.get(str(rank), [])
+
+    def capture_target(self, rank: int) -> int | None:
+        """The snapshot rank worker `rank` captures, None when another worker captures its copy."""
+        if not self.capture_ranks:
+            return rank
+        return self.capture_ranks.get(str(rank))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -110,6 +120,7 @@ def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
             fallback_ok=bool(data.get("fallback_ok", True)),
             snapshot_format=str(data.get("snapshot_format", RAW)),
             p2p=_p2p(data.get("p2p"), path),
+            capture_ranks={str(k): int(v) for k, v in (data.get("capture_ranks") or {}).items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan {path} is malformed: {exc}") from exc

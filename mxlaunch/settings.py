@@ -32,6 +32,7 @@ KERNEL_CACHE_DIR = "MXLAUNCH_KERNEL_CACHE_DIR"
 KERNEL_CACHE_MAX_GIB = "MXLAUNCH_KERNEL_CACHE_MAX_GIB"
 REGISTRY = "MXLAUNCH_REGISTRY"
 KILL_WAIT = "MXLAUNCH_KILL_WAIT"
+CAPTURE_TIMEOUT = "MXLAUNCH_CAPTURE_TIMEOUT"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -56,6 +57,8 @@ VARIABLES: dict[str, str] = {
     KERNEL_CACHE_DIR: "node-local folder the JIT kernel caches are restored into, one sub-folder per key (default "
                       "~/.cache/mxlaunch/kernel-cache; use a node-local disk, the same path on every node)",
     KERNEL_CACHE_MAX_GIB: "largest kernel cache archive captured or restored, in GiB (default 8)",
+    CAPTURE_TIMEOUT: "a capture over several nodes: seconds the claim holder waits for the other nodes' parts after "
+                     "its own, before it gives up and removes the capture (default 600)",
     REGISTRY: "the P2P source registry when --registry is not given: file (the artifact store's .peers folder; "
               "the default), file:/dir, or redis://host:port/db",
     KILL_WAIT: "in a Slurm job: the scheduler's KillWait in seconds (SIGTERM to SIGKILL), which bounds how long the "
@@ -175,3 +178,12 @@ def kill_wait(environ: Mapping[str, str] = os.environ) -> Optional[int]:
     """$MXLAUNCH_KILL_WAIT as whole seconds ≥ 0, or None when unset or not a number."""
     text = environ.get(KILL_WAIT, "").strip()
     return int(text) if text.isdigit() else None
+
+
+def capture_timeout(environ: Mapping[str, str] = os.environ) -> float:
+    """$MXLAUNCH_CAPTURE_TIMEOUT in seconds (a positive number; default 600)."""
+    try:
+        value = float(environ.get(CAPTURE_TIMEOUT, "") or 600)
+    except ValueError:
+        value = 600.0
+    return value if value > 0 else 600.0

@@ -153,6 +153,22 @@ def read_env(environ: Mapping[str, str] = os.environ) -> Optional[SlurmEnv]:
                     in_step=in_step, ntasks=ntasks)
 
 
+def job_capture_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The capture id every node of this job step shares, or None outside Slurm.
+
+    `slurm-<job>-<step>` (step `batch` in the batch script itself), with `-r<n>` after the n-th requeue:
+    the same on every node of one `srun`, different for the next step, job or requeued attempt. A
+    snapshot captured by several nodes is written under this id, and the claim holder's id says which
+    nodes belong to its capture."""
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    if not job:
+        return None
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "batch"
+    restart = environ.get("SLURM_RESTART_COUNT", "0").strip()
+    text = f"slurm-{job}-{step}" + (f"-r{restart}" if restart not in ("", "0") else "")
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:128]
+
+
 def _env_int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     text = environ.get(name)
     if not text:
@@ -207,6 +223,7 @@ class SlurmLaunch:
     env: Optional[SlurmEnv] = None
     added: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    capture_id: Optional[str] = None  # shared by every node of the job step (job_capture_id)
 
     @property
     def message(self) -> str:
@@ -218,6 +235,7 @@ class SlurmLaunch:
             return None
         env = self.env
         return {"job_id": env.job_id, "nnodes": env.nnodes, "node_rank": env.node_rank, "head": env.head,
+                "capture_id": self.capture_id,
                 "nodes": list(env.nodes), "in_step": env.in_step, "cpus_on_node": env.cpus_on_node,
                 "readers": self.readers, "added": list(self.added), "message": self.message}
 
@@ -234,7 +252,7 @@ def adapt_launch(argv: Sequence[str], engine: Optional[str], readers: Optional[i
     env = read_env(environ)
     if env is None:
         return SlurmLaunch(argv, readers if readers is not None else default_readers())
-    out = SlurmLaunch(argv, readers if readers is not None else default_readers(), env)
+    out = SlurmLaunch(argv, readers if readers is not None else default_readers(), env, capture_id=job_capture_id(environ))
     if readers is None and env.cpus_on_node:
         out.readers = readers_for(env.cpus_on_node)
         out.notes.append(f"{out.readers} stage readers for SLURM_CPUS_ON_NODE={env.cpus_on_node}")

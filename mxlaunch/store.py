@@ -4,14 +4,17 @@ Layout under the store root (`--artifact-path`, else $MXLAUNCH_ARTIFACT_PATH, el
 
     <root>/<source_id>/manifest.json                         published last, by one atomic link/rename
     <root>/<source_id>/data-<capture_id>/ranks/<rank>/<file> the snapshot's files (safetensors or JSON)
-    <root>/<source_id>/.tmp-<host>-<pid>-<rand>/ranks/<rank>/ a node's capture in progress
+    <root>/<source_id>/.tmp-<capture_id>/<host>-<pid>-<rand>/ranks/<rank>/  a node's capture in progress
     <root>/<source_id>/.nodes-<capture_id>/<node_rank>.json  a node's completion marker (its files, checksums)
+    <root>/<source_id>/.nodes-<capture_id>/<node_rank>.failed.json  a node that will not deliver its part
     <root>/.claims/<source_id>.claim                          the capture claim (coord/file.py)
     <root>/kernel-cache/<key>/                                JIT kernel caches (kernelcache_store.py)
 
 A node writes its ranks into its temp folder, moves each finished rank folder into `data-<capture_id>/`
-by rename, then writes its marker. Whichever node sees every rank covered builds the manifest and
-publishes it with an exclusive link: one publisher wins, the others see EEXIST. Nothing is trusted
+by rename, then writes its marker. A node that sees every rank covered builds the manifest and
+publishes it with an exclusive link: one publisher wins, the others see EEXIST. (The launcher lets only
+the claim holder publish, so that publishing and giving up on a capture are one process's decisions.)
+Everything of an unpublished capture carries its id in its name: `discard_capture` removes it whole. Nothing is trusted
 without checks: `lookup` validates the manifest (schema, ranks, paths inside the store, only safetensors
 and JSON, sizes) and returns a one-line reason instead of raising; `verify(full=True)` adds checksums.
 """
@@ -31,7 +34,8 @@ from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
 from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.fileutil import ensure_dir, read_json, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
-from mxlaunch.store_capture import CaptureWriter, _du, _user, new_capture_id
+from mxlaunch.store_capture import (
+    CaptureWriter, PendingCapture, _du, _user, discard_capture, new_capture_id, node_markers, reap_captures, write_failed)
 from mxlaunch.store_snapshot import (  # noqa: F401 — the store's records and checks, importable from here
     ALLOWED_SUFFIXES, MANIFEST, SCHEMA, LookupResult, Snapshot, SnapshotFile, SnapshotMeta, StoreEntry, VerifyReport,
     _check_file, _utc_now, _validate_manifest, check_relpath, default_root, model_name, xxh3_file)
@@ -188,7 +192,7 @@ class Store:
         if (folder / MANIFEST).exists():
             raise CheckFailed(f"snapshot {source_id} is already published", "look it up instead of capturing")
         ensure_dir(folder)
-        tmp = folder / f".tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = folder / f".tmp-{capture_id}" / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         writer = CaptureWriter(self, source_id, meta, nranks, nnodes, node_rank, my_ranks, capture_id, tmp)
         for rank in my_ranks:
             writer.rank_dir(rank)  # the plugin writes <capture_dir>/<rank>/*.safetensors straight away
@@ -198,10 +202,9 @@ class Store:
         """Publish the manifest if every node marker of this capture is in; True only for the one winner."""
         folder = self.folder(source_id)
         markers_dir = folder / f".nodes-{capture_id}"
-        try:
-            names = sorted(n for n in os.listdir(markers_dir) if n.endswith(".json") and not n.startswith("."))
-        except FileNotFoundError:
-            return False
+        names, failed = node_markers(markers_dir)
+        if names is None or failed:
+            return False  # no markers yet, or a node said it will not deliver its part
         ranks: dict[int, list[dict[str, Any]]] = {}
         nodes = set()
         for name in names:
@@ -252,6 +255,36 @@ class Store:
                 shutil.rmtree(folder / f"data-{capture_id}", ignore_errors=True)
                 shutil.rmtree(markers_dir, ignore_errors=True)
         return won
+
+    # ---- a capture spread over nodes ----
+
+    def pending(self, source_id: str, capture_id: str) -> PendingCapture:
+        """What the nodes of an unpublished capture reported: done nodes, and nodes that gave up (why)."""
+        return PendingCapture.read(self.folder(source_id) / f".nodes-{capture_id}")
+
+    def mark_node_failed(self, source_id: str, capture_id: str, node_rank: int, reason: str) -> None:
+        """Say that node `node_rank` will not deliver its part of `capture_id` (the publisher gives up at once)."""
+        write_failed(self.folder(source_id), capture_id, node_rank, reason)
+
+    def discard_capture(self, source_id: str, capture_id: str) -> bool:
+        """Remove everything of an unpublished capture (markers first, then data and temp folders); never the
+        published snapshot's files. True when something was removed."""
+        return discard_capture(self.folder(source_id), capture_id, self._published_capture(source_id))
+
+    def reap_captures(self, source_id: str, keep: str) -> list[str]:
+        """Discard every unpublished capture of `source_id` but `keep` (call it holding the claim: the
+        others' claims are over, so nothing can publish them any more). Returns their ids."""
+        return reap_captures(self.folder(source_id), keep, self._published_capture(source_id))
+
+    def _published_capture(self, source_id: str) -> Optional[str]:
+        try:
+            data = read_json(self.folder(source_id) / MANIFEST)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return "?"  # unreadable: keep every data folder (it may be the snapshot's)
+        cid = data.get("capture_id") if isinstance(data, dict) else None
+        return cid if isinstance(cid, str) else "?"
 
     def remove(self, source_id: str, force: bool = False) -> None:
         """Remove a snapshot folder: first renamed away (gone at once for readers), then deleted."""

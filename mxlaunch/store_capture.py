@@ -1,18 +1,21 @@
-"""Writing a snapshot: a node's capture folder, its ranks, its completion marker, the publish (see store.py)."""
+"""Writing a snapshot: a node's capture folder, its ranks, its completion marker, the publish (see store.py),
+and the bookkeeping of a capture spread over nodes: what they reported, and removing one that failed."""
 
 from __future__ import annotations
 
 import getpass
 import os
+import re
 import secrets
 import shutil
 import socket
 import stat
 import time
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from mxlaunch.fileutil import ensure_dir, secure, write_json_atomic
+from mxlaunch.fileutil import ensure_dir, read_json, secure, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.store_snapshot import _HEX32, SCHEMA, SnapshotFile, SnapshotMeta, check_relpath, xxh3_file
 
@@ -84,8 +87,9 @@ class CaptureWriter:
                     out.append(self.add_file(rank, rel))
         return out
 
-    def mark_node_done(self) -> bool:
-        """Move this node's ranks into place and write its marker; publish when the set is complete.
+    def mark_node_done(self, publish: bool = True) -> bool:
+        """Move this node's ranks into place and write its marker; publish when the set is complete
+        (unless `publish` is False: then another node — the claim holder — publishes).
 
         Returns True only when this call published the manifest (exactly one node does)."""
         if self.done:
@@ -107,12 +111,22 @@ class CaptureWriter:
         }
         write_json_atomic(markers / f"{self.node_rank}.json", marker)
         self.done = True
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.abort()
+        if not publish:
+            return False
+        return self.store.try_publish(self.source_id, self.capture_id, self.meta, self.nranks, self.nnodes)
+
+    def publish(self) -> bool:
+        """Publish if every node's part is in (the claim holder polls this); True only for the one winner."""
         return self.store.try_publish(self.source_id, self.capture_id, self.meta, self.nranks, self.nnodes)
 
     def abort(self) -> None:
-        """Drop this node's temp folder (its unpublished work)."""
+        """Drop this node's temp folder (its unpublished work), and the capture's temp folder once empty."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            self.tmp.parent.rmdir()
+        except OSError:
+            pass  # another node's temp folder is still inside (or it is gone already)
 
     def _own(self, rank: int) -> None:
         if rank not in self.files:
@@ -124,6 +138,87 @@ class CaptureWriter:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if exc_type is not None or not self.done:
             self.abort()
+
+
+# ---- a capture spread over nodes ------------------------------------------------------------------------
+
+_DONE = re.compile(r"^(0|[1-9][0-9]{0,5})\.json$")
+_FAILED = re.compile(r"^(0|[1-9][0-9]{0,5})\.failed\.json$")
+_PARTS = re.compile(r"^(data-|\.nodes-|\.tmp-)(.+)$")
+
+
+def node_markers(markers_dir: Path) -> tuple[Optional[list[str]], list[str]]:
+    """(the done markers' names — None when the folder does not exist —, the failed markers' names)."""
+    try:
+        names = sorted(os.listdir(markers_dir))
+    except FileNotFoundError:
+        return None, []
+    return [n for n in names if _DONE.match(n)], [n for n in names if _FAILED.match(n)]
+
+
+@dataclass
+class PendingCapture:
+    """What the nodes of one unpublished capture reported so far."""
+
+    done: set[int] = field(default_factory=set)
+    failed: dict[int, str] = field(default_factory=dict)  # node → why it will not deliver its part
+
+    @classmethod
+    def read(cls, markers_dir: Path) -> "PendingCapture":
+        done, failed = node_markers(markers_dir)
+        out = cls(done={int(n.split(".")[0]) for n in done or []})
+        for name in failed:
+            try:
+                data = read_json(markers_dir / name, limit=1 << 20)
+                reason = str(data.get("reason", "no reason given")) if isinstance(data, dict) else "no reason given"
+            except (OSError, ValueError):
+                reason = "its marker cannot be read"
+            out.failed[int(name.split(".")[0])] = reason
+        return out
+
+
+def write_failed(folder: Path, capture_id: str, node_rank: int, reason: str) -> None:
+    markers = ensure_dir(folder / f".nodes-{capture_id}")
+    write_json_atomic(markers / f"{node_rank}.failed.json",
+                      {"schema": SCHEMA, "capture_id": capture_id, "node_rank": node_rank,
+                       "host": socket.gethostname(), "reason": reason})
+
+
+def discard_capture(folder: Path, capture_id: str, published: Optional[str]) -> bool:
+    """Remove an unpublished capture: its markers first (renamed away, so no publisher finds a complete
+    set any more), then its data and temp folders. Nothing when it is the published one (or the manifest
+    cannot be read: `published` "?")."""
+    if published is not None and (published == capture_id or published == "?"):
+        return False
+    removed = False
+    for name in (f".nodes-{capture_id}", f"data-{capture_id}", f".tmp-{capture_id}"):
+        path = folder / name
+        trash = folder / f".trash-{secrets.token_hex(6)}"
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            trash = path  # cannot rename (e.g. busy on NFS): remove it in place
+        shutil.rmtree(trash, ignore_errors=True)
+        removed = True
+    return removed
+
+
+def reap_captures(folder: Path, keep: str, published: Optional[str]) -> list[str]:
+    """Discard every capture of this source id but `keep` and the published one (ids, sorted)."""
+    if published == "?":
+        return []
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    ids = {m.group(2) for m in map(_PARTS.match, names) if m}
+    gone = sorted(cid for cid in ids - {keep, published} if discard_capture(folder, cid, published))
+    for name in names:  # what a removal left when its holder died half-way
+        if name.startswith(".trash-"):
+            shutil.rmtree(folder / name, ignore_errors=True)
+    return gone
 
 
 def new_capture_id() -> str:

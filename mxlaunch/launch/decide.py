@@ -22,6 +22,8 @@ from mxlaunch.engines.registry import ENGINES, all_snapshot_formats, detect, par
 from mxlaunch.errors import UsageError
 from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.kernelcache_store import KernelCacheStore
+from mxlaunch.coord.base import valid_id
+from mxlaunch.launch.capture import capture_part
 from mxlaunch.launch.kernel import plan_kernel_cache
 from mxlaunch.launch.p2p import P2PDecision, decide_p2p
 from mxlaunch.slurm import adapt_launch
@@ -46,6 +48,7 @@ class LaunchOptions:
     kernel_cache: bool = True  # restore/capture the JIT kernel caches (--no-kernel-cache: False)
     p2p: bool = True  # pull from a live source when one serves this source id, and serve after loading (--no-p2p)
     registry: Optional[str] = None  # the P2P registry URL (--registry; MXLAUNCH_REGISTRY; default: the store's folder)
+    capture_id: Optional[str] = None  # shared by the nodes of one capture (--capture-id; in Slurm: the job step's)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class LaunchPlan:
     snapshot_format: str = SNAPSHOT_FORMAT
     kernel_cache: Optional[dict] = None  # launch/kernel.py's plan_kernel_cache: status hit | miss | off, key, ...
     p2p: Optional[P2PDecision] = None  # launch/p2p.py: live sources, layout, whether workers serve; None: off
+    capture_id: Optional[str] = None  # the nodes of one job capture under this id (None: a fresh one per capture)
 
     @property
     def stage_bytes(self) -> int:
@@ -97,6 +101,7 @@ class LaunchPlan:
             "slurm": self.slurm,
             "kernel_cache": self.kernel_cache,
             "p2p": self.p2p.to_json() if self.p2p else None,
+            "capture_id": self.capture_id,
         }
 
 
@@ -142,6 +147,10 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
     found_engine = detect(argv)
     job = adapt_launch(argv, found_engine.name if found_engine else None, opts.readers)  # Slurm: multi-node flags, stage readers
     argv, opts.readers = job.argv, job.readers
+    if opts.capture_id is not None and not valid_id(opts.capture_id):
+        raise UsageError(f"--capture-id {opts.capture_id!r} is not one safe name",
+                         "use letters, digits, '.', '_' and '-' (the same id on every node of the capture)")
+    capture_id = opts.capture_id or job.capture_id
     spec = parse_command(argv)
     fmt = snapshot_format_name(spec, opts.snapshot_format)
     device = device_type_for(spec)
@@ -156,7 +165,8 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
 
     def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
         return LaunchPlan(spec, device, sid, fields, strategy, reason, engine.command(spec, strategy), ranks,
-                          files or [], folder, job.to_json(), snapshot_format=fmt, p2p=offer if strategy != "default" else None)
+                          files or [], folder, job.to_json(), snapshot_format=fmt, p2p=offer if strategy != "default" else None,
+                          capture_id=capture_id)
 
     if opts.strategy == "default":
         return plan("default", "asked for with --strategy default")
@@ -198,9 +208,21 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
     if (store.root / sid / "manifest.json").exists():  # published but refused: never capture over it
         return plan("default", f"{found.reason}; serving with the default loader "
                                f"(remove it with `mxlaunch store rm {sid}` to capture again)")
+    part = capture_part(ranks, 1 if fmt in SHARED_FOLDER_FORMATS else spec.tp * spec.pp)
+    if not part.workers:
+        return plan("default", f"no snapshot yet; {part.why_not}")
     holder = store.coordinator.holder(sid)
+    if holder is not None and capture_id and holder.extra.get("capture_id") == capture_id:
+        return plan("capture", f"no snapshot yet; this node joins capture {capture_id} of its job "
+                               f"(claimed by {holder.describe()}) with snapshot rank(s) {part.ranks}")
     if holder is not None:
         return plan("default", f"another replica is capturing {sid} ({holder.describe()}); serving with the default loader")
+    if part.nnodes > 1 and not capture_id:
+        return plan("default", f"no snapshot yet, and a capture over {part.nnodes} nodes needs one capture id on every "
+                               "node: pass the same --capture-id ID to each (in a Slurm job step it is set for you)")
+    if part.nnodes > 1:
+        return plan("capture", f"no snapshot yet ({found.reason}); node {part.node_rank} of {part.nnodes} captures "
+                               f"snapshot rank(s) {part.ranks} under capture id {capture_id or '(a new one)'}")
     return plan("capture", f"no snapshot yet ({found.reason}); this run captures it")
 
 

@@ -22,12 +22,13 @@ from typing import Any, Callable, Optional
 
 import httpx
 
-from mxlaunch.contract import ABORT, SHARED_FOLDER_FORMATS, SNAPSHOT_VERSION, parse_marker_name, staged_line
+from mxlaunch.contract import ABORT, parse_marker_name, staged_line
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError
 from mxlaunch.fileutil import process_start_time, write_json_atomic
 from mxlaunch.launch import process
+from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.cleanup import SegmentRecord, reap_stale_runs, shm_entries, shm_user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
 from mxlaunch.launch.kernel import KernelCacheRun
@@ -36,9 +37,7 @@ from mxlaunch.launch.process import default_log_root
 from mxlaunch.launch.shutdown import BudgetReader, Stopping
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
 from mxlaunch.slurm import default_readers
-from mxlaunch.store import SnapshotMeta, Store
-
-CLAIM_TTL_S = 60.0
+from mxlaunch.store import Store
 
 
 class Launcher(Stopping):
@@ -59,8 +58,7 @@ class Launcher(Stopping):
         self.log_dir = Path(opts.run_dir) if opts.run_dir else default_log_root() / self.run_id
         self.proc: Optional[subprocess.Popen] = None
         self.stage_job = None
-        self.claim = None
-        self.writer = None
+        self.capture: Optional[CaptureSession] = None
         self.stop_reason: Optional[str] = None
         self.signals: list[int] = []
         self.signal_at: Optional[float] = None
@@ -70,8 +68,6 @@ class Launcher(Stopping):
         self.ready_at: Optional[float] = None
         self.t0 = time.monotonic()
         self.loaded: set[int] = set()
-        self.captured: set[int] = set()
-        self.published = False
         self.stage_result = None
         self.stage_error: Optional[str] = None
         self._profile_lock = threading.Lock()
@@ -97,30 +93,14 @@ class Launcher(Stopping):
                     wait_timeout_s=self.opts.ready_timeout, snapshot_format=self.plan.snapshot_format,
                     p2p=self.plan.p2p.block(self.run_id) if self.plan.p2p else None)
         if self.plan.strategy == "capture":
-            store = self.store or Store(self.opts.artifact_path)
-            self.store = store
-            claim = store.coordinator.try_claim(self.plan.source_id, ttl_s=CLAIM_TTL_S)
-            if claim is None:
-                self._downgrade("another replica claimed the capture first; serving with the default loader")
+            self.store = self.store or Store(self.opts.artifact_path)
+            self.capture = CaptureSession(self.store, self.plan, self.emit)
+            why_not = self.capture.start()
+            if why_not is not None:
+                self.capture = None
+                self._downgrade(why_not)
                 return self._prepare_default(plan)
-            self.claim = claim
-            claim.keep_alive()
-            spec = self.plan.spec
-            meta = SnapshotMeta(engine=spec.engine, engine_version=spec.engine_version, spec=spec.to_json(),
-                                identity=self.plan.identity, snapshot_format=self.plan.snapshot_format,
-                                snapshot_version=SNAPSHOT_VERSION)
-            nranks = 1 if self.plan.snapshot_format in SHARED_FOLDER_FORMATS else spec.tp * spec.pp
-            ranks = sorted({r["snapshot_rank"] for r in self.plan.local_ranks})
-            try:
-                self.writer = store.begin_capture(
-                    self.plan.source_id, meta, nranks=nranks, nnodes=1 if spec.dp > 1 else spec.nnodes,
-                    node_rank=0 if spec.dp > 1 else spec.node_rank, ranks=ranks)
-            except MxlaunchError as exc:
-                claim.release()
-                self.claim = None
-                self._downgrade(f"cannot capture: {exc.one_line()}")
-                return self._prepare_default(plan)
-            plan.capture_dir = str(self.writer.capture_dir)
+            plan.capture_dir, plan.capture_ranks = self.capture.plan_fields()
         elif self.plan.strategy == "staged":
             # Files are staged once per snapshot rank; every local worker (its global rank, as the plugin
             # sees it) is pointed at its snapshot rank's files — DP replicas share them.
@@ -270,7 +250,7 @@ class Launcher(Stopping):
                     self._stop_engine()
                     self.proc.wait()
                     return 0
-                if self.opts.capture_only and self.claim is None:  # downgraded, a rank fell back, publish failed
+                if self.opts.capture_only and (self.capture is None or self.capture.failed):  # downgraded, fell back, gave up
                     self.emit("error", message="--capture-only: this run will not publish a snapshot (see the fallback "
                                                "or error above); stopping the engine")
                     self._stop_engine()
@@ -280,8 +260,14 @@ class Launcher(Stopping):
         finally:
             client.close()
 
+    @property
+    def published(self) -> bool:
+        return self.capture is not None and self.capture.published
+
     def _check_markers(self) -> None:
         markers = self.shm_dir / "markers"
+        if self.capture is not None:
+            self.capture.poll()  # the claim holder publishes once every node's part is in (or gives up)
         if not markers.is_dir():
             return
         for path in sorted(markers.glob("*.json")):
@@ -297,18 +283,10 @@ class Launcher(Stopping):
                 self.loaded.add(rank)
                 self._free_stage(rank)
                 self.emit("fallback", rank=rank, reason=_read_marker(path).get("reason", "?"))
-                if self.writer is not None and not self.published:
-                    # a rank that could not capture means no snapshot: free the claim for someone else now
-                    self.writer.abort()
-                    self.writer = None
-                    if self.claim is not None:
-                        self.claim.release()
-                        self.claim = None
-            elif kind == "captured" and rank not in self.captured and self.writer is not None:
-                self.captured.add(rank)
-                self.emit("captured", rank=rank)
-                if self.captured >= set(self.writer.ranks):
-                    self._publish()
+                if self.capture is not None:  # a capturing rank that fell back: no snapshot, free the claim now
+                    self.capture.on_fallback(rank)
+            elif kind == "captured" and self.capture is not None:
+                self.capture.on_captured(rank)
 
     def _free_stage(self, rank: int) -> None:
         """Remove a snapshot rank's staged files once every local worker that reads them has loaded."""
@@ -316,22 +294,6 @@ class Launcher(Stopping):
         sharing = {w["rank"] for w in self.plan.local_ranks if w["snapshot_rank"] == snapshot_rank}
         if sharing <= self.loaded:
             shutil.rmtree(self.shm_dir / "stage" / str(snapshot_rank), ignore_errors=True)
-
-    def _publish(self) -> None:
-        assert self.writer is not None
-        try:
-            for rank in self.writer.ranks:
-                self.writer.add_rank_dir(rank)
-            self.published = self.writer.mark_node_done() or self.store.lookup(self.plan.source_id).snapshot is not None
-            self.emit("published" if self.published else "node-done", source_id=self.plan.source_id,
-                      store=str(self.store.root))
-        except Exception as exc:  # noqa: BLE001 — a failed publish must not stop serving
-            self.emit("error", message=f"could not publish the snapshot: {getattr(exc, 'message', exc)}")
-            self.writer.abort()
-        finally:
-            if self.claim is not None:
-                self.claim.release()
-                self.claim = None
 
     def _report_ready(self) -> None:
         seconds = self.ready_at - self.t0

@@ -119,9 +119,7 @@ class Stopping:
     emit: Callable[..., None]
     _shm_before: set
     kernel: Any  # launch/kernel.py KernelCacheRun
-    writer: Any  # store_capture's writer while capturing
-    claim: Any
-    published: bool
+    capture: Any  # launch/capture.py CaptureSession while capturing
     ready_at: Optional[float]
     log_dir: Path
 
@@ -189,9 +187,7 @@ class Stopping:
             self.emit("cleanup", message=f"removed {len(leaked)} shared-memory segment(s) the engine left in "
                                          f"/dev/shm: {', '.join(leaked)}")
         self.kernel.stop(timeout=2.0 if hurry else 0.0)
-        if self.writer is not None and not self.published:
-            self.writer.abort()
-        if self.claim is not None:
-            self.claim.release()
+        if self.capture is not None:  # an unfinished capture is given up (the claim holder's leaves nothing)
+            self.capture.close()
         if unpublish_run(self.plan.p2p, self.run_id, self.store_root):  # workers killed with the engine cannot
             self.emit("cleanup", message="removed this run's P2P source records")

@@ -31,7 +31,7 @@ def prepare_p2p(plan: Any, rank: int, log: logging.Logger) -> None:
             from mxlaunch.plugin import p2p
 
             _prepared.update(p2p.prepare_pull(registry=open_registry(p["registry"], None), source_id=plan.source_id,
-                                              rank=rank, world=p["world"], layout=p["layout"], device=device,
+                                              rank=rank % p["world"], world=p["world"], layout=p["layout"], device=device,
                                               device_index=index))
         except Exception as exc:  # noqa: BLE001 - the pull does it all then, and reports what fails
             log.warning("mxlaunch: rank %d could not prepare the P2P pull while the model is built: %s", rank, exc)

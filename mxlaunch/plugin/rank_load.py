@@ -142,8 +142,8 @@ class RankLoad:
         plan = self.plan
         if plan is not None and plan.strategy == "p2p":
             outcome = self.p2p()
-        elif plan is not None and plan.strategy == "capture":
-            outcome = self.capture()
+        elif plan is not None and plan.strategy == "capture":  # other DP replicas' workers only load: one copy per rank
+            outcome = self.capture() if plan.capture_target(self.rank) is not None else self.default()
         elif plan is not None and plan.strategy == "staged":
             outcome = self.staged()
         else:
@@ -218,7 +218,7 @@ class RankLoad:
         from mxlaunch.plugin.p2p_prepare import join_p2p_prepare
 
         prepared = join_p2p_prepare()
-        r = p2p.pull(named, registry=registry, source_id=self.plan.source_id, rank=self.rank, world=p["world"],
+        r = p2p.pull(named, registry=registry, source_id=self.plan.source_id, rank=self.rank % p["world"], world=p["world"],
                      layout=p["layout"], timeout_s=p["timeout_s"])
         self.log.info("%s", loaded_line(self.rank, r.bytes, r.seconds, strategy="p2p"))
         self.log.info("mxlaunch: rank %d pulled %d tensors from %s on %s over NIXL: %.3f s transfer, %d registration(s) "
@@ -246,7 +246,7 @@ class RankLoad:
             else:
                 what = processed_tensors(self.model)
             pub = p2p.serve(what, registry=open_registry(p["registry"], None), source_id=self.plan.source_id,
-                            rank=self.rank, world=p["world"], layout=p["layout"], run_id=p["run_id"])
+                            rank=self.rank % p["world"], world=p["world"], layout=p["layout"], run_id=p["run_id"])
             extra = pub.record.extra
             self.log.info("mxlaunch: rank %d serves %s GiB (%s layout) over P2P as %s: %d region(s) registered in "
                           "%.3f s", self.rank, gib(extra.get("bytes", 0)), p["layout"], pub.record.worker,
@@ -272,22 +272,20 @@ class RankLoad:
         if not plan.capture_dir:
             report_fallback(plan, rank, "capture: the plan names no capture_dir; serving without capturing", log)
             return outcome
-        out_dir = Path(plan.capture_dir) / str(rank)
+        out_dir = Path(plan.capture_dir) / str(plan.capture_target(rank))  # the snapshot rank this worker writes
         try:
             result = capture_tensors(module_tensors(self.model), out_dir,
-                                     metadata={"mxlaunch.rank": str(rank), "mxlaunch.source_id": plan.source_id})
+                                     metadata={"mxlaunch.rank": out_dir.name, "mxlaunch.source_id": plan.source_id})
         except CaptureError as exc:
             report_fallback(plan, rank, f"capture failed, serving without a snapshot: {exc}", log)
             return outcome
         files = [{"name": p.name, "path": str(p), "bytes": p.stat().st_size} for p in result.files]
-        log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s "
-                 "(added to this first start; %s's weight loading took %.2f s)",
-                 rank, gib(result.bytes), result.tensors, len(files), out_dir, result.seconds, self.engine,
-                 outcome.seconds)
-        safe_marker(plan, "captured", rank,
-                    {"files": files, "bytes": result.bytes, "tensors": result.tensors,
-                     "seconds": round(result.seconds, 4), "load_seconds": round(outcome.seconds, 4), **self.layout()},
-                    log)
+        log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s (added to this first "
+                 "start; %s's weight loading took %.2f s)", rank, gib(result.bytes), result.tensors, len(files),
+                 out_dir, result.seconds, self.engine, outcome.seconds)
+        safe_marker(plan, "captured", rank, {"files": files, "bytes": result.bytes, "tensors": result.tensors,
+                                             "seconds": round(result.seconds, 4), "load_seconds": round(outcome.seconds, 4),
+                                             **self.layout()}, log)
         return outcome
 
     def staged(self) -> Outcome:

@@ -66,7 +66,13 @@ def _capture_class() -> type:
             model = super().load_model(model_config=model_config, device_config=device_config)
             load_seconds = time.perf_counter() - started
             plan, rank = self._plan, self._rank
-            out = Path(plan.capture_dir or "") / str(rank)
+            target = plan.capture_target(rank)
+            if target is None:  # another DP replica's worker captures this snapshot rank: one copy per rank
+                log.info("mxlaunch: rank %d serves without capturing: another DP replica writes its snapshot rank", rank)
+                safe_marker(plan, "loaded", rank, {"bytes": model_bytes(model), "seconds": round(load_seconds, 4),
+                                                   "strategy": "default"}, log)
+                return model
+            out = Path(plan.capture_dir or "") / str(target)
             try:
                 if not plan.capture_dir:
                     raise RuntimeError("the plan names no capture_dir")
@@ -125,7 +131,7 @@ def _restore_class() -> type:
 def presharded_loader(load_config: Any, plan: Any, rank: int, *, original: Any) -> Any:
     """SGLang's PreshardedModelLoader on the capture folder (capture) or the staged folder (staged)."""
     if plan.strategy == "capture":
-        if not plan.capture_dir:
+        if not plan.capture_dir or plan.capture_target(rank) is None:  # another DP replica writes the dump
             return original
         return _presharded_class()(load_config, plan, rank, Path(plan.capture_dir) / "0")
     files = plan.files_for_rank(rank)

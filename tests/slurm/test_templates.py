@@ -3,9 +3,12 @@
 Each engine start costs ~30–60 s here, so the jobs share their work through fixtures: one capture
 job (the TP=1 snapshot), one verify job (default loader → gold → staged restore → compare), one
 launch job at TP=2 (captures the 2-rank snapshot while serving; TP=2 gold from it; scancel), one
-2-node job serving that snapshot with one rank per node, and one 2-node job cancelled while its engines
-start. Six engine starts in all; the rest — a second capture, the multi-node plans, bad input —
-starts no engine. After every scancel nothing the job's processes mapped is left in /dev/shm.
+2-node job capturing a snapshot into an empty store with one rank per node, one 2-node job serving
+that snapshot, and one 2-node job cancelled while its engines start. Eight engine starts in all; the
+rest — a second capture, the multi-node plans, bad input — starts no engine. After every scancel
+nothing the job's processes mapped is left in /dev/shm. (A node killed during a multi-node capture is
+tested with real processes in tests/unit/test_multinode_capture.py: a live one would wait for vLLM to
+notice its lost peer.)
 """
 
 from __future__ import annotations
@@ -219,17 +222,69 @@ def test_launch_template_serves_captures_and_stops_on_scancel(tp2: dict) -> None
     assert leftover.stdout.strip() == "", "engine processes outlived the job"
 
 
-def test_multinode_template_serves_staged_across_two_nodes(slurm_cluster: Cluster, tiny_model: Path, store_root: Path,
-                                                            vllm_shim: Path, tp2: dict, tmp_path: Path) -> None:
-    """Two slurmd on this host, one `mxlaunch launch` on each: TP=2 split over 2 nodes, each node stages
-    and loads only its own rank of the snapshot, node 1 runs headless, and the head serves exactly
-    what one node with TP=2 served."""
-    port, run_dir, out = free_port(), tmp_path / "run", tmp_path / "out"
-    proc = slurm_cluster.submit("launch-multinode.sbatch", serve_cmd(tiny_model, port, "-tp", "2"), out, "--nodes=2",
-                                wait=False, MXLAUNCH_ARTIFACT_PATH=str(store_root), MX_RUN_DIR=str(run_dir),
-                                MX_READY_TIMEOUT=str(READY_S), PYTHONPATH=str(vllm_shim), MXLAUNCH_DIST_ADDR="127.0.0.1")
-    job_id = proc.stdout.strip().split(";")[0]
-    url = f"http://127.0.0.1:{port}"
+def start_multinode(cluster: Cluster, model: Path, store: Path, shim: Path, run_dir: Path, out: Path) -> tuple[str, str]:
+    """launch-multinode.sbatch with TP=2 split over the two nodes (`vllm serve` form); (job id, URL)."""
+    port = free_port()
+    proc = cluster.submit("launch-multinode.sbatch", serve_cmd(model, port, "-tp", "2"), out, "--nodes=2",
+                          wait=False, MXLAUNCH_ARTIFACT_PATH=str(store), MX_RUN_DIR=str(run_dir),
+                          MX_READY_TIMEOUT=str(READY_S), PYTHONPATH=str(shim), MXLAUNCH_DIST_ADDR="127.0.0.1")
+    return proc.stdout.strip().split(";")[0], f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def multinode_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The multi-node jobs' own store: the one-node TP=2 job (tp2) publishes the same source id in store_root."""
+    return tmp_path_factory.mktemp("multinode-store")
+
+
+@pytest.fixture(scope="module")
+def multinode_captured(slurm_cluster: Cluster, tiny_model: Path, multinode_store: Path, vllm_shim: Path, tp2: dict,
+                       tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """TP=2 over the 2 nodes, empty store: each node captures its own rank under the job step's capture id
+    while the head serves (the default loader's numbers: compared with the one-node TP=2 gold); one node
+    publishes the one snapshot once both parts are in; scancel then."""
+    tmp = tmp_path_factory.mktemp("multinode-capture")
+    run_dir, out = tmp / "run", tmp / "out"
+    job_id, url = start_multinode(slurm_cluster, tiny_model, multinode_store, vllm_shim, run_dir, out)
+    try:
+        wait_healthy(slurm_cluster, job_id, url, out)
+        compared = run_cli("verify", "--url", url, "--compare", str(tp2["gold"]), "--json")
+        wait_for(lambda: any(e.status == "ok" for e in Store(multinode_store).list()), 120,
+                 "the 2-node capture was never published:\n" + read_out(out, job_id)[-4000:])
+    finally:
+        cancel(slurm_cluster, job_id)
+    return {"job_id": job_id, "run_dir": run_dir, "text": read_out(out, job_id), "compared": compared}
+
+
+def test_multinode_template_captures_one_snapshot_across_two_nodes(multinode_captured: dict, multinode_store: Path) -> None:
+    """Both nodes write their rank into one pending capture; exactly one manifest (2 ranks, 2 nodes) is
+    published, nothing pending is left, and the head served the default loader's numbers meanwhile."""
+    run_dir, text, job_id = multinode_captured["run_dir"], multinode_captured["text"], multinode_captured["job_id"]
+    compared = multinode_captured["compared"]
+    assert compared.returncode == 0, compared.stdout[-2000:] + compared.stderr
+    store = Store(multinode_store)
+    (entry,) = store.list()
+    manifest = entry.manifest
+    assert entry.status == "ok" and manifest["nranks"] == 2 and manifest["nnodes"] == 2
+    assert manifest["capture_id"] == f"slurm-{job_id}-0"  # the srun step's id, shared by both nodes
+    assert store.verify(entry.source_id).ok
+    folder = multinode_store / entry.source_id
+    assert sorted(p.name for p in folder.iterdir()) == [f"data-{manifest['capture_id']}", "manifest.json"]
+    assert store.coordinator.holder(entry.source_id) is None  # the claim was released
+    for rank in (0, 1):
+        log = (run_dir / f"node{rank}" / "engine.log").read_text(errors="replace")
+        assert f"mxlaunch: rank {rank} captured" in log and f"mxlaunch: rank {1 - rank} captured" not in log, rank
+    assert text.count("mxlaunch plan: strategy=capture") == 2 and text.count("mxlaunch published:") == 2, text[-4000:]
+    assert "publishes it once every node's part is in" in text and "joins the claim of" in text
+
+
+def test_multinode_template_serves_staged_across_two_nodes(slurm_cluster: Cluster, tiny_model: Path, multinode_store: Path,
+                                                            vllm_shim: Path, tp2: dict, multinode_captured: dict,
+                                                            tmp_path: Path) -> None:
+    """The next 2-node job stages the snapshot the 2-node job captured: each node stages and loads only
+    its own rank, node 1 runs headless, and the head serves exactly what one node with TP=2 served."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    job_id, url = start_multinode(slurm_cluster, tiny_model, multinode_store, vllm_shim, run_dir, out)
     watch = watch_shm(job_id)
     try:
         wait_healthy(slurm_cluster, job_id, url, out)
@@ -242,7 +297,7 @@ def test_multinode_template_serves_staged_across_two_nodes(slurm_cluster: Cluste
     for rank in (0, 1):
         log = (run_dir / f"node{rank}" / "engine.log").read_text(errors="replace")
         assert f"mxlaunch: rank {rank} loaded" in log and f"mxlaunch: rank {1 - rank} loaded" not in log, rank
-    assert "strategy=staged" in text and "worker-node" in text and "--headless" in text
+    assert text.count("mxlaunch plan: strategy=staged") == 2 and "worker-node" in text and "--headless" in text
     wait_for(lambda: (run_dir / "profile.json").exists(), 60, "no multi-node profile after scancel")
 
 
@@ -293,6 +348,7 @@ def test_multinode_template_places_each_node(slurm_cluster: Cluster, tiny_model:
         expected = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "mx1", "--master-port", port]
         assert plan["slurm"]["added"] == expected + (["--headless"] if rank else [])
         assert plan["slurm"]["job_id"] == job.job_id and plan["slurm"]["in_step"] is True
+        assert plan["capture_id"] == plan["slurm"]["capture_id"] == f"slurm-{job.job_id}-0"  # one id, both nodes
     assert int(port) == 21000 + int(job.job_id) % 8000
 
 
