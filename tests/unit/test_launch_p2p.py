@@ -107,10 +107,8 @@ def test_the_plan_file_carries_the_p2p_block_and_the_run_unpublishes(tmp_path: P
         assert unpublish_run(plan.p2p, launcher.run_id, store) == 1
         assert pub.heartbeat() is False and open_registry(None, store).sources(plan.source_id, 0) == []
     finally:
-        if launcher.claim is not None:
-            launcher.claim.release()
-        if launcher.writer is not None:
-            launcher.writer.abort()
+        if launcher.capture is not None:
+            launcher.capture.close()
         import shutil
 
         shutil.rmtree(launcher.shm_dir, ignore_errors=True)
