@@ -237,7 +237,10 @@ class RankLoad:
         try:
             from mxlaunch.coord.peers import open_registry
             from mxlaunch.plugin import p2p
+            from mxlaunch.plugin.p2p_prepare import join_p2p_prepare
             from mxlaunch.transfer.tensor_set import processed_tensors
+
+            join_p2p_prepare()  # the agent started while the model was built
 
             if p["layout"] == "raw":
                 if self.raw_copy is None:

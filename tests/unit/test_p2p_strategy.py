@@ -117,3 +117,27 @@ def test_a_plan_that_forbids_falling_back_stops(tmp_path) -> None:
     plan.fallback_ok = False
     with pytest.raises(RuntimeError, match="forbids falling back"):
         Engine(plan, "processed").load()
+
+
+def test_a_worker_loaded_by_the_default_loader_serves_and_a_target_pulls_it_exactly(tmp_path) -> None:
+    """Strategy default with serving on (a capture or staged run is the same from here): the agent starts
+    while the model is built, the raw copy is taken before post-processing, the record is published after
+    the loaded marker, and another process pulls exact weights from it."""
+    import subprocess
+    import sys
+
+    from tests.unit.test_p2p_nixl import ROOT
+
+    plan = plan_for(tmp_path, "raw")
+    plan.strategy = "default"
+    engine = Engine(plan, "raw")
+    model = engine.load()
+    assert equal_to_seed0(model) and engine.builds == 1
+    (mine,) = [e for e in open_registry(plan.p2p["registry"], None).sources(SOURCE_ID, 0) if e.record.run_id == "target-run"]
+    out = tmp_path / "pulled.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.p2p_peer", "pull", "--registry", str(tmp_path / "reg"),
+                           "--layout", "raw", "--seed", "9", "--out", str(out)], cwd=ROOT, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    pulled = json.loads(out.read_text())
+    assert pulled["equal"] is True and pulled["source"] == mine.record.worker
+    assert open_registry(plan.p2p["registry"], None).remove_run("target-run") == 1
