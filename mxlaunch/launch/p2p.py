@@ -7,6 +7,7 @@ run's workers published (a worker killed with the engine cannot unpublish itself
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -29,6 +30,10 @@ def layout_for(device_type: str) -> str:
 def nixl_reachable(argv: list[str]) -> bool:
     """Can the engine's Python import NIXL? (Checked without importing it: find_spec only.)"""
     python = engine_python(argv) or sys.executable
+    if os.path.realpath(python) == os.path.realpath(sys.executable):  # the launcher's own Python: no child needed
+        import importlib.util
+
+        return any(importlib.util.find_spec(m) for m in _NIXL_MODULES)
     code = ("import importlib.util as u, sys\n"
             f"sys.exit(0 if any(u.find_spec(m) for m in {_NIXL_MODULES!r}) else 3)")
     try:

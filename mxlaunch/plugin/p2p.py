@@ -223,9 +223,7 @@ _scratch: Any = None
 def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any, source_id: str, rank: int,
           world: int, layout: str, run_id: str, ttl_s: float = 15.0) -> Any:
     """Register what this worker serves and publish it; returns the publication (kept alive here)."""
-    from mxlaunch.coord.base import valid_id  # noqa: F401 - light; the registry validates the record
-    from mxlaunch.coord.peers import SourceRecord
-    from mxlaunch.fileutil import boot_id, process_start_time
+    from mxlaunch.coord.peers import local_record
 
     if isinstance(named, RawCopy):
         regions = [Region(named.buffer.data_ptr(), named.bytes, 0, "cpu")]
@@ -238,12 +236,10 @@ def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any,
     reg_took = register_once(regions)
     a = agent()
     device = "cuda" if any(r.kind == "cuda" for r in regions) else "cpu"
-    record = SourceRecord(
-        source_id=source_id, rank=rank, world=world, layout=layout, worker=a.name, host=socket.gethostname(),
-        pid=os.getpid(), boot_id=boot_id(), start_time=process_start_time(os.getpid()), run_id=run_id,
-        device=device, agent_metadata=base64.b64encode(a.metadata()).decode(), tensors=entries,
-        created_at=time.time(), extra={"register_seconds": round(reg_took, 4), "regions": len(regions),
-                                       "bytes": sum(int(e["bytes"]) for e in entries)})
+    record = local_record(source_id, rank, world, layout=layout, worker=a.name, run_id=run_id, device=device,
+                          agent_metadata=a.metadata(), tensors=entries,
+                          extra={"register_seconds": round(reg_took, 4), "regions": len(regions),
+                                 "bytes": sum(int(e["bytes"]) for e in entries)})
     publication = registry.publish(record, ttl_s=ttl_s)
     publication.keep_alive()
     _serving.append(publication)

@@ -195,20 +195,9 @@ class Agent:
         into a scratch region of this agent. Between two GPUs the first READ from an allocation maps it
         (CUDA IPC), which costs more than moving its bytes; done while the engine builds the model, it
         leaves the pull after post-processing to the transfer alone. Returns how many spans were read."""
-        remote = self.connect(remote_metadata)
         pairs = [Pair("warm", scratch.addr, addr, min(n, scratch.bytes), scratch.dev, dev, scratch.kind, kind)
                  for addr, n, dev, kind in spans if n > 0]
-        deadline = time.monotonic() + timeout_s
-        for batch in _batches(pairs):  # warm-up
-            local = self._agent.get_xfer_descs([(p.local_addr, p.bytes, p.local_dev) for p in batch], _MEM[batch[0].local_kind])
-            far = self._agent.get_xfer_descs([(p.remote_addr, p.bytes, p.remote_dev) for p in batch], _MEM[batch[0].remote_kind])
-            handle = self._agent.initialize_xfer("READ", local, far, remote)
-            try:
-                state = _wait(self._agent, handle, self._agent.transfer(handle), deadline)
-            finally:
-                _release(self._agent, handle)
-            if state != "DONE":
-                raise TransferError(f"the warm-up READ from {_text(remote)} ended in state {state}", landed=False)
+        self.pull(remote_metadata, pairs, timeout_s=timeout_s)
         return len(pairs)
 
     def close(self) -> None:
