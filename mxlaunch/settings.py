@@ -28,6 +28,7 @@ GPU_REGISTER_MIB = "MXLAUNCH_GPU_REGISTER_MIB"
 GPU_POPULATE = "MXLAUNCH_GPU_POPULATE"
 CAPTURE_WRITERS = "MXLAUNCH_CAPTURE_WRITERS"
 CAPTURE_HUGE = "MXLAUNCH_CAPTURE_HUGE"
+CAPTURE_PREPARE = "MXLAUNCH_CAPTURE_PREPARE"
 KERNEL_CACHE_DIR = "MXLAUNCH_KERNEL_CACHE_DIR"
 KERNEL_CACHE_MAX_GIB = "MXLAUNCH_KERNEL_CACHE_MAX_GIB"
 REGISTRY = "MXLAUNCH_REGISTRY"
@@ -54,6 +55,8 @@ VARIABLES: dict[str, str] = {
     GPU_POPULATE: "1: fill page tables (MADV_POPULATE_READ) before registering (measured: no gain on an H200)",
     CAPTURE_WRITERS: "capture from a GPU: parts written at once through pinned slots (default min(16, parts, CPUs))",
     CAPTURE_HUGE: "1: lay captured parts in tmpfs out in 2 MiB pages first (measured slower on an H200; default off)",
+    CAPTURE_PREPARE: "0: do not lay a capture's parts out in tmpfs (and page-lock them) while the engine loads; the "
+                     "parts are then written after loading (default 1: the capture is then the device-to-host copy)",
     KERNEL_CACHE_DIR: "node-local folder the JIT kernel caches are restored into, one sub-folder per key (default "
                       "~/.cache/mxlaunch/kernel-cache; use a node-local disk, the same path on every node)",
     KERNEL_CACHE_MAX_GIB: "largest kernel cache archive captured or restored, in GiB (default 8)",
@@ -150,6 +153,10 @@ def capture_writers(environ: Mapping[str, str] = os.environ) -> Optional[int]:
 
 def capture_huge(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(CAPTURE_HUGE, "0").strip() == "1"
+
+
+def capture_prepare(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(CAPTURE_PREPARE, "1").strip() != "0"
 
 
 def kernel_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:

@@ -210,6 +210,128 @@ def sweep(files: list[str], dests, gold, nbytes: int, reps: int, res: dict) -> N
         res["sweep"].append(row)
 
 
+def prepared_capture(named, work: Path, nbytes: int, reps: int, res: dict) -> None:
+    """The capture as the adapters run it now: PreparedCapture.start() at the top of the load step lays the
+    parts out in tmpfs and page-locks them while the engine loads; the clock then times capture_tensors
+    alone (the DMA into the parts and the renames). The preparation's own time, the release after it,
+    and a run with no loading between start and capture (the worst case, preparation in the clock)."""
+    from mxlaunch.plugin import capture_prepare
+    from mxlaunch.plugin.capture_prepare import PreparedCapture
+
+    for name, overlap in (("capture_prepared", True), ("capture_prepared_worst", False)):
+        times, preps, releases, info = [], [], [], None
+        for _ in range(reps):
+            out = work / "capture-prep"
+            shutil.rmtree(out, ignore_errors=True)
+            t0 = time.perf_counter()
+            prep = PreparedCapture.start(named, out)
+            if prep is None:
+                res[name] = {"error": "not eligible"}
+                return
+            if overlap:
+                prep._thread.join()  # the engine's loading takes longer than this
+                preps.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            r = capture_tensors(named, out, prepared=prep)
+            times.append(time.perf_counter() - start)
+            releases.append(capture_prepare.release_pending())
+            info = r.prepared
+            if r.prepared is None:
+                res[name] = {"error": "the prepared parts were not used"}
+                return
+        check = restore_check(named, out)
+        res[name] = {"gibps": nbytes / GiB / statistics.median(times), "seconds": times, "info": info,
+                     "prepare_seconds": preps, "release_seconds_after": releases, "exact": check}
+        res[name]["x_d2h"] = res[name]["gibps"] / res["ceiling_d2h"]
+        print(f"{name}: {res[name]['gibps']:.2f} GiB/s ({res[name]['x_d2h']:.2f}x D2H) {[round(x, 3) for x in times]} prepare {preps} "
+              f"release {releases} exact={check}", flush=True)
+        shutil.rmtree(work / "capture-prep", ignore_errors=True)
+
+
+def restore_check(named, folder: Path) -> bool:
+    """The captured files read back with safetensors equal the source tensors."""
+    from safetensors import safe_open
+
+    gold = dict(named)
+    seen = set()
+    for path in files_of(folder):
+        with safe_open(path, framework="pt", device="cuda") as f:
+            for key in f.keys():
+                if not torch.equal(f.get_tensor(key), gold[key]):
+                    return False
+                seen.add(key)
+    return seen == set(gold)
+
+
+def registered_file_ceiling(files: list[str], res: dict, reps: int) -> None:
+    """One copy of the largest staged file's bytes from its registered (2 MiB page) mapping into one GPU
+    buffer, beside the pinned-buffer ceiling: what the DMA from a staged file itself can reach."""
+    from mxlaunch.plugin.early_register import register_file
+
+    path = max(files, key=lambda f: os.path.getsize(f))
+    reg = register_file(path, torch.cuda.current_device(), span=1 << 40)
+    src = None
+    try:
+        src = torch.frombuffer(reg.mapping.view, dtype=torch.uint8)
+        dev = torch.empty(reg.size, dtype=torch.uint8, device="cuda")
+        rates = [reg.size / GiB / sync_time(lambda: dev.copy_(src, non_blocking=True)) for _ in range(reps + 1)][1:]
+    finally:
+        src = dev = None  # the tensor views go before the mapping
+        reg.release()
+    res["ceiling_registered_file"] = {"gibps": statistics.median(rates), "all": rates, "bytes": reg.size}
+    print(f"registered staged file -> GPU, one copy: {statistics.median(rates):.2f} GiB/s {rates}", flush=True)
+
+
+def peers(staged_files: list[str], dests, gold, nbytes: int, R: int, res: dict, quick: bool = False) -> None:
+    """instanttensor (all files), and unless quick fastsafetensors and safetensors' safe_open, on the same files."""
+    try:
+        import instanttensor
+
+        def it_load():
+            with instanttensor.safe_open(staged_files, framework="pt", device=torch.cuda.current_device(),
+                                         copy=False) as f:
+                for name, tensor in f.tensors():
+                    dests[name].copy_(tensor)
+        run_method("instanttensor 0.2.2 (all files)", it_load, dests, gold, nbytes, R, res)
+    except ImportError as exc:
+        res["methods"]["instanttensor"] = {"error": str(exc)}
+    if quick:
+        return
+    try:
+        from fastsafetensors import fastsafe_open
+
+        def fst_load():
+            with fastsafe_open(staged_files, device="cuda:0", nogds=True) as f:
+                for name in f.keys():
+                    dests[name].copy_(f.get_tensor(name))
+        run_method("fastsafetensors (nogds)", fst_load, dests, gold, nbytes, 1, res)
+    except ImportError as exc:
+        res["methods"]["fastsafetensors"] = {"error": str(exc)}
+    from safetensors import safe_open
+
+    def st_load():
+        for path in staged_files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    dests[name].copy_(f.get_tensor(name))
+    run_method("safetensors safe_open per tensor", st_load, dests, gold, nbytes, 1, res)
+
+
+def finish(res: dict, args, work: Path, disk: Path) -> None:
+    """Ratios to the ceiling, peak RSS, the JSON; the work folders removed."""
+    ceiling = res["ceiling_h2d"]
+    for row in res["methods"].values():
+        if "gibps" in row:
+            row["x_ceiling"] = row["gibps"] / ceiling
+    res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(disk, ignore_errors=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "methods"}, indent=1))
+
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=28)
@@ -219,6 +341,8 @@ def main() -> None:
     ap.add_argument("--disk", default="/tmp/mx-bench-disk")
     ap.add_argument("--peers", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time GPU-copy settings on the staged files, then stop")
+    ap.add_argument("--quick", action="store_true",
+                    help="only the ceilings, the captures, the default restore and instanttensor (--peers)")
     args = ap.parse_args()
     work, disk = Path(args.work), Path(args.disk)
     shutil.rmtree(work, ignore_errors=True)
@@ -253,6 +377,8 @@ def main() -> None:
         r = capture_tensors(named, cap)
         caps.append(r.seconds)
     res["capture_pinned"] = {"gibps": nbytes / GiB / statistics.median(caps), "seconds": caps}
+    print(f"capture writers {res['capture_pinned']['gibps']:.2f} GiB/s {[round(x, 3) for x in caps]}", flush=True)
+    prepared_capture(named, work, nbytes, args.reps, res)
     if args.sweep:
         for env in ({"MXLAUNCH_CAPTURE_WRITERS": "16"}, {"MXLAUNCH_CAPTURE_HUGE": "0"},
                     {"MXLAUNCH_CAPTURE_HUGE": "0", "MXLAUNCH_CAPTURE_WRITERS": "16"}):
@@ -262,6 +388,8 @@ def main() -> None:
             print(f"capture {env}: {nbytes / GiB / r.seconds:.2f} GiB/s", flush=True)
         shutil.rmtree(work / "capture-x", ignore_errors=True)
         res["capture_pageable"] = {"gibps": 0.0, "seconds": [0.0]}
+    elif args.quick:
+        res["capture_pageable"] = {"gibps": 0.0, "seconds": [0.0], "skipped": "--quick"}
     else:
         shutil.rmtree(work / "capture-old", ignore_errors=True)
         r = with_env({"MXLAUNCH_GPU_COPY": "pageable"}, lambda: capture_tensors(named, work / "capture-old"))
@@ -299,7 +427,13 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
         return
+    registered_file_ceiling(staged_files, res, R)
     early_registration(staged_files, dests, gold, nbytes, R, res)
+    if args.quick:
+        if args.peers:
+            peers(staged_files, dests, gold, nbytes, R, res, quick=True)
+        finish(res, args, work, disk)
+        return
     run_method("mxlaunch ring, pinned in the clock", mx_load(staged_files, dests, "ring"), dests, gold, nbytes, R, res)
     run_method("mxlaunch hybrid (registrar in the clock + ring)", mx_load(staged_files, dests, "hybrid"), dests, gold,
                nbytes, R, res)
@@ -322,35 +456,7 @@ def main() -> None:
     run_method("mxlaunch pageable (the old path)", mx_load(staged_files, dests, "pageable"), dests, gold, nbytes, 1, res)
 
     if args.peers:
-        try:
-            import instanttensor
-
-            def it_load():
-                with instanttensor.safe_open(staged_files, framework="pt", device=torch.cuda.current_device(),
-                                             copy=False) as f:
-                    for name, tensor in f.tensors():
-                        dests[name].copy_(tensor)
-            run_method("instanttensor 0.2.2 (all files)", it_load, dests, gold, nbytes, R, res)
-        except ImportError as exc:
-            res["methods"]["instanttensor"] = {"error": str(exc)}
-        try:
-            from fastsafetensors import fastsafe_open
-
-            def fst_load():
-                with fastsafe_open(staged_files, device="cuda:0", nogds=True) as f:
-                    for name in f.keys():
-                        dests[name].copy_(f.get_tensor(name))
-            run_method("fastsafetensors (nogds)", fst_load, dests, gold, nbytes, 1, res)
-        except ImportError as exc:
-            res["methods"]["fastsafetensors"] = {"error": str(exc)}
-        from safetensors import safe_open
-
-        def st_load():
-            for path in staged_files:
-                with safe_open(path, framework="pt") as f:
-                    for name in f.keys():
-                        dests[name].copy_(f.get_tensor(name))
-        run_method("safetensors safe_open per tensor", st_load, dests, gold, nbytes, 1, res)
+        peers(staged_files, dests, gold, nbytes, R, res)
 
     # straight from local disk (page cache dropped): O_DIRECT reads into the pinned ring
     shutil.rmtree(staged, ignore_errors=True)
@@ -367,16 +473,7 @@ def main() -> None:
         "info": r.gpu}
     print(f"{'mxlaunch from local disk':40s} {nbytes / GiB / statistics.median(disk_times):7.2f} GiB/s", flush=True)
 
-    ceiling = res["ceiling_h2d"]
-    for row in res["methods"].values():
-        if "gibps" in row:
-            row["x_ceiling"] = row["gibps"] / ceiling
-    res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.rmtree(disk, ignore_errors=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v for k, v in res.items() if k != "methods"}, indent=1))
-
+    finish(res, args, work, disk)
 
 if __name__ == "__main__":
     main()

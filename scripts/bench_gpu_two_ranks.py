@@ -6,7 +6,11 @@ both processes released by one barrier: (1) the ceiling — each copies one pinn
 3 times; (2) mxlaunch's default path — prepare() (early registration of the staged files + ring) and the
 restore, bytes checked with torch.equal. Aggregate = both ranks' bytes / (last end − first start).
 
-    python scripts/bench_gpu_two_ranks.py --out two_ranks.json
+    python scripts/bench_gpu_two_ranks.py --out two_ranks.json [--numa both]
+
+`--numa local` pins each worker (and the `mxlaunch stage` it runs, so the staged files' pages) to the
+CPUs of its GPU's NUMA node; `both` runs the default and the local placement one after the other.
+The GPUs' NUMA nodes and `nvidia-smi topo -m` are recorded.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import shutil
 import subprocess
 import sys
@@ -24,10 +29,40 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
 
-def worker(rank: int, layers: int, barrier, out) -> None:
+def numa_node_of_gpu(index: int) -> int:
+    """The NUMA node of GPU `index` from sysfs (-1 when unknown)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is None:
+        return -1
+    domain = getattr(props, "pci_domain_id", 0)
+    dev = getattr(props, "pci_device_id", 0)
+    path = Path(f"/sys/bus/pci/devices/{domain:04x}:{bus:02x}:{dev:02x}.0/numa_node")
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return -1
+
+
+def node_cpus(node: int) -> set[int]:
+    cpus: set[int] = set()
+    text = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip()
+    for piece in text.split(","):
+        lo, _, hi = piece.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def worker(rank: int, layers: int, barrier, out, numa: str = "default") -> None:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "scripts"))
     import torch
+
+    node = numa_node_of_gpu(rank)
+    if numa == "local" and node >= 0:
+        os.sched_setaffinity(0, node_cpus(node))  # threads, the stage child and tmpfs pages follow
 
     from bench_gpu_load import rank_tensors
     from mxlaunch.plugin import gpu_restore
@@ -47,7 +82,8 @@ def worker(rank: int, layers: int, barrier, out) -> None:
     dests = {n: torch.empty_like(t) for n, t in named}
     pin = torch.empty(4 * GiB, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(4 * GiB, dtype=torch.uint8, device="cuda")
-    row: dict = {"rank": rank, "bytes": nbytes, "capture_seconds": cap.seconds}
+    row: dict = {"rank": rank, "bytes": nbytes, "capture_seconds": cap.seconds, "numa_node": node,
+                 "cpus": len(os.sched_getaffinity(0)), "capture": cap.prepared}
     spans = []
     for _ in range(3):
         barrier.wait()
@@ -79,14 +115,10 @@ def worker(rank: int, layers: int, barrier, out) -> None:
     out.put(row)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--out", default="two_ranks.json")
-    args = ap.parse_args()
+def one_variant(layers: int, numa: str) -> dict:
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.layers, barrier, out)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, layers, barrier, out, numa)) for r in range(2)]
     for p in procs:
         p.start()
     rows = sorted([out.get(timeout=500) for _ in procs], key=lambda r: r["rank"])
@@ -98,13 +130,28 @@ def main() -> None:
     total = sum(r["bytes"] for r in rows)
     mx = [total / GiB / (max(r["restore_runs"][i]["span"][1] for r in rows) - min(r["restore_runs"][i]["span"][0] for r in rows))
           for i in range(3)]
-    res = {"ceiling_two_pinned_copies_gibps": ceil, "mxlaunch_two_ranks_gibps": mx,
+    res = {"numa": numa, "ceiling_two_pinned_copies_gibps": ceil, "mxlaunch_two_ranks_gibps": mx,
            "ratio_median": sorted(mx)[1] / sorted(ceil)[1],
-           "exact": all(run["exact"] for r in rows for run in r["restore_runs"]), "ranks": rows,
-           "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v for k, v in res.items() if k != "ranks"}, indent=1))
+           "exact": all(run["exact"] for r in rows for run in r["restore_runs"]), "ranks": rows}
+    print(json.dumps({k: v for k, v in res.items() if k != "ranks"}, indent=1), flush=True)
+    return res
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--out", default="two_ranks.json")
+    ap.add_argument("--numa", choices=("default", "local", "both"), default="default")
+    args = ap.parse_args()
+    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
+    variants = ("default", "local") if args.numa == "both" else (args.numa,)
+    res = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "topo": topo,
+           "variants": [one_variant(args.layers, v) for v in variants]}
+    first = res["variants"][0]
+    res.update({k: first[k] for k in ("ceiling_two_pinned_copies_gibps", "mxlaunch_two_ranks_gibps", "ratio_median",
+                                      "exact")})
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(topo)
 
 if __name__ == "__main__":
     main()

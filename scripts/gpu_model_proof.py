@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mxlaunch.plugin import gpu_restore  # noqa: E402
+from mxlaunch.plugin import capture_prepare  # noqa: E402
+from mxlaunch.plugin.capture_prepare import PreparedCapture  # noqa: E402
 from mxlaunch.plugin.loader import capture_tensors, module_tensors, restore_tensors  # noqa: E402
 
 GiB = 1 << 30
@@ -72,9 +74,12 @@ def main() -> None:
         gold = logits(model, ids)
         row["again_equal"] = bool(torch.equal(gold, logits(model, ids)))
         cap = work / name / "capture"
-        c = capture_tensors(module_tensors(model), cap)
+        # as RankLoad.capture does: the parts laid out and page-locked while the engine loads, then the copies
+        prep = PreparedCapture.start(module_tensors(model), cap)
+        c = capture_tensors(module_tensors(model), cap, prepared=prep)
         row["capture"] = {"gib": c.bytes / GiB, "tensors": c.tensors, "files": len(c.files),
-                          "seconds": round(c.seconds, 3), "gibps": c.bytes / GiB / c.seconds}
+                          "seconds": round(c.seconds, 3), "gibps": c.bytes / GiB / c.seconds, "prepared": c.prepared,
+                          "release_seconds": round(capture_prepare.release_pending(), 4)}
         del model
         torch.cuda.empty_cache()
         staged = work / name / "staged"
@@ -113,6 +118,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     ok = all(r[f"restore_{s}"]["logits_equal"] and not r[f"restore_{s}"]["equal_before_restore"]
              for r in res["models"].values() for s in ("staged", "capture"))
+    ok = ok and all(r["capture"]["prepared"] is not None for r in res["models"].values())
     res["all_exact"] = ok
     Path(args.out).write_text(json.dumps(res, indent=1))
     print("ALL EXACT" if ok else "MISMATCH", flush=True)

@@ -31,6 +31,7 @@ class CaptureResult:
     bytes: int          # tensor bytes written (each storage group once)
     tensors: int        # groups written
     seconds: float
+    prepared: dict | None = None  # set when the parts were prepared during loading (capture_prepare)
 
 
 def _plan_parts(groups: list[Group], part_bytes: int) -> list[list[Group]]:
@@ -44,6 +45,22 @@ def _plan_parts(groups: list[Group], part_bytes: int) -> list[list[Group]]:
         parts[-1].append(g)
         size += n
     return [p for p in parts if p] or [[]]
+
+
+def capture_meta(groups: list[Group], metadata: dict[str, str] | None) -> tuple[dict[str, str], bool]:
+    """The files' metadata (aliases included), and whether any group has aliases."""
+    aliases = {g.name: g.names[1:] for g in groups if len(g.names) > 1}
+    meta = {"format": "pt", SCHEMA_KEY: "1", **(metadata or {})}
+    if aliases:
+        meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True, separators=(",", ":"))
+    return meta, bool(aliases)
+
+
+def part_jobs(groups: list[Group], out: Path, meta: dict[str, str], aliases: bool,
+              part_bytes: int) -> list[tuple[Path, list[Group], dict[str, str]]]:
+    """[(final path, its groups, its metadata)] — the same for the writers and for a prepared capture."""
+    return [(out / PART_NAME.format(i), part, _part_meta(part, meta, aliases))
+            for i, part in enumerate(_plan_parts(groups, part_bytes))]
 
 
 def _part_meta(part: list[Group], meta: dict[str, str], aliases: bool) -> dict[str, str]:
@@ -125,27 +142,33 @@ def capture_tensors(
     part_bytes: int = PART_BYTES,
     fsync: bool = True,
     metadata: dict[str, str] | None = None,
+    prepared: Any = None,
 ) -> CaptureResult:
     """Write `named` tensors (each storage group once) as safetensors parts into `out_dir`.
 
     Each part appears by rename when complete. On any error the parts written so far and the temp files
-    are removed and CaptureError is raised.
+    are removed and CaptureError is raised. `prepared` (plugin/capture_prepare.PreparedCapture, started
+    while the engine loaded) is used when it still fits the tensors: then the capture is the copies alone.
     """
     started = time.perf_counter()
     out = Path(out_dir)
     groups = group_tensors(named)
-    aliases = {g.name: g.names[1:] for g in groups if len(g.names) > 1}
-    meta = {"format": "pt", SCHEMA_KEY: "1", **(metadata or {})}
-    if aliases:
-        meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True, separators=(",", ":"))
-    parts = _plan_parts(groups, part_bytes)
-    jobs = [(out / PART_NAME.format(i), part, _part_meta(part, meta, bool(aliases))) for i, part in enumerate(parts)]
+    if prepared is not None and prepared.take(groups) is not None:
+        files, total = prepared.write(groups, fsync=fsync)
+        if fsync:
+            _fsync_dir(out)
+        return CaptureResult(files=files, bytes=total, tensors=len(groups), seconds=time.perf_counter() - started,
+                             prepared={"prepare_seconds": round(prepared.seconds, 4),
+                                       "wait_seconds": round(prepared.wait_seconds, 4),
+                                       "huge_bytes": prepared.huge_bytes})
+    meta, aliases = capture_meta(groups, metadata)
+    jobs = part_jobs(groups, out, meta, aliases, part_bytes)
     written: list[Path] = []
     total = 0
     gpu = None
     try:
         out.mkdir(parents=True, exist_ok=True)
-        gpu = _pinned_capture(groups, len(parts))
+        gpu = _pinned_capture(groups, len(jobs))
         if gpu is None:
             for final, part, part_meta in jobs:
                 total += _write_part(final, part, part_meta, fsync, write_cpu_tensor)

@@ -149,6 +149,16 @@ class CudaCopier:
         if register:
             for i in range(max(1, registrars)):
                 self._start(self._registrar, f"mxlaunch-register-{i}")
+        self._readers_started = False
+        if not early:  # with files registered early, readers start only when a file needs the ring
+            self._start_readers()
+
+    def _start_readers(self) -> None:
+        """The ring's reader threads (each with its CUDA stream): started once, when first needed."""
+        if self._readers_started:
+            return
+        self._readers_started = True
+        ring, chunk = self.ring, self.chunk
         for i in range(self.readers):
             assert ring is not None
             slot_pair = (ring.tensor[2 * i * chunk:(2 * i + 1) * chunk], ring.tensor[(2 * i + 1) * chunk:(2 * i + 2) * chunk])
@@ -177,6 +187,7 @@ class CudaCopier:
             except OSError as exc:  # the ring reads it
                 self.stats.notes.append(f"{path.name}: not mapped ({exc.strerror or exc})")
         file = _OpenFile(path, size, fd, direct, mapping)
+        self._start_readers()
         self._files.append(file)
         windows = windows_for(file, items, self.chunk)
         with self._cv:

@@ -270,26 +270,45 @@ class RankLoad:
         from mxlaunch.plugin.loader import CaptureError, capture_tensors, module_tensors
 
         plan, rank, log = self.plan, self.rank, self.log
-        outcome = self.default()
-        outcome.strategy = "capture"
         if not plan.capture_dir:
+            outcome = self.default()
+            outcome.strategy = "capture"
             report_fallback(plan, rank, "capture: the plan names no capture_dir; serving without capturing", log)
             return outcome
         out_dir = Path(plan.capture_dir) / str(plan.capture_target(rank))  # the snapshot rank this worker writes
+        metadata = {"mxlaunch.rank": out_dir.name, "mxlaunch.source_id": plan.source_id}
+        prepared = self._prepare_capture(out_dir, metadata)  # the parts laid out while the engine loads
         try:
-            result = capture_tensors(module_tensors(self.model), out_dir,
-                                     metadata={"mxlaunch.rank": out_dir.name, "mxlaunch.source_id": plan.source_id})
+            outcome = self.default()
+            outcome.strategy = "capture"
+            result = capture_tensors(module_tensors(self.model), out_dir, metadata=metadata, prepared=prepared)
         except CaptureError as exc:
             report_fallback(plan, rank, f"capture failed, serving without a snapshot: {exc}", log)
             return outcome
+        finally:
+            if prepared is not None:
+                prepared.discard()  # a no-op once its parts are in place; removes them on any failure
         files = [{"name": p.name, "path": str(p), "bytes": p.stat().st_size} for p in result.files]
-        log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s (added to this first "
+        how = " straight into parts laid out during loading" if result.prepared else ""
+        log.info("mxlaunch: rank %d captured %s GiB (%d tensors, %d files) into %s in %.2f s%s (added to this first "
                  "start; %s's weight loading took %.2f s)", rank, gib(result.bytes), result.tensors, len(files),
-                 out_dir, result.seconds, self.engine, outcome.seconds)
+                 out_dir, result.seconds, how, self.engine, outcome.seconds)
         safe_marker(plan, "captured", rank, {"files": files, "bytes": result.bytes, "tensors": result.tensors,
                                              "seconds": round(result.seconds, 4), "load_seconds": round(outcome.seconds, 4),
+                                             **({"prepared": result.prepared} if result.prepared else {}),
                                              **self.layout()}, log)
         return outcome
+
+    def _prepare_capture(self, out_dir: Path, metadata: dict[str, str]) -> Any:
+        """Start laying the capture's parts out (capture_prepare); None when it does not apply or fails."""
+        from mxlaunch.plugin.capture_prepare import PreparedCapture
+        from mxlaunch.plugin.loader import module_tensors
+
+        try:
+            return PreparedCapture.start(module_tensors(self.model), out_dir, metadata=metadata)
+        except Exception as exc:  # noqa: BLE001 - the capture writes its parts after loading instead
+            self.log.warning("mxlaunch: rank %d: cannot prepare the capture's files during loading: %s", self.rank, exc)
+            return None
 
     def staged(self) -> Outcome:
         from mxlaunch.plugin.loader import RestoreError, module_tensors, restore_tensors
@@ -326,6 +345,9 @@ class RankLoad:
         """After the engine's post-processing: the launcher frees this rank's staged files on this marker."""
         if "mxlaunch.plugin.gpu_restore" in sys.modules:  # staged files still page-locked: unpin first
             outcome.extra["unpin_wait_seconds"] = round(sys.modules["mxlaunch.plugin.gpu_restore"].release_pending(), 4)
+        if "mxlaunch.plugin.capture_prepare" in sys.modules:  # captured parts still page-locked
+            outcome.extra["capture_unpin_wait_seconds"] = round(
+                sys.modules["mxlaunch.plugin.capture_prepare"].release_pending(), 4)
         if outcome.plan is None:
             return
         safe_marker(outcome.plan, "loaded", self.rank,
