@@ -55,7 +55,30 @@ def node_cpus(node: int) -> set[int]:
     return cpus
 
 
-def worker(rank: int, layers: int, barrier, out, numa: str = "default") -> None:
+def huge_fraction(files: list[str]) -> float:
+    """Share of the staged files' bytes that sit in 2 MiB pages (ShmemPmdMapped of a populated mapping)."""
+    from mxlaunch.staging.hugepages import FileMapping, _libc
+
+    huge = total = 0
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(fd).st_size
+        m = FileMapping(fd, size, writable=False)
+        _libc.madvise(m.addr, size, 22)  # MADV_POPULATE_READ
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith(f"{m.addr:x}-"):
+                for follow in lines[i + 1:i + 30]:
+                    if follow.startswith("ShmemPmdMapped:") or follow.startswith("FilePmdMapped:"):
+                        huge += int(follow.split()[1]) << 10
+                break
+        total += size
+        m.close()
+        os.close(fd)
+    return huge / total if total else 0.0
+
+
+def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib: int = 0) -> None:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "scripts"))
     import torch
@@ -79,11 +102,16 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default") -> None:
     if p.returncode:
         raise SystemExit(p.stderr[-1000:])
     files = sorted(str(f) for f in (work / "staged").rglob("*.safetensors"))
+    if span_mib:
+        from mxlaunch.plugin import early_register
+
+        early_register.SPAN = span_mib << 20
     dests = {n: torch.empty_like(t) for n, t in named}
     pin = torch.empty(4 * GiB, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(4 * GiB, dtype=torch.uint8, device="cuda")
     row: dict = {"rank": rank, "bytes": nbytes, "capture_seconds": cap.seconds, "numa_node": node,
-                 "cpus": len(os.sched_getaffinity(0)), "capture": cap.prepared}
+                 "cpus": len(os.sched_getaffinity(0)), "capture": cap.prepared, "span_mib": span_mib,
+                 "staged_huge_fraction": huge_fraction(files)}
     spans = []
     for _ in range(3):
         barrier.wait()
@@ -94,7 +122,40 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default") -> None:
         spans.append((t0, time.time()))
     row["ceiling_spans"] = spans
     del pin, dev
+    # the same ceiling with as many bytes as the rank (a larger working set for the host's DMA)
+    pin = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    spans = []
+    for _ in range(3):
+        barrier.wait()
+        torch.cuda.synchronize()
+        t0 = time.time()
+        dev.copy_(pin, non_blocking=True)
+        torch.cuda.synchronize()
+        spans.append((t0, time.time()))
+    row["ceiling_rank_bytes_spans"] = spans
+    del pin, dev
     runs = []
+    solo = []
+    for turn in range(2):  # each rank alone first (the other waits at the barrier), then both at once
+        for t in dests.values():
+            t.zero_()
+        gpu_restore.prepare(rank, files, timeout_s=10)
+        gpu_restore._registrar.wait()
+        gpu_restore._early._thread.join()
+        torch.cuda.synchronize()
+        barrier.wait()
+        if turn == rank:
+            t0 = time.time()
+            r = restore_tensors(list(dests.items()), files, wait_timeout_s=10)
+            torch.cuda.synchronize()
+            solo.append({"seconds": time.time() - t0, "gpu": r.gpu})
+        else:  # this rank sits out: release its registrations
+            gpu_restore._registrar.stop()
+            gpu_restore._registrar = None
+        barrier.wait()
+        gpu_restore.release_pending()
+    row["solo"] = solo
     for _ in range(3):
         for t in dests.values():
             t.zero_()
@@ -115,10 +176,10 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default") -> None:
     out.put(row)
 
 
-def one_variant(layers: int, numa: str) -> dict:
+def one_variant(layers: int, numa: str, span_mib: int = 0) -> dict:
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, layers, barrier, out, numa)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, layers, barrier, out, numa, span_mib)) for r in range(2)]
     for p in procs:
         p.start()
     rows = sorted([out.get(timeout=500) for _ in procs], key=lambda r: r["rank"])
@@ -128,10 +189,15 @@ def one_variant(layers: int, numa: str) -> dict:
     ceil = [total_ceiling / GiB / (max(r["ceiling_spans"][i][1] for r in rows) - min(r["ceiling_spans"][i][0] for r in rows))
             for i in range(3)]
     total = sum(r["bytes"] for r in rows)
+    ceil_rank = [total / GiB / (max(r["ceiling_rank_bytes_spans"][i][1] for r in rows)
+                                - min(r["ceiling_rank_bytes_spans"][i][0] for r in rows)) for i in range(3)]
     mx = [total / GiB / (max(r["restore_runs"][i]["span"][1] for r in rows) - min(r["restore_runs"][i]["span"][0] for r in rows))
           for i in range(3)]
-    res = {"numa": numa, "ceiling_two_pinned_copies_gibps": ceil, "mxlaunch_two_ranks_gibps": mx,
+    res = {"numa": numa, "span_mib": span_mib, "huge": [r["staged_huge_fraction"] for r in rows],
+           "ceiling_two_pinned_copies_gibps": ceil, "mxlaunch_two_ranks_gibps": mx,
            "ratio_median": sorted(mx)[1] / sorted(ceil)[1],
+           "ceiling_two_pinned_copies_rank_bytes_gibps": ceil_rank,
+           "ratio_median_rank_bytes": sorted(mx)[1] / sorted(ceil_rank)[1],
            "exact": all(run["exact"] for r in rows for run in r["restore_runs"]), "ranks": rows}
     print(json.dumps({k: v for k, v in res.items() if k != "ranks"}, indent=1), flush=True)
     return res
@@ -142,11 +208,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--out", default="two_ranks.json")
     ap.add_argument("--numa", choices=("default", "local", "both"), default="default")
+    ap.add_argument("--span-mib", default="0", help="comma list: early-registration span(s) in MiB to compare (0 = default)")
     args = ap.parse_args()
     topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
     variants = ("default", "local") if args.numa == "both" else (args.numa,)
     res = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "topo": topo,
-           "variants": [one_variant(args.layers, v) for v in variants]}
+           "variants": [one_variant(args.layers, v, int(span)) for v in variants for span in args.span_mib.split(",")]}
     first = res["variants"][0]
     res.update({k: first[k] for k in ("ceiling_two_pinned_copies_gibps", "mxlaunch_two_ranks_gibps", "ratio_median",
                                       "exact")})

@@ -114,7 +114,7 @@ class EarlyRegistrar:
                         continue
                     self._current = path
                 try:
-                    reg = register_file(path, self.device)
+                    reg = register_file(path, self.device, span=SPAN)
                 finally:
                     with self._cv:
                         self._current = None
