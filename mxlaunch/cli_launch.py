@@ -62,6 +62,8 @@ def launch(
                 out.print(f"p2p {p.layout} layout via {escape(p.registry)}: "
                           f"{'pull from ' + escape(p.describe()) if p.can_pull else escape(str(p.why_not))}"
                           f"{'; workers serve after loading' if p.serve else ''}", highlight=False)
+            if plan.capture_via:
+                out.print(f"capture via [bold]{plan.capture_via}[/]: {escape(plan.capture_via_reason)}", highlight=False)
             if plan.stage_files:
                 out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
         return

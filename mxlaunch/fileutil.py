@@ -146,6 +146,33 @@ def read_json(path: str | os.PathLike[str], limit: int = MAX_JSON_BYTES) -> Any:
     return json.loads(data.decode("utf-8"))
 
 
+# ---- filesystems ------------------------------------------------------------------------------------------
+
+TMPFS_MAGIC = 0x01021994  # statfs(2) f_type of tmpfs (and /dev/shm)
+
+
+def is_tmpfs(path: str | os.PathLike[str]) -> bool:
+    """Is `path` (which must exist) on tmpfs? statfs(2) through libc: no torch, no mount table."""
+    try:
+        import ctypes
+
+        buf = (ctypes.c_char * 256)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return False
+        return int.from_bytes(bytes(buf[:8]), "little") == TMPFS_MAGIC
+    except (OSError, AttributeError):
+        return False
+
+
+def nearest_existing(path: str | os.PathLike[str]) -> Path:
+    """`path`, or its nearest parent that exists (a store folder not made yet lives on its parent's filesystem)."""
+    probe = Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
+
+
 # ---- who am I, is that process alive -------------------------------------------------------------------
 
 

@@ -10,6 +10,8 @@ this file and marker files in the run folder — no sockets, no shared state.
       "source_id": "0123456789abcdef",
       "run_dir": "/dev/shm/mxlaunch-<uid>/<run>",      # markers live in <run_dir>/markers/
       "capture_dir": "<store>/<id>/.tmp-<capture>/.../ranks",  # capture: worker R writes <capture_dir>/<S>/*.safetensors
+                                                       # (or "<run_dir>/capture": through /dev/shm, uploaded
+                                                       # into the store by the launcher)
       "capture_ranks": {"0": 0, "1": 1},               # capture: worker rank R → the snapshot rank S it writes;
                                                        # workers not listed (other DP replicas) serve without
                                                        # capturing; empty: every worker writes its own rank

@@ -34,6 +34,7 @@ KERNEL_CACHE_MAX_GIB = "MXLAUNCH_KERNEL_CACHE_MAX_GIB"
 REGISTRY = "MXLAUNCH_REGISTRY"
 KILL_WAIT = "MXLAUNCH_KILL_WAIT"
 CAPTURE_TIMEOUT = "MXLAUNCH_CAPTURE_TIMEOUT"
+CAPTURE_VIA_SHM = "MXLAUNCH_CAPTURE_VIA_SHM"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -62,6 +63,9 @@ VARIABLES: dict[str, str] = {
     KERNEL_CACHE_MAX_GIB: "largest kernel cache archive captured or restored, in GiB (default 8)",
     CAPTURE_TIMEOUT: "a capture over several nodes: seconds the claim holder waits for the other nodes' parts after "
                      "its own, before it gives up and removes the capture (default 600)",
+    CAPTURE_VIA_SHM: "auto (the default): a capture is written into this node's /dev/shm first and uploaded to the "
+                     "store in the background when the store is not on tmpfs and /dev/shm has room for it; off: "
+                     "write straight to the store",
     REGISTRY: "the P2P source registry when --registry is not given: file (the artifact store's .peers folder; "
               "the default), file:/dir, or redis://host:port/db",
     KILL_WAIT: "in a Slurm job: the scheduler's KillWait in seconds (SIGTERM to SIGKILL), which bounds how long the "
@@ -194,3 +198,9 @@ def capture_timeout(environ: Mapping[str, str] = os.environ) -> float:
     except ValueError:
         value = 600.0
     return value if value > 0 else 600.0
+
+
+def capture_via_shm(environ: Mapping[str, str] = os.environ) -> str:
+    """$MXLAUNCH_CAPTURE_VIA_SHM: "off" (also 0, no, false) or "auto" (the default, and anything else)."""
+    value = environ.get(CAPTURE_VIA_SHM, "").strip().lower()
+    return "off" if value in ("off", "0", "no", "false") else "auto"

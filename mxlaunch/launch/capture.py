@@ -18,25 +18,42 @@ claim is lost, or when a node has not reported `timeout_s` after the holder's ow
 (MXLAUNCH_CAPTURE_TIMEOUT); it then removes the whole pending capture and releases the claim: nothing
 published, and the next launch captures again. A holder killed outright leaves its lease to expire;
 the next holder removes what is left (`Store.reap_captures`).
+
+**Through /dev/shm.** When the plan routes the capture through node-local /dev/shm (`capture_via` "shm",
+launch/capture_route.py), the plugin writes into `local_root/<rank>/` in the run folder instead of the
+store. Once every capturing worker of this node has reported and the engine is ready (at once in a
+capture over several nodes: the holder's wait runs from its own part), the files are uploaded into the
+store's temp folder in background threads (staging/upload.py, checksummed on the way); only then is
+the node's part done as above. A failed upload gives the capture up like any failed capture; the
+/dev/shm copy goes once uploaded, on a failure, and with the run folder on every exit. A launch that
+stops (signal, engine exit) while its upload runs cancels it and gives the capture up: the stop stays
+within the scheduler's grace and the next launch captures again.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from mxlaunch import settings
 from mxlaunch.contract import SHARED_FOLDER_FORMATS, SNAPSHOT_VERSION
 from mxlaunch.errors import MxlaunchError
+from mxlaunch.fileutil import ensure_dir
+from mxlaunch.staging.capacity import format_bytes
+from mxlaunch.staging.upload import UploadItem, UploadJob, copy_file
 from mxlaunch.store import SnapshotMeta, Store
 from mxlaunch.store_capture import new_capture_id
+from mxlaunch.store_snapshot import check_relpath
 
 if TYPE_CHECKING:
     from mxlaunch.launch.decide import LaunchPlan
 
 CLAIM_TTL_S = 60.0
 POLL_S = 1.0
+PROGRESS_S = 10.0  # an upload's progress line, this often
 
 
 @dataclass(frozen=True)
@@ -83,10 +100,17 @@ def capture_timeout_s() -> float:
 
 class CaptureSession:
     """This node's part of one capture, driven by the launcher: `start` before the engine, `on_captured`
-    / `on_fallback` from the plugin's markers, `poll` every supervision tick, `close` on exit."""
+    / `on_fallback` from the plugin's markers, `engine_ready` once it serves, `poll` every supervision
+    tick, `stop_upload` and `close` on exit.
+
+    `local_root` (a folder in the run folder in /dev/shm): the plugin writes there and this session
+    uploads into the store; None: the plugin writes into the store's temp folder. `copy` copies one
+    file for the upload (default: staging/upload.py's `copy_file`, looked up when the upload starts; a
+    test passes or patches in a failing or slow one)."""
 
     def __init__(self, store: Store, plan: "LaunchPlan", emit: Callable[..., None],
-                 timeout_s: Optional[float] = None) -> None:
+                 timeout_s: Optional[float] = None, local_root: Optional[Path] = None,
+                 copy: Optional[Callable[..., tuple[int, str]]] = None) -> None:
         self.store = store
         self.plan = plan
         self.sid = plan.source_id
@@ -98,9 +122,14 @@ class CaptureSession:
         self.claim = None
         self.writer = None
         self.captured: set[int] = set()
-        self.state = "idle"  # → capturing → waiting (node done) → published | failed
+        self.state = "idle"  # → capturing → (uploading →) waiting (node done) → published | failed
         self.done_at: Optional[float] = None
         self._next_poll = 0.0
+        self.local_root = local_root
+        self.copy = copy
+        self.upload: Optional[UploadJob] = None
+        self.ready = False  # the engine serves: a single-node capture uploads only then
+        self._next_progress = 0.0
 
     # ---- state ----
 
@@ -116,10 +145,15 @@ class CaptureSession:
     def multinode(self) -> bool:
         return self.part.nnodes > 1
 
+    @property
+    def via_shm(self) -> bool:
+        return self.local_root is not None
+
     def plan_fields(self) -> tuple[str, dict[str, int]]:
         """The plan file's capture_dir and capture_ranks (worker rank → the snapshot rank it writes)."""
         assert self.writer is not None
-        return str(self.writer.capture_dir), {str(w): r for w, r in sorted(self.part.workers.items())}
+        capture_dir = self.local_root if self.local_root is not None else self.writer.capture_dir
+        return str(capture_dir), {str(w): r for w, r in sorted(self.part.workers.items())}
 
     # ---- start ----
 
@@ -158,6 +192,9 @@ class CaptureSession:
             self._decline(f"cannot capture: {exc.one_line()}")
             return f"cannot capture: {exc.one_line()}"
         self.capture_id, self.state = cid, "capturing"
+        if self.local_root is not None:
+            for rank in self.part.ranks:  # the plugin writes <local_root>/<rank>/ as it would the store's folder
+                (self.local_root / str(rank)).mkdir(parents=True, exist_ok=True)
         if self.multinode:
             role = "publishes it once every node's part is in" if self.holder else f"joins the claim of {joined}"
             self.emit("capture", capture_id=cid, message=f"node {self.part.node_rank} of {self.part.nnodes} writes "
@@ -180,18 +217,103 @@ class CaptureSession:
         self.captured.add(worker)
         self.emit("captured", rank=worker)
         if self.captured >= set(self.part.workers):
-            self._node_done()
+            if self.local_root is None:
+                self._node_done()
+            else:
+                self.state = "uploading"
+                self._start_upload()
+
+    def engine_ready(self) -> None:
+        """The engine serves: a capture through /dev/shm may upload now."""
+        self.ready = True
+        self._start_upload()
 
     def on_fallback(self, worker: int) -> None:
         """A capturing worker fell back: no snapshot from this capture (others' fallbacks do not matter)."""
         if self.state == "capturing" and worker in self.part.workers:
             self._give_up(f"rank {worker} could not capture (see its fallback)", error=self.multinode)
 
-    def _node_done(self) -> None:
+    # ---- the upload from /dev/shm ----
+
+    def _start_upload(self) -> None:
+        """Once every rank is in /dev/shm and the engine serves (or at once over several nodes)."""
+        if self.state != "uploading" or self.upload is not None or not (self.ready or self.multinode):
+            return
+        assert self.writer is not None and self.local_root is not None
+        items = []
+        try:
+            for rank in self.part.ranks:
+                base, dest = self.local_root / str(rank), self.writer.rank_dir(rank)
+                for path in sorted(base.rglob("*")):
+                    inner = path.relative_to(base)
+                    if (not path.is_file() or path.is_symlink() or check_relpath(str(inner)) is not None
+                            or any(p.startswith(".") for p in inner.parts)):
+                        continue  # a temp or foreign file: never recorded, so never uploaded
+                    ensure_dir((dest / inner).parent)
+                    items.append(UploadItem(rank, str(inner), path, dest / inner, path.stat().st_size))
+        except (OSError, MxlaunchError) as exc:
+            return self._upload_failed(getattr(exc, "message", None) or str(exc))
+        self.upload = UploadJob(items, copy=self.copy or copy_file).start()
+        self._next_progress = time.monotonic() + PROGRESS_S
+        self.emit("upload", ranks=self.part.ranks, bytes=self.upload.total_bytes, files=len(items),
+                  source=str(self.local_root),
+                  message=f"uploading snapshot rank(s) {self.part.ranks} ({format_bytes(self.upload.total_bytes)}, "
+                          f"{len(items)} files) from /dev/shm into the store in the background")
+
+    def _poll_upload(self, now: float) -> None:
+        job = self.upload
+        if job is None:
+            return
+        if job.running:
+            if self.holder and self.claim is not None and self.claim.lost:
+                return self._give_up("the capture claim was lost (its lease ran out) during the upload")
+            if now >= self._next_progress:
+                self._next_progress = now + PROGRESS_S
+                rate = job.done_bytes / max(job.seconds, 1e-9) / (1 << 30)
+                self.emit("upload", ranks=self.part.ranks, bytes=job.total_bytes, done=job.done_bytes,
+                          message=f"uploaded {format_bytes(job.done_bytes)} of {format_bytes(job.total_bytes)} "
+                                  f"({rate:.2f} GiB/s)")
+            return
+        if job.error is not None:
+            return self._upload_failed(job.error)
+        if not job.ok:  # cancelled: this node is stopping
+            return self._give_up("this node stopped before its upload from /dev/shm into the store was done")
         assert self.writer is not None
         try:
-            for rank in self.writer.ranks:
-                self.writer.add_rank_dir(rank)
+            for done in sorted(job.results.values(), key=lambda u: (u.rank, u.rel)):
+                self.writer.add_file(done.rank, done.rel, xxh3_128=done.xxh3_128)
+        except (OSError, MxlaunchError) as exc:
+            return self._upload_failed(getattr(exc, "message", None) or str(exc))
+        self._drop_local()
+        self.emit("uploaded", ranks=self.part.ranks, bytes=job.total_bytes, seconds=round(job.seconds, 3),
+                  gib_per_s=round(job.total_bytes / max(job.seconds, 1e-9) / (1 << 30), 3))
+        self._node_done(recorded=True)
+
+    def _upload_failed(self, why: str) -> None:
+        root = self.store.root
+        self._give_up(f"uploading snapshot rank(s) {self.part.ranks} from /dev/shm into the store failed: {why}",
+                      fix=f"check free space, quota and permissions on {root} (or set MXLAUNCH_CAPTURE_VIA_SHM=off "
+                          "to write straight into the store)")
+
+    def stop_upload(self, timeout: float = 5.0) -> None:
+        """Cancel a running upload and wait for its threads a moment (before the run folder goes)."""
+        if self.upload is not None and self.upload.running:
+            self.upload.cancel()
+            self.upload.join(timeout)
+
+    def _drop_local(self) -> None:
+        """The /dev/shm copy: gone once uploaded, or given up (the run folder's removal catches the rest)."""
+        if self.local_root is not None:
+            shutil.rmtree(self.local_root, ignore_errors=True)
+
+    # ---- this node's part is in ----
+
+    def _node_done(self, recorded: bool = False) -> None:
+        assert self.writer is not None
+        try:
+            if not recorded:  # written straight into the store: checksum the files there
+                for rank in self.writer.ranks:
+                    self.writer.add_rank_dir(rank)
             if not self.holder and not self._holder_is_ours():
                 self._give_up("its claim holder gave up before this node's part was in")
                 return
@@ -212,6 +334,8 @@ class CaptureSession:
     def poll(self, now: Optional[float] = None) -> None:
         """Holder: publish once every part is in, or give up. Other nodes: notice the outcome."""
         now = time.monotonic() if now is None else now
+        if self.state == "uploading":
+            return self._poll_upload(now)
         if self.state != "waiting" or now < self._next_poll:
             return
         self._next_poll = now + POLL_S
@@ -255,23 +379,25 @@ class CaptureSession:
         self.emit("published", source_id=self.sid, store=str(self.store.root))
         self._release()
 
-    def _give_up(self, why: str, error: bool = True) -> None:
+    def _give_up(self, why: str, error: bool = True, fix: str = "") -> None:
         """No snapshot from this capture: the holder removes every node's part, a member only its own."""
         if self.state in ("published", "failed"):
             return
         was = self.state
         self.state = "failed"
+        self.stop_upload()
+        self._drop_local()
         if self.holder:
             self.store.discard_capture(self.sid, self.capture_id or "")
         else:
             if self.writer is not None:
                 self.writer.abort()
-            if was == "capturing" and self._holder_is_ours():
+            if was in ("capturing", "uploading") and self._holder_is_ours():
                 self._decline(why)
         self._release()
         if error:
             self.emit("error", message=f"capture {self.capture_id} of {self.sid} published nothing: {why}; its parts "
-                                       "are removed and the next launch captures again")
+                                       f"are removed and the next launch captures again{' — ' + fix if fix else ''}")
 
     def _release(self) -> None:
         if self.claim is not None:
@@ -280,8 +406,12 @@ class CaptureSession:
 
     def close(self) -> None:
         """On exit (engine stopped): an unfinished capture is given up — the holder's leaves nothing behind."""
-        if self.state == "capturing" or (self.state == "waiting" and self.holder):
+        if self.state == "uploading":
+            self._give_up("this node stopped before its upload from /dev/shm into the store was done")
+        elif self.state == "capturing" or (self.state == "waiting" and self.holder):
             self._give_up("this node stopped before every node's part was in")
+        self.stop_upload()
+        self._drop_local()
         if self.writer is not None:
             self.writer.abort()  # this node's temp folder, should a late writer have made it again
         self._release()

@@ -186,8 +186,10 @@ def remove_stale_runs(root: Path) -> list[Path]:
 
 
 def free_staged(run_dir: Path) -> None:
-    """The big part of a run folder, the staged snapshot files, removed at once (a stop signal)."""
+    """The big parts of a run folder, removed at once (a stop signal): the staged snapshot files, and a
+    capture's copy in /dev/shm (launch/capture.py)."""
     shutil.rmtree(run_dir / "stage", ignore_errors=True)
+    shutil.rmtree(run_dir / "capture", ignore_errors=True)
 
 
 def remove_run(run_dir: Path) -> None:

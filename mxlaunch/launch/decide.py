@@ -24,6 +24,7 @@ from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.kernelcache_store import KernelCacheStore
 from mxlaunch.coord.base import valid_id
 from mxlaunch.launch.capture import capture_part
+from mxlaunch.launch.capture_route import decide_capture_route
 from mxlaunch.launch.kernel import plan_kernel_cache
 from mxlaunch.launch.p2p import P2PDecision, decide_p2p
 from mxlaunch.slurm import adapt_launch
@@ -70,6 +71,9 @@ class LaunchPlan:
     kernel_cache: Optional[dict] = None  # launch/kernel.py's plan_kernel_cache: status hit | miss | off, key, ...
     p2p: Optional[P2PDecision] = None  # launch/p2p.py: live sources, layout, whether workers serve; None: off
     capture_id: Optional[str] = None  # the nodes of one job capture under this id (None: a fresh one per capture)
+    capture_via: Optional[str] = None  # a capture: "shm" (node-local /dev/shm, then uploaded) | "store"; else None
+    capture_via_reason: str = ""
+    capture_bytes: int = 0  # a capture: this node's part, estimated from the checkpoint (launch/capture_route.py)
 
     @property
     def stage_bytes(self) -> int:
@@ -102,6 +106,9 @@ class LaunchPlan:
             "kernel_cache": self.kernel_cache,
             "p2p": self.p2p.to_json() if self.p2p else None,
             "capture_id": self.capture_id,
+            "capture_via": self.capture_via,
+            "capture_via_reason": self.capture_via_reason,
+            "capture_bytes": self.capture_bytes,
         }
 
 
@@ -133,9 +140,13 @@ def snapshot_format_name(spec: LaunchSpec, snapshot_format: str) -> str:
 
 
 def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None) -> LaunchPlan:
-    """Decide the strategy and the kernel cache. Takes no claim and writes nothing (the dry run prints exactly this)."""
+    """Decide the strategy, where a capture goes and the kernel cache. Takes no claim and writes nothing (the dry
+    run prints exactly this)."""
     plan = _decide(argv, opts, store)
     store = store or Store(opts.artifact_path)
+    if plan.strategy == "capture":
+        route = decide_capture_route(plan, store.root)
+        plan.capture_via, plan.capture_via_reason, plan.capture_bytes = route.via, route.reason, route.bytes
     plan.kernel_cache = plan_kernel_cache(plan.spec, source_id=plan.source_id, device_type=plan.device_type,
                                           kc_store=KernelCacheStore(store.root, store.coordinator), enabled=opts.kernel_cache)
     return plan

@@ -2,7 +2,8 @@
 
 `Launcher.run` writes the plan file into a per-user, per-run folder in /dev/shm, starts staging this
 node's ranks and the engine at the same time, frees each rank's staged files once its "loaded" marker
-appears, publishes a captured snapshot once every rank has written its part, watches for readiness,
+appears, publishes a captured snapshot once every rank has written its part (a capture through /dev/shm
+uploaded into the store first, in the background once the engine is ready), watches for readiness,
 and cleans up on every exit path. It returns the engine's own exit code. A stop signal frees the staged
 files first and stops the engine within the scheduler's grace (shutdown.py).
 """
@@ -94,13 +95,17 @@ class Launcher(Stopping):
                     p2p=self.plan.p2p.block(self.run_id) if self.plan.p2p else None)
         if self.plan.strategy == "capture":
             self.store = self.store or Store(self.opts.artifact_path)
-            self.capture = CaptureSession(self.store, self.plan, self.emit)
+            via_shm = self.plan.capture_via == "shm"  # make_plan decided (launch/capture_route.py)
+            self.capture = CaptureSession(self.store, self.plan, self.emit,
+                                          local_root=self.shm_dir / "capture" if via_shm else None)
             why_not = self.capture.start()
             if why_not is not None:
                 self.capture = None
                 self._downgrade(why_not)
                 return self._prepare_default(plan)
             plan.capture_dir, plan.capture_ranks = self.capture.plan_fields()
+            self.emit("capture-via", via=self.plan.capture_via or "store", bytes=self.plan.capture_bytes,
+                      message=self.plan.capture_via_reason or "the capture is written straight into the store")
         elif self.plan.strategy == "staged":
             # Files are staged once per snapshot rank; every local worker (its global rank, as the plugin
             # sees it) is pointed at its snapshot rank's files — DP replicas share them.
@@ -122,6 +127,7 @@ class Launcher(Stopping):
     def _downgrade(self, reason: str) -> None:
         self.plan.strategy = "default"
         self.plan.reason = reason
+        self.plan.capture_via, self.plan.capture_via_reason, self.plan.capture_bytes = None, "", 0
         self.plan.argv = list(self.plan.spec.argv)
         self.emit("fallback", reason=reason)
 
@@ -180,7 +186,8 @@ class Launcher(Stopping):
             self._prepare()
             argv = self.plan.argv
             self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
-                      snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"))
+                      snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"),
+                      capture_via=self.plan.capture_via, capture_via_reason=self.plan.capture_via_reason)
             self._shm_before = shm_entries()
             self.segments = SegmentRecord(self.shm_dir, self._shm_before)
             if self.signals:  # stopped before the engine started
@@ -302,6 +309,8 @@ class Launcher(Stopping):
         phases = {p.name: round(p.seconds, 3) for p in timeline.phases}
         self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases, kernel_cache=self.kernel.status)
         self.kernel.start_capture()
+        if self.capture is not None:  # a capture through /dev/shm uploads into the store from now on
+            self.capture.engine_ready()
         self.timeline = timeline
 
 

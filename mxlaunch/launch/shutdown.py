@@ -3,7 +3,8 @@
 Slurm ends a job (scancel, the time limit) with SIGTERM to every process of it — the launcher and the
 engine alike — and SIGKILL KillWait seconds later (30 s by default). A launcher still waiting for its
 engine then dies before it cleans /dev/shm. So on a stop signal the launcher frees its staged files at
-once, stops the engine within a budget that ends a margin before Slurm's SIGKILL, and cleans the rest
+once (and a capture's copy in /dev/shm, cancelling its upload to the store: the capture is given up),
+stops the engine within a budget that ends a margin before Slurm's SIGKILL, and cleans the rest
 (segments, run folder) before store work; a segment still left is reaped by the next launch
 (cleanup.py). Outside Slurm the sequence is the launcher's usual one: the signal received (forwarded to
 the engine's group), 20 s; SIGTERM, 10 s; SIGKILL, 5 s.
@@ -132,6 +133,8 @@ class Stopping:
             self._forward(signum)
         if self.stage_job is not None:
             self.stage_job.cancel()
+        if self.capture is not None and self.capture.upload is not None:
+            self.capture.upload.cancel()  # an upload from /dev/shm stops within a chunk; the capture is given up
 
     def _forward(self, signum: int) -> None:
         assert self.proc is not None
@@ -181,6 +184,8 @@ class Stopping:
             self.stage_job.finished(2.0)  # cancelled or failed: its files are gone either way
         if self.segments is not None:
             self.segments.update(force=True)
+        if self.capture is not None:  # no upload may still read the run folder's capture copy while it goes
+            self.capture.stop_upload(timeout=2.0 if hurry else 5.0)
         leaked = remove_orphaned_engine_shm(self._shm_before)
         remove_run(self.shm_dir)
         if leaked:

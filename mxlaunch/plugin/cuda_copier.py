@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 from mxlaunch import settings
+from mxlaunch.fileutil import is_tmpfs  # torch-free, shared with the launcher; plugin modules import it from here
 from mxlaunch.plugin import pinned
 from mxlaunch.staging.hugepages import FileMapping, _libc
 
 CHUNK = 16 << 20          # one window: a ring slot, and the registrar's unit
 REGISTER_SPAN = 8         # the registrar takes up to this many consecutive windows per registration
-TMPFS_MAGIC = 0x01021994
 MADV_POPULATE_READ = 22
 
 
@@ -89,19 +89,6 @@ def cuda_contiguous(t: torch.Tensor) -> bool:
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
-
-
-def is_tmpfs(path: Path) -> bool:
-    try:
-        import ctypes
-
-        buf = (ctypes.c_char * 256)()
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.statfs(str(path).encode(), buf) != 0:
-            return False
-        return int.from_bytes(bytes(buf[:8]), "little") == TMPFS_MAGIC
-    except (OSError, AttributeError):
-        return False
 
 
 def windows_for(file: _OpenFile, items: list[tuple[int, int, torch.Tensor]], chunk: int = CHUNK) -> list[Window]:

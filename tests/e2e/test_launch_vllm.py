@@ -41,9 +41,13 @@ def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: P
     try:
         plan = launch.wait_event("plan", 120)
         assert plan["strategy"] == "capture", plan
+        assert plan["capture_via"] == "shm", plan  # the store is on a disk (/tmp): the capture goes through /dev/shm
         launch.wait_event("ready", READY_S)
         published = launch.wait_event("published", 60)
         assert published["source_id"] == plan["source_id"]
+        names = [e["event"] for e in launch.events]
+        assert names.index("ready") < names.index("upload") < names.index("uploaded") < names.index("published"), names
+        assert launch.event("upload")["source"].startswith(plan["run_dir"] + "/")  # from the run folder in /dev/shm
         report = compare(launch.url, gold_file)
         assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
         procs = launch.engine_processes()

@@ -5,9 +5,11 @@
         JSON lines on stdout; --mode die: SIGKILLs itself half-way through writing its part
     python -m tests.helpers.capture_nodes launch --store S --model M --node K --nnodes N --capture-id C ...
         one node's real `Launcher` (plan file, markers, cleanup) around the fake engine below
-    python -m tests.helpers.capture_nodes engine [--hang]
+    python -m tests.helpers.capture_nodes engine [--hang] [--parts N] [--port P]
         a stand-in engine: reads MXLAUNCH_PLAN and, like the plugin, writes each capturing worker's
-        files into <capture_dir>/<snapshot rank>/ and its captured/loaded markers; --hang never does
+        files into <capture_dir>/<snapshot rank>/ (temp name, then rename) and its captured/loaded
+        markers; --hang never does; --port: then answers GET /health with 200 (a single node's
+        launcher waits for that before it uploads a capture from /dev/shm)
 
 Run from the repository root (the launcher starts the engine with this module name).
 """
@@ -38,9 +40,35 @@ def engine_argv(model: Path, node: int, nnodes: int, tp: int, dp: int = 1) -> li
     return argv
 
 
-def rank_bytes(rank: int) -> bytes:
-    """A rank's part: distinct bytes per rank (the store checks sizes and checksums, not tensors)."""
-    return bytes([65 + rank]) * (4096 + rank)
+def rank_bytes(rank: int, part: int = 0) -> bytes:
+    """A rank's part: distinct bytes per rank and part (the store checks sizes and checksums, not tensors)."""
+    return bytes([65 + rank + 8 * part]) * (4096 + rank + 1000 * part)
+
+
+def write_part(out: Path, name: str, data: bytes) -> Path:
+    """As the plugin writes a part: a temp name in the same folder, then a rename."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{name}.{os.getpid()}.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, out / name)
+    return out / name
+
+
+def serve_health(port: int) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
 
 
 def say(**fields: object) -> None:
@@ -112,9 +140,13 @@ def engine_main(a: argparse.Namespace) -> int:
             target = plan.capture_target(worker)
             if plan.strategy == "capture" and plan.capture_dir and target is not None:
                 out = Path(plan.capture_dir) / str(target)
-                (out / "part-00000.safetensors").write_bytes(rank_bytes(target))
-                write_marker(plan, "captured", worker, {"bytes": len(rank_bytes(target))})
+                files = [write_part(out, f"part-{i:05d}.safetensors", rank_bytes(target, i)) for i in range(a.parts)]
+                print(f"fake engine: rank {worker} captured into {out}", flush=True)
+                write_marker(plan, "captured", worker, {"bytes": sum(f.stat().st_size for f in files),
+                                                        "files": [{"name": f.name, "path": str(f)} for f in files]})
             write_marker(plan, "loaded", worker, {"bytes": 0, "seconds": 0.0, "strategy": plan.strategy})
+        if a.port:
+            serve_health(a.port)
     while True:
         time.sleep(1)
 
@@ -138,6 +170,8 @@ def main() -> int:
         p.add_argument("--capture-only", action="store_true")
     e = sub.add_parser("engine")
     e.add_argument("--hang", action="store_true")
+    e.add_argument("--parts", type=int, default=1)
+    e.add_argument("--port", type=int, default=0)
     a = ap.parse_args()
     return {"session": session_main, "launch": launch_main, "engine": engine_main}[a.cmd](a)
 

@@ -387,6 +387,10 @@ def test_launchers_of_a_job_capture_once_after_a_job_whose_node_was_killed(tmp_p
     events = [[json.loads(line) for line in p.stdout] for p in procs]
     assert codes == [0, 0], events
     assert all(any(e["event"] == "published" for e in node) for node in events)
+    for node in events:  # each node wrote into its /dev/shm stand-in and uploaded its own rank before its part was done
+        names = [e["event"] for e in node]
+        assert node[names.index("plan")]["capture_via"] == "shm"
+        assert names.index("uploaded") < names.index("node-done" if "node-done" in names else "published"), names
     found = store.lookup(sid).snapshot
     assert found is not None and found.nranks == 2 and found.manifest["nnodes"] == 2 and store.verify(sid).ok
     assert [len(r["files"]) for r in found.manifest["ranks"]] == [1, 1]
