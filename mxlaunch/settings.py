@@ -8,8 +8,11 @@ needs to decide for another environment (Slurm's helpers, tests); otherwise it r
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Mapping, Optional
+
+from mxlaunch.errors import UsageError
 
 ARTIFACT_PATH = "MXLAUNCH_ARTIFACT_PATH"
 PLAN = "MXLAUNCH_PLAN"
@@ -35,6 +38,9 @@ REGISTRY = "MXLAUNCH_REGISTRY"
 KILL_WAIT = "MXLAUNCH_KILL_WAIT"
 CAPTURE_TIMEOUT = "MXLAUNCH_CAPTURE_TIMEOUT"
 CAPTURE_VIA_SHM = "MXLAUNCH_CAPTURE_VIA_SHM"
+NIXL_UCX_PARAMS = "MXLAUNCH_NIXL_UCX_PARAMS"
+NIXL_PULL = "MXLAUNCH_NIXL_PULL"
+NIXL_PROGRESS_THREAD = "MXLAUNCH_NIXL_PROGRESS_THREAD"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -70,6 +76,11 @@ VARIABLES: dict[str, str] = {
               "the default), file:/dir, or redis://host:port/db",
     KILL_WAIT: "in a Slurm job: the scheduler's KillWait in seconds (SIGTERM to SIGKILL), which bounds how long the "
                "launcher takes to stop (default: read from `scontrol show config`; 30, Slurm's default, if that fails)",
+    NIXL_UCX_PARAMS: "P2P: init parameters of NIXL's UCX backend, key=value items separated by commas (or ';'), e.g. "
+                     "num_threads=4,split_batch_size=1 (default: none, NIXL's defaults) — docs/p2p.md",
+    NIXL_PULL: "P2P: how a pull posts its READs, key=value items: prepped=1 (prepared descriptor lists), merge=0, "
+               "chunk_mib=N, inflight=N, batch_mib=N (0: one request) (default: none of them) — docs/p2p.md",
+    NIXL_PROGRESS_THREAD: "P2P: 0 starts NIXL agents without their progress thread (default 1)",
 }
 
 
@@ -204,3 +215,79 @@ def capture_via_shm(environ: Mapping[str, str] = os.environ) -> str:
     """$MXLAUNCH_CAPTURE_VIA_SHM: "off" (also 0, no, false) or "auto" (the default, and anything else)."""
     value = environ.get(CAPTURE_VIA_SHM, "").strip().lower()
     return "off" if value in ("off", "0", "no", "false") else "auto"
+
+
+# ---- NIXL (P2P) ------------------------------------------------------------------------------------------
+
+# The UCX backend parameters NIXL 1.5.1 reads (src/plugins/ucx/ucx_backend.cpp, ucx_utils.cpp): a typo must
+# not pass silently, since NIXL ignores keys it does not know.
+NIXL_UCX_KEYS = {
+    "num_workers": 1, "num_threads": 0, "split_batch_size": 1, "ucx_num_device_channels": 1,  # integers ≥ value
+    "device_list": None, "ucx_devices": None, "ucx_error_handling_mode": None, "engine_config": None,
+}
+NIXL_PULL_KEYS = {"prepped": "bool", "merge": "bool", "chunk_mib": 0, "inflight": 1, "batch_mib": 0}
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def key_values(name: str, text: str) -> dict[str, str]:
+    """`key=value` items separated by commas, or by ';' when the text holds one (then a value may hold
+    commas). Raises UsageError naming the variable and the bad item."""
+    fix = (f"set {name} to key=value items separated by commas (or by ';' when a value holds commas), "
+           "e.g. num_threads=4,split_batch_size=1")
+    out: dict[str, str] = {}
+    for item in text.split(";" if ";" in text else ","):
+        item = item.strip()
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not _KEY.match(key):
+            raise UsageError(f"{name}: {item!r} is not a key=value item", fix)
+        if not value:
+            raise UsageError(f"{name}: {key} has no value", fix)
+        if key in out:
+            raise UsageError(f"{name}: {key} is given twice", fix)
+        out[key] = value
+    return out
+
+
+def _checked_int(name: str, key: str, value: str, least: int) -> int:
+    if not value.isdigit() or int(value) < least:
+        raise UsageError(f"{name}: {key}={value} is not a whole number ≥ {least}", f"give {key} a number ≥ {least}")
+    return int(value)
+
+
+def nixl_ucx_params(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """$MXLAUNCH_NIXL_UCX_PARAMS as the string map NIXL's create_backend("UCX", ...) takes ({} when unset)."""
+    params = key_values(NIXL_UCX_PARAMS, environ.get(NIXL_UCX_PARAMS, ""))
+    for key, value in params.items():
+        if key not in NIXL_UCX_KEYS:
+            raise UsageError(f"{NIXL_UCX_PARAMS}: unknown UCX backend parameter {key!r}",
+                             f"use one of {', '.join(sorted(NIXL_UCX_KEYS))} (what NIXL 1.5.1's UCX backend reads)")
+        least = NIXL_UCX_KEYS[key]
+        if least is not None:
+            _checked_int(NIXL_UCX_PARAMS, key, value, least)
+        if key == "ucx_error_handling_mode" and value not in ("none", "peer"):
+            raise UsageError(f"{NIXL_UCX_PARAMS}: ucx_error_handling_mode={value}", "use none or peer")
+    return params
+
+
+def nixl_pull(environ: Mapping[str, str] = os.environ) -> dict[str, int | bool]:
+    """$MXLAUNCH_NIXL_PULL parsed: only the keys given (prepped/merge as bools, the rest as ints)."""
+    out: dict[str, int | bool] = {}
+    for key, value in key_values(NIXL_PULL, environ.get(NIXL_PULL, "")).items():
+        kind = NIXL_PULL_KEYS.get(key)
+        if kind is None:
+            raise UsageError(f"{NIXL_PULL}: unknown key {key!r}", f"use one of {', '.join(NIXL_PULL_KEYS)}")
+        if kind == "bool":
+            if value not in ("0", "1"):
+                raise UsageError(f"{NIXL_PULL}: {key}={value}", f"give {key} 0 or 1")
+            out[key] = value == "1"
+        else:
+            out[key] = _checked_int(NIXL_PULL, key, value, int(kind))
+    return out
+
+
+def nixl_progress_thread(environ: Mapping[str, str] = os.environ) -> bool:
+    """False only when $MXLAUNCH_NIXL_PROGRESS_THREAD is 0."""
+    return environ.get(NIXL_PROGRESS_THREAD, "1").strip() != "0"

@@ -12,6 +12,15 @@ allocation. Writes JSON.
 
     python scripts/bench_p2p.py --out p2p.json                 # 2 GPUs: cuda:0 serves, cuda:1 pulls
     python scripts/bench_p2p.py --devices cpu,cpu --layers 2 --hidden 256 --inter 512 --out smoke.json
+
+--knob-sweep: one source, then one fresh target process per setting of KNOBS (NIXL/UCX settings are read
+when the agent and its UCX context start, so each needs its own process; the source keeps the defaults:
+every knob here acts in the process that posts the READs). Each target pulls 1 + --reps times, each
+timed pull into zeroed weights and checked exact (logits `torch.equal` to the source's); the first
+target also measures the torch baselines. A time budget (--budget-s) stops starting new targets.
+
+    python scripts/bench_p2p.py --knob-sweep --out knobs.json                     # ~5 min on 2×H200 (≤ 7.5)
+    python scripts/bench_p2p.py --knob-sweep --knobs default,threads4 --out k.json  # a subset
 """
 
 from __future__ import annotations
@@ -308,6 +317,267 @@ def run_target(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(row))
 
 
+# ---- knob sweep ----------------------------------------------------------------------------------------
+
+UCX_PARAMS, PULL, PROGRESS = "MXLAUNCH_NIXL_UCX_PARAMS", "MXLAUNCH_NIXL_PULL", "MXLAUNCH_NIXL_PROGRESS_THREAD"
+THREADS = "num_threads={},split_batch_size=1"  # split_batch_size=1: NIXL splits even a short list over the threads
+# (label, environment of the target, op, why) — the reference first, then by expected effect (docs/p2p.md)
+KNOBS: list[tuple[str, dict, str, str]] = [
+    ("default", {"UCX_PROTO_INFO": "*get*"}, "READ",
+     "reference: NIXL's and UCX's defaults; UCX prints the GET protocol and lanes it selects"),
+    ("threads4", {UCX_PARAMS: THREADS.format(4), PULL: "chunk_mib=64,batch_mib=0"}, "READ",
+     "UCX backend thread pool: one request split over 4 dedicated UCX workers = 4 CUDA streams to the peer"),
+    ("threads8", {UCX_PARAMS: THREADS.format(8), PULL: "chunk_mib=32,batch_mib=0"}, "READ",
+     "the same with 8 workers/streams"),
+    ("rails1", {"UCX_MAX_RMA_RAILS": "1"}, "READ",
+     "NIXL sets UCX_MAX_RMA_RAILS=2: a GET may be split with a second RMA lane (e.g. an IB NIC); 1 lane only"),
+    ("tls_nvlink", {"UCX_TLS": "cuda_ipc,cuda_copy,tcp,sm,self"}, "READ",
+     "no InfiniBand transports: CUDA IPC for GPU memory (tcp stays: NIXL's peer error handling needs an AM lane "
+     "with a peer failure handler, which shared memory lacks)"),
+    ("threads2", {UCX_PARAMS: THREADS.format(2), PULL: "chunk_mib=64,batch_mib=0"}, "READ",
+     "thread pool with 2 workers/streams"),
+    ("one_request_chunk64", {PULL: "chunk_mib=64,batch_mib=0"}, "READ",
+     "control for threadsN: the same 64 MiB descriptors in one request on one worker/stream"),
+    ("no_progress_thread", {PROGRESS: "0"}, "READ",
+     "agent without NIXL's progress thread (which spins on the UCX worker the READs are posted on)"),
+    ("prepped", {PULL: "prepped=1"}, "READ",
+     "descriptor lists prepared once (prep_xfer_dlist), requests by index (make_prepped_xfer)"),
+    ("threads4_prepped", {UCX_PARAMS: THREADS.format(4), PULL: "prepped=1,merge=0,chunk_mib=64,batch_mib=0"}, "READ",
+     "threads4 through the prepared lists (merge=0 keeps the 64 MiB pieces apart)"),
+    ("proto_v1", {"UCX_PROTO_ENABLE": "n"}, "READ", "UCX's older protocol selection"),
+    ("sgl_write", {"NIXL_UCX_SGL_ENABLE": "1"}, "WRITE",
+     "diagnostic, not a pull: WRITE as one scatter-gather request (one cuMemcpyBatchAsync where UCX has it)"),
+]
+KNOB_VARS = sorted({k for _, env, _, _ in KNOBS for k in env} | {UCX_PARAMS, PULL, PROGRESS})
+
+
+def cudart_copy(nbytes: int, src: str, dst: str, on: str, reps: int = 5) -> list[float]:
+    """cudaMemcpyAsync of `nbytes` from `src` to `dst` issued on a stream of `on` (torch's own peer copy
+    always runs on the source GPU's stream; NIXL's READ and WRITE run on the target's), via ctypes."""
+    import ctypes
+
+    import torch
+
+    path = next((line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line), None)
+    if path is None:
+        raise RuntimeError("libcudart is not loaded in this process")
+    rt = ctypes.CDLL(path)
+    rt.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    other = dst if on == src else src
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    with torch.cuda.device(on):
+        rt.cudaSetDevice(torch.device(on).index)  # the library found may not be the copy torch set the device in
+        rt.cudaDeviceEnablePeerAccess(torch.device(other).index, 0)  # 704: already enabled
+        rt.cudaGetLastError()
+        stream = torch.cuda.Stream()
+        out = []
+        for _ in range(reps):
+            sync(src), sync(dst)
+            t0 = time.perf_counter()
+            rc = rt.cudaMemcpyAsync(b.data_ptr(), a.data_ptr(), nbytes, 4, stream.cuda_stream)  # 4: cudaMemcpyDefault
+            stream.synchronize()
+            if rc:
+                raise RuntimeError(f"cudaMemcpyAsync returned {rc}")
+            out.append(nbytes / GiB / (time.perf_counter() - t0))
+    del a, b
+    return out
+
+
+def ucx_version() -> str:
+    import ctypes
+
+    path = next((line.split()[-1] for line in open("/proc/self/maps") if "libucp" in line), None)
+    if path is None:
+        return ""
+    lib = ctypes.CDLL(path)
+    lib.ucp_get_version_string.restype = ctypes.c_char_p
+    return lib.ucp_get_version_string().decode()
+
+
+def run_knob(args: argparse.Namespace) -> None:
+    """One setting: build the target model (other values), pull 1 + reps times, each into zeroed weights and
+    checked exact; WRITE rows (the push diagnostic) are checked by a plain READ back afterwards."""
+    import base64
+    import dataclasses
+
+    import torch
+
+    from mxlaunch.coord.peers import open_registry
+    from mxlaunch.plugin import p2p
+    from mxlaunch.plugin.tensors import group_tensors
+    from mxlaunch.transfer import nixl
+    from mxlaunch.transfer.regions import regions_for
+    from mxlaunch.transfer.tensor_set import match, processed_tensors
+
+    started = time.perf_counter()
+    device, op = args.device, args.op
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    model = build(args, device, seed=1)
+    post_process(model)
+    sync(device)
+    named = processed_tensors(model)
+    gold = torch.load(Path(args.work) / "gold.pt")
+    rec = [e for e in open_registry(f"file:{args.work}/reg", None).sources(SOURCE_ID, 0)
+           if e.record.run_id == "bench-source"][0].record
+    pairs = match(named, rec.tensors)
+    meta = base64.b64decode(rec.agent_metadata)
+    agent = p2p.agent()  # MXLAUNCH_NIXL_* of this process apply
+    register_s = agent.register(regions_for([t for _, t in named]))
+    nbytes = sum(p.bytes for p in pairs)
+    whole = [g.tensor for g in group_tensors(named) if g.tensor.numel()]
+
+    def scribble() -> None:
+        for t in whole:
+            t.zero_()
+        sync(device)
+
+    def exact() -> bool:
+        return bool(torch.equal(gold, logits(model, device).cpu()))
+
+    row: dict = {"label": args.label, "op": op, "ucx_params": agent.ucx_params,
+                 "pull_config": dataclasses.asdict(agent.pull_config), "progress_thread": agent.progress_thread,
+                 "agent_start_seconds": round(agent.start_seconds, 3), "register_seconds": round(register_s, 4),
+                 "bytes": nbytes, "gib": nbytes / GiB, "pairs": len(pairs), "ucx_version": ucx_version()}
+    scribble()
+    warm = agent.pull(meta, pairs)  # maps the source's allocations; UCX selects its protocols
+    row["warm"] = {"gibps": nbytes / GiB / warm.transfer_seconds, "exact": exact(), "descriptors": warm.descriptors,
+                   "requests": warm.batches}
+    rates, exacts = [], []
+    for _ in range(args.reps):
+        if op == "READ":
+            scribble()
+        stats = agent.pull(meta, pairs, op=op)
+        rates.append(nbytes / GiB / stats.transfer_seconds)
+        if op != "READ":  # the bytes written to the source must be the gold ones: read them back
+            scribble()
+            agent.pull(meta, pairs, prepped=False, chunk_bytes=0, inflight=1, batch_bytes=nixl.BATCH_BYTES)
+        exacts.append(exact())
+    row.update(gibps=rates, median=statistics.median(rates), exact=exacts, all_exact=all(exacts) and row["warm"]["exact"],
+               descriptors=stats.descriptors, requests=stats.batches, prepped=stats.prepped)
+    print(json.dumps({k: row[k] for k in ("label", "median", "all_exact", "requests")}), flush=True)
+    if args.baselines and device.startswith("cuda"):
+        src = args.source_device
+        base: dict = {"peer_copy_gibps": peer_copy(nbytes, src, device),  # torch: runs on the source's stream
+                      "torch_copy_per_tensor_gibps": torch_copy_per_tensor(named, src)}
+        for name, (a, b) in {"cudart_pull_on_target_gibps": (src, device),
+                             "cudart_push_on_target_gibps": (device, src),
+                             "cudart_push_on_source_gibps": (src, device)}.items():
+            try:
+                base[name] = cudart_copy(nbytes, a, b, on=device if "on_target" in name else src)
+            except Exception as exc:  # noqa: BLE001 - a baseline, not the sweep
+                base[name] = f"failed: {exc}"
+        row["baselines"] = base
+        row["exact_after_baselines"] = exact()
+    row["child_seconds"] = round(time.perf_counter() - started, 1)
+    Path(args.out).write_text(json.dumps(row))
+
+
+def machine_info() -> dict:
+    """What the result depends on, without starting CUDA in this process (the children own the GPUs)."""
+    import importlib.metadata as md
+
+    info: dict = {"packages": {d: md.version(d) for d in ("torch", "nixl", "nixl-cu13", "nixl-cu12") if _has_dist(md, d)}}
+    ib = Path("/sys/class/infiniband")
+    info["infiniband"] = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []  # a second RMA lane?
+    for key, cmd in (("gpus", ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]),
+                     ("nvidia_smi_topo", ["nvidia-smi", "topo", "-m"])):
+        try:
+            info[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout[-3000:]
+        except Exception:  # noqa: BLE001
+            info[key] = ""
+    info["env"] = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "MXLAUNCH_NIXL_"))}
+    return info
+
+
+def _has_dist(md, name: str) -> bool:
+    try:
+        md.version(name)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def knob_sweep(args: argparse.Namespace) -> None:
+    began = time.monotonic()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    src_dev, dst_dev = args.devices.split(",")
+    base_env = {k: v for k, v in os.environ.items() if k not in KNOB_VARS}  # the source and every target start clean
+    wanted = args.knobs.split(",") if args.knobs else [k[0] for k in KNOBS]
+    unknown = [w for w in wanted if w not in {k[0] for k in KNOBS}]
+    if unknown:
+        raise SystemExit(f"unknown knob setting(s) {unknown}: choose from {[k[0] for k in KNOBS]}")
+    plan = [k for k in KNOBS if k[0] in wanted]
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "devices": args.devices, "machine": machine_info(), "settings": []}
+    source = subprocess.Popen(child("source", args, src_dev), env=base_env)
+    try:
+        deadline = time.monotonic() + 600
+        while not (work / "source.json").exists():
+            if source.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the source did not start")
+            time.sleep(0.5)
+        res["source"] = json.loads((work / "source.json").read_text())
+        res["source_seconds"] = round(time.monotonic() - began, 1)
+        longest = 60.0
+        runs = [(i, k) for i, k in enumerate(plan)]
+        if "default" in wanted:
+            runs.append((len(plan), ("default_again", plan[0][1] if plan[0][0] == "default" else {}, "READ",
+                                     "the reference again, after the others (drift), if the budget allows")))
+        for i, (label, env, op, why) in runs:
+            left = args.budget_s - (time.monotonic() - began)
+            entry: dict = {"label": label, "env": env, "why": why}
+            if left < longest * 1.2:
+                entry["skipped"] = f"time budget ({args.budget_s} s) spent"
+                res["settings"].append(entry)
+                continue
+            out, log_path = work / f"knob-{i}.json", work / f"knob-{i}.log"
+            cmd = child("knob", args, dst_dev, str(out)) + ["--label", label, "--op", op, "--reps", str(args.reps)]
+            if i == 0 or label == "default_again":
+                cmd.append("--baselines")
+            t0 = time.monotonic()
+            with open(log_path, "w") as log_file:
+                try:
+                    rc = subprocess.run(cmd, env={**base_env, **env}, stdout=log_file, stderr=subprocess.STDOUT,
+                                        timeout=min(args.child_timeout_s, max(30.0, left))).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            took = time.monotonic() - t0
+            longest = max(longest if i else 0.0, took)
+            log = log_path.read_text(errors="replace").splitlines()
+            if rc == 0 and out.exists():
+                entry.update(json.loads(out.read_text()))
+            else:
+                entry["failed"] = f"exit {rc}"
+                entry["log_tail"] = log[-40:]
+            if env.get("UCX_PROTO_INFO"):
+                entry["ucx_proto_info"] = [line for line in log if "|" in line][:150]
+            entry["wall_seconds"] = round(took, 1)
+            res["settings"].append(entry)
+            print(json.dumps({k: entry.get(k) for k in ("label", "median", "all_exact", "failed", "wall_seconds")}),
+                  flush=True)
+    finally:
+        (work / "stop").touch()
+        try:
+            source.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            source.kill()
+    base = next((e.get("baselines") for e in res["settings"] if e.get("baselines")), None)
+    peer = statistics.median(base["peer_copy_gibps"]) if base else None
+    res["peer_copy_gibps_median"] = peer
+    res["summary"] = [{"label": e["label"], "median_gibps": round(e["median"], 1) if "median" in e else None,
+                       "ratio_vs_peer_copy": round(e["median"] / peer, 3) if peer and "median" in e else None,
+                       "all_exact": e.get("all_exact"), "note": e.get("failed") or e.get("skipped")}
+                      for e in res["settings"]]
+    res["total_seconds"] = round(time.monotonic() - began, 1)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps({"peer_copy_gibps_median": peer, "summary": res["summary"],
+                      "total_seconds": res["total_seconds"]}, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+
+
 # ---- orchestration -------------------------------------------------------------------------------------
 
 
@@ -327,6 +597,14 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--work", default="/dev/shm/mx-bench-p2p")
     ap.add_argument("--sweep", action="store_true", help="also re-pull with other descriptor shapes")
+    ap.add_argument("--knob-sweep", action="store_true", help="one target process per NIXL/UCX setting (KNOBS)")
+    ap.add_argument("--knobs", default="", help="--knob-sweep: only these settings (comma-separated labels)")
+    ap.add_argument("--reps", type=int, default=3, help="--knob-sweep: timed pulls per setting (after a warm-up)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="--knob-sweep: start no target after this")
+    ap.add_argument("--child-timeout-s", type=float, default=150.0)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--op", default="READ")
+    ap.add_argument("--baselines", action="store_true")
     ap.add_argument("--role", default="")
     ap.add_argument("--device", default="")
     ap.add_argument("--source-device", default="")
@@ -336,6 +614,10 @@ def main() -> None:
         return run_source(args)
     if args.role == "target":
         return run_target(args)
+    if args.role == "knob":
+        return run_knob(args)
+    if args.knob_sweep:
+        return knob_sweep(args)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -80,6 +80,9 @@ def decide_p2p(*, enabled: bool, registry_url: Optional[str], store_root: Path, 
         return None
     from mxlaunch.coord.peers import open_registry
 
+    settings.nixl_ucx_params()  # a malformed NIXL setting stops the launch here (exit 2), not in each worker
+    settings.nixl_pull()
+
     registry = open_registry(registry_url or settings.registry(), store_root)
     layout = layout_for(device_type)
     decision = P2PDecision(registry.url, layout, world, serve=True)

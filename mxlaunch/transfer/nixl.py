@@ -8,6 +8,11 @@ for GPU memory and shared memory for host memory; across hosts, the network tran
 
 Errors are `TransferError` with `landed`: whether any byte of the target may already have been written
 (the first batch was posted) — the caller's fallback rules (plugin/tensors.RestoreError) depend on it.
+
+Knobs (settings.py; docs/p2p.md): MXLAUNCH_NIXL_UCX_PARAMS passes init parameters to the UCX backend
+(e.g. num_threads=4,split_batch_size=1: NIXL splits one request over 4 threads, each with its own UCX
+worker and so its own CUDA stream), MXLAUNCH_NIXL_PROGRESS_THREAD=0 starts the agent without its
+progress thread, MXLAUNCH_NIXL_PULL shapes the pull (prepped descriptor lists, chunking, requests).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable, Iterable, Sequence
 
+from mxlaunch import settings
+from mxlaunch.errors import MxlaunchError
 from mxlaunch.plugin.tensors import RestoreError
 from mxlaunch.transfer.regions import Region
 from mxlaunch.transfer.tensor_set import Pair
@@ -64,20 +71,56 @@ class PullStats:
     connect_seconds: float = 0.0
     transfer_seconds: float = 0.0
     backends: list[str] = field(default_factory=list)
+    prepped: bool = False
+
+
+@dataclass(frozen=True)
+class PullConfig:
+    """How a pull posts its READs (MXLAUNCH_NIXL_PULL); None: the built-in default.
+    prepped: prepare both descriptor lists once per pull (prep_xfer_dlist) and make each request from
+             them by index (make_prepped_xfer), instead of initialize_xfer per request;
+    merge:   prepped only — let NIXL merge runs of equal-length, back-to-back descriptors into one copy
+             (its default; merge=0 passes skip_desc_merge, which keeps chunked spans apart);
+    chunk_mib: cut spans longer than this into pieces (0: never); inflight: requests posted at once;
+    batch_mib: bytes one request moves when inflight is 1 (0: no limit; default BATCH_BYTES)."""
+
+    prepped: bool = False
+    merge: bool = True
+    chunk_mib: int | None = None
+    inflight: int | None = None
+    batch_mib: int | None = None
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "PullConfig":
+        return cls(**settings.nixl_pull(environ))
 
 
 class Agent:
-    """A named NIXL agent with the UCX backend; `close()` deregisters everything it registered."""
+    """A named NIXL agent with the UCX backend; `close()` deregisters everything it registered.
+    `ucx_params`, `progress_thread` and `pull_config` default to the settings (the environment)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, ucx_params: dict[str, str] | None = None, progress_thread: bool | None = None,
+                 pull_config: PullConfig | None = None) -> None:
+        try:
+            self.ucx_params = dict(settings.nixl_ucx_params() if ucx_params is None else ucx_params)
+            self.pull_config = PullConfig.from_env() if pull_config is None else pull_config
+        except MxlaunchError as exc:
+            raise NixlUnavailable(exc.one_line()) from exc
+        self.progress_thread = settings.nixl_progress_thread() if progress_thread is None else progress_thread
         api = import_nixl()
         started = time.perf_counter()
         try:
-            self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+            config = api.nixl_agent_config(enable_prog_thread=self.progress_thread, backends=[])
+            self._agent = api.nixl_agent(name, config)
         except Exception as exc:  # noqa: BLE001
             raise NixlUnavailable(f"NIXL could not start agent {name}: {exc}") from exc
-        if "UCX" not in self._agent.backends:
+        if "UCX" not in self._agent.get_plugin_list():
             raise NixlUnavailable("NIXL has no UCX backend here (its plugin did not load)")
+        try:
+            self._agent.create_backend("UCX", dict(self.ucx_params))
+        except Exception as exc:  # noqa: BLE001
+            extra = f" with UCX parameters {self.ucx_params}" if self.ucx_params else ""
+            raise NixlUnavailable(f"NIXL could not start its UCX backend{extra}: {exc}") from exc
         self.name = name
         self.start_seconds = time.perf_counter() - started
         self._registered: list = []
@@ -101,28 +144,47 @@ class Agent:
         return bytes(self._agent.get_agent_metadata())
 
     def pull(self, remote_metadata: bytes, pairs: Sequence[Pair], *, timeout_s: float = 300.0,
-             on_batch: Callable[[int], None] | None = None, chunk_bytes: int = 0, inflight: int = 1,
-             op: str = "READ") -> PullStats:
+             on_batch: Callable[[int], None] | None = None, chunk_bytes: int | None = None,
+             inflight: int | None = None, op: str = "READ", prepped: bool | None = None,
+             batch_bytes: int | None = None) -> PullStats:
         """READ every pair from the peer whose metadata is given: batches of descriptors, up to `inflight`
-        of them posted at once; `chunk_bytes` > 0 splits big spans (more copies in parallel).
+        of them posted at once; `chunk_bytes` > 0 splits big spans (more copies in parallel); `prepped`
+        prepares both descriptor lists once and makes each request from them by index. Arguments left
+        None come from `pull_config` (MXLAUNCH_NIXL_PULL), then the built-in defaults.
         `on_batch(i)` runs before batch i is posted (tests use it to kill a source mid-transfer).
         op="WRITE" moves the same spans the other way (local → peer; the push direction)."""
-        stats = PullStats()
+        cfg = self.pull_config
+        if chunk_bytes is None:
+            chunk_bytes = (cfg.chunk_mib or 0) << 20
+        if inflight is None:
+            inflight = cfg.inflight or 1
+        if prepped is None:
+            prepped = cfg.prepped
+        if batch_bytes is None:
+            batch_bytes = BATCH_BYTES if cfg.batch_mib is None else (cfg.batch_mib << 20 or 1 << 62)
+        stats = PullStats(prepped=prepped)
         started = time.perf_counter()
         remote = self.connect(remote_metadata)
         stats.connect_seconds = time.perf_counter() - started
         deadline = time.monotonic() + timeout_s
         work = split(pairs, chunk_bytes) if chunk_bytes > 0 else list(pairs)
         total = sum(p.bytes for p in work)
-        limit = BATCH_BYTES if inflight <= 1 else max(1, -(-total // inflight))
+        limit = batch_bytes if inflight <= 1 else max(1, -(-total // inflight))
+        groups = _groups(work)
         pending: deque = deque()
+        preps: dict[tuple[str, str], tuple] = {}
         landed = False
         t0 = time.perf_counter()
         try:
-            for i, batch in enumerate(_batches(work, limit)):
+            if prepped:  # every list prepared before the first READ: a refusal here wrote nothing
+                for key, group in groups.items():
+                    preps[key] = self._prep(remote, group)
+            for i, (key, lo, hi) in enumerate(_ranges(groups, limit)):
                 if on_batch is not None:
                     on_batch(i)
-                pending.append((self._post(remote, batch, landed, op), batch))
+                batch = groups[key][lo:hi]
+                handle = self._post(remote, batch, landed, op, preps.get(key), (lo, hi))
+                pending.append((handle, batch))
                 landed = True
                 while len(pending) >= max(1, inflight):
                     self._finish(remote, *pending.popleft(), deadline, stats)
@@ -131,17 +193,47 @@ class Agent:
         except TransferError:
             for handle, _ in pending:
                 _release(self._agent, handle)
+            pending.clear()
             self.disconnect(remote_metadata)
             raise
+        finally:
+            for local_h, remote_h in preps.values():
+                _release_dlist(local_h)
+                _release_dlist(remote_h)
         stats.transfer_seconds = time.perf_counter() - t0
         return stats
 
-    def _post(self, remote: object, batch: list[Pair], landed: bool, op: str = "READ") -> object:
-        """Prepare and post one READ; a failure here means this batch wrote nothing."""
-        local = self._agent.get_xfer_descs([(p.local_addr, p.bytes, p.local_dev) for p in batch], _MEM[batch[0].local_kind])
-        far = self._agent.get_xfer_descs([(p.remote_addr, p.bytes, p.remote_dev) for p in batch], _MEM[batch[0].remote_kind])
+    def _prep(self, remote: object, group: list[Pair]) -> tuple:
+        """Both sides' descriptor lists of one memory-kind group, prepared once (NIXL checks each span
+        against the registrations here, not per request)."""
+        first = group[0]
+        local_h = None
         try:
-            handle = self._agent.initialize_xfer(op, local, far, remote)
+            local_h = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", [(p.local_addr, p.bytes, p.local_dev) for p in group], _MEM[first.local_kind])
+            remote_h = self._agent.prep_xfer_dlist(
+                remote, [(p.remote_addr, p.bytes, p.remote_dev) for p in group], _MEM[first.remote_kind])
+        except Exception as exc:  # noqa: BLE001 - e.g. a span the source has not registered
+            _release_dlist(local_h)
+            raise TransferError(f"NIXL refused to prepare the transfer from {_text(remote)}: {exc}",
+                                landed=False) from exc
+        return local_h, remote_h
+
+    def _post(self, remote: object, batch: list[Pair], landed: bool, op: str = "READ", prep: tuple | None = None,
+              span: tuple[int, int] = (0, 0)) -> object:
+        """Make and post one request (from the prepared lists when `prep` is given: indices `span`);
+        a failure before the post means this batch wrote nothing."""
+        try:
+            if prep is not None:
+                indices = list(range(*span))
+                extra = {} if self.pull_config.merge else {"skip_desc_merge": True}
+                handle = self._agent.make_prepped_xfer(op, prep[0], indices, prep[1], indices, **extra)
+            else:
+                local = self._agent.get_xfer_descs([(p.local_addr, p.bytes, p.local_dev) for p in batch],
+                                                   _MEM[batch[0].local_kind])
+                far = self._agent.get_xfer_descs([(p.remote_addr, p.bytes, p.remote_dev) for p in batch],
+                                                 _MEM[batch[0].remote_kind])
+                handle = self._agent.initialize_xfer(op, local, far, remote)
         except Exception as exc:  # noqa: BLE001 - e.g. the source's memory is no longer registered
             raise TransferError(f"NIXL refused the transfer: {exc}", landed=landed) from exc
         try:
@@ -221,23 +313,34 @@ def split(pairs: Iterable[Pair], chunk: int) -> list[Pair]:
     return out
 
 
-def _batches(pairs: Iterable[Pair], limit: int | None = None) -> Iterable[list[Pair]]:
-    """Pairs grouped by memory kinds, each batch at most `limit` (BATCH_BYTES) bytes and BATCH_DESCS."""
-    limit = limit or BATCH_BYTES
+def _groups(pairs: Iterable[Pair]) -> dict[tuple[str, str], list[Pair]]:
+    """Pairs by (local, remote) memory kind, in order: one request never mixes kinds."""
     by_kind: dict[tuple[str, str], list[Pair]] = {}
     for p in pairs:
         by_kind.setdefault((p.local_kind, p.remote_kind), []).append(p)
-    for group in by_kind.values():
-        batch: list[Pair] = []
-        size = 0
-        for p in group:
-            if batch and (size + p.bytes > limit or len(batch) >= BATCH_DESCS):
-                yield batch
-                batch, size = [], 0
-            batch.append(p)
+    return by_kind
+
+
+def _ranges(groups: dict[tuple[str, str], list[Pair]],
+            limit: int | None = None) -> Iterable[tuple[tuple[str, str], int, int]]:
+    """(group, start, end) of each batch: at most `limit` (BATCH_BYTES) bytes and BATCH_DESCS pairs."""
+    limit = limit or BATCH_BYTES
+    for key, group in groups.items():
+        lo, size = 0, 0
+        for i, p in enumerate(group):
+            if i > lo and (size + p.bytes > limit or i - lo >= BATCH_DESCS):
+                yield key, lo, i
+                lo, size = i, 0
             size += p.bytes
-        if batch:
-            yield batch
+        if lo < len(group):
+            yield key, lo, len(group)
+
+
+def _batches(pairs: Iterable[Pair], limit: int | None = None) -> Iterable[list[Pair]]:
+    """Pairs grouped by memory kinds, each batch at most `limit` (BATCH_BYTES) bytes and BATCH_DESCS."""
+    groups = _groups(pairs)
+    for key, lo, hi in _ranges(groups, limit):
+        yield groups[key][lo:hi]
 
 
 def _wait(agent, handle, state: str, deadline: float) -> str:
@@ -256,6 +359,15 @@ def _release(agent, handle) -> None:
     try:
         agent.release_xfer_handle(handle)
     except Exception:  # noqa: BLE001 - a handle still in flight after a timeout cannot be released
+        pass
+
+
+def _release_dlist(handle) -> None:
+    if handle is None:
+        return
+    try:
+        handle.release()
+    except Exception:  # noqa: BLE001
         pass
 
 

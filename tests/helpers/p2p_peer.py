@@ -50,7 +50,10 @@ def pull(args: argparse.Namespace) -> None:
         model.post_process()
     gold = build(0, args.size)
     equal = all(torch.equal(a, b) for (_, a), (_, b) in zip(processed_tensors(gold), processed_tensors(model)))
-    Path(args.out).write_text(json.dumps({"equal": equal, "bytes": result.bytes, "source": result.source}))
+    a = p2p.agent()
+    Path(args.out).write_text(json.dumps({"equal": equal, "bytes": result.bytes, "source": result.source,
+                                          "ucx_params": a.ucx_params, "prepped": a.pull_config.prepped,
+                                          "progress_thread": a.progress_thread}))
 
 
 def main(argv: list[str] | None = None) -> None:
