@@ -77,9 +77,11 @@ VARIABLES: dict[str, str] = {
     KILL_WAIT: "in a Slurm job: the scheduler's KillWait in seconds (SIGTERM to SIGKILL), which bounds how long the "
                "launcher takes to stop (default: read from `scontrol show config`; 30, Slurm's default, if that fails)",
     NIXL_UCX_PARAMS: "P2P: init parameters of NIXL's UCX backend, key=value items separated by commas (or ';'), e.g. "
-                     "num_threads=4,split_batch_size=1 (default: none, NIXL's defaults) — docs/p2p.md",
+                     "num_threads=2 (default num_threads=4,split_batch_size=1: one request split over 4 UCX workers, measured "
+                     "fastest on 2×H200; set it empty for NIXL's own defaults) — docs/p2p.md",
     NIXL_PULL: "P2P: how a pull posts its READs, key=value items: prepped=1 (prepared descriptor lists), merge=0, "
-               "chunk_mib=N, inflight=N, batch_mib=N (0: one request) (default: none of them) — docs/p2p.md",
+               "chunk_mib=N, inflight=N, batch_mib=N (0: one request) (default chunk_mib=64,batch_mib=0; empty: 4 GiB "
+               "requests, spans whole) — docs/p2p.md",
     NIXL_PROGRESS_THREAD: "P2P: 0 starts NIXL agents without their progress thread (default 1)",
 }
 
@@ -257,9 +259,18 @@ def _checked_int(name: str, key: str, value: str, least: int) -> int:
     return int(value)
 
 
+# Measured on the 2×H200 machine (docs/benchmarks.md, scripts/bench_p2p.py --knob-sweep): NIXL's UCX thread
+# pool splits one request over 4 UCX workers, i.e. 4 CUDA streams to the peer GPU (UCX's cuda_ipc puts every
+# copy from one peer on one stream otherwise): 346 GiB/s, 0.95× a torch peer copy, against 180–216 with
+# NIXL's defaults. Set either variable (even to "") to replace these.
+NIXL_UCX_DEFAULT = "num_threads=4,split_batch_size=1"
+NIXL_PULL_DEFAULT = "chunk_mib=64,batch_mib=0"
+
+
 def nixl_ucx_params(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """$MXLAUNCH_NIXL_UCX_PARAMS as the string map NIXL's create_backend("UCX", ...) takes ({} when unset)."""
-    params = key_values(NIXL_UCX_PARAMS, environ.get(NIXL_UCX_PARAMS, ""))
+    """$MXLAUNCH_NIXL_UCX_PARAMS as the string map NIXL's create_backend("UCX", ...) takes (NIXL_UCX_DEFAULT
+    when unset; "" for NIXL's own defaults)."""
+    params = key_values(NIXL_UCX_PARAMS, environ.get(NIXL_UCX_PARAMS, NIXL_UCX_DEFAULT))
     for key, value in params.items():
         if key not in NIXL_UCX_KEYS:
             raise UsageError(f"{NIXL_UCX_PARAMS}: unknown UCX backend parameter {key!r}",
@@ -273,9 +284,10 @@ def nixl_ucx_params(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
 
 
 def nixl_pull(environ: Mapping[str, str] = os.environ) -> dict[str, int | bool]:
-    """$MXLAUNCH_NIXL_PULL parsed: only the keys given (prepped/merge as bools, the rest as ints)."""
+    """$MXLAUNCH_NIXL_PULL parsed (NIXL_PULL_DEFAULT when unset): only the keys given (prepped/merge as bools,
+    the rest as ints)."""
     out: dict[str, int | bool] = {}
-    for key, value in key_values(NIXL_PULL, environ.get(NIXL_PULL, "")).items():
+    for key, value in key_values(NIXL_PULL, environ.get(NIXL_PULL, NIXL_PULL_DEFAULT)).items():
         kind = NIXL_PULL_KEYS.get(key)
         if kind is None:
             raise UsageError(f"{NIXL_PULL}: unknown key {key!r}", f"use one of {', '.join(NIXL_PULL_KEYS)}")

@@ -211,11 +211,13 @@ class CaptureSession:
 
     # ---- markers ----
 
-    def on_captured(self, worker: int) -> None:
+    def on_captured(self, worker: int, marker: Optional[dict] = None) -> None:
+        """A worker's `captured` marker; the event carries its timing and whether the parts were prepared."""
         if self.state != "capturing" or worker not in self.part.workers or worker in self.captured:
             return
         self.captured.add(worker)
-        self.emit("captured", rank=worker)
+        m = marker or {}
+        self.emit("captured", rank=worker, **{k: m[k] for k in ("bytes", "seconds", "prepared") if k in m})
         if self.captured >= set(self.part.workers):
             if self.local_root is None:
                 self._node_done()

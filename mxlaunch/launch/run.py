@@ -293,7 +293,7 @@ class Launcher(Stopping):
                 if self.capture is not None:  # a capturing rank that fell back: no snapshot, free the claim now
                     self.capture.on_fallback(rank)
             elif kind == "captured" and self.capture is not None:
-                self.capture.on_captured(rank)
+                self.capture.on_captured(rank, _read_marker(path))
 
     def _free_stage(self, rank: int) -> None:
         """Remove a snapshot rank's staged files once every local worker that reads them has loaded."""

@@ -103,7 +103,8 @@ class Agent:
                  pull_config: PullConfig | None = None) -> None:
         try:
             self.ucx_params = dict(settings.nixl_ucx_params() if ucx_params is None else ucx_params)
-            self.pull_config = PullConfig.from_env() if pull_config is None else pull_config
+            PullConfig.from_env()  # a malformed MXLAUNCH_NIXL_PULL refuses the agent now, not mid-load
+            self._pull_config = pull_config
         except MxlaunchError as exc:
             raise NixlUnavailable(exc.one_line()) from exc
         self.progress_thread = settings.nixl_progress_thread() if progress_thread is None else progress_thread
@@ -127,6 +128,11 @@ class Agent:
         self._remotes: dict[bytes, object] = {}
         self.registrations = 0
         self.register_seconds = 0.0
+
+    @property
+    def pull_config(self) -> PullConfig:
+        """The one given to the agent, else MXLAUNCH_NIXL_PULL as it is at each pull."""
+        return self._pull_config if self._pull_config is not None else PullConfig.from_env()
 
     def register(self, regions: Sequence[Region]) -> float:
         """Register `regions` (one NIXL call per memory kind); returns the seconds it took."""

@@ -48,6 +48,8 @@ def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: P
         names = [e["event"] for e in launch.events]
         assert names.index("ready") < names.index("upload") < names.index("uploaded") < names.index("published"), names
         assert launch.event("upload")["source"].startswith(plan["run_dir"] + "/")  # from the run folder in /dev/shm
+        captured = launch.event("captured")  # into parts laid out in /dev/shm while vLLM loaded (capture_prepare)
+        assert captured["prepared"]["wait_seconds"] >= 0 and captured["bytes"] > 0, captured
         report = compare(launch.url, gold_file)
         assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
         procs = launch.engine_processes()

@@ -44,8 +44,9 @@ def test_ucx_params_good(text, expected) -> None:
     assert settings.nixl_ucx_params({UCX: text}) == expected
 
 
-def test_ucx_params_unset_is_empty() -> None:
-    assert settings.nixl_ucx_params({}) == {}
+def test_ucx_params_unset_is_the_measured_default_and_empty_is_nixls_own() -> None:
+    assert settings.nixl_ucx_params({}) == {"num_threads": "4", "split_batch_size": "1"}
+    assert settings.nixl_ucx_params({UCX: ""}) == {}
 
 
 @pytest.mark.parametrize("text, says", [
@@ -92,7 +93,8 @@ def test_pull_settings_bad(text, says) -> None:
 def test_pull_config_from_env_and_progress_thread() -> None:
     assert PullConfig.from_env({PULL: "prepped=1,merge=0,batch_mib=0"}) == PullConfig(prepped=True, merge=False,
                                                                                        batch_mib=0)
-    assert PullConfig.from_env({}) == PullConfig()
+    assert PullConfig.from_env({}) == PullConfig(chunk_mib=64, batch_mib=0)  # the measured default
+    assert PullConfig.from_env({PULL: ""}) == PullConfig()
     assert settings.nixl_progress_thread({}) is True
     assert settings.nixl_progress_thread({settings.NIXL_PROGRESS_THREAD: "0"}) is False
     assert settings.nixl_progress_thread({settings.NIXL_PROGRESS_THREAD: "1"}) is True

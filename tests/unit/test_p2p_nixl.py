@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mxlaunch import settings
 from mxlaunch.coord.peers import open_registry
 from mxlaunch.plugin import p2p
 from mxlaunch.plugin.loader import module_tensors
@@ -145,7 +146,8 @@ def test_two_targets_pull_from_one_source_at_once(tmp_path, sources) -> None:
 
 def test_a_source_killed_mid_transfer_is_reported_as_landed(tmp_path, sources, monkeypatch) -> None:
     source = sources("--layout", "processed", "--size", "big")
-    monkeypatch.setattr(nixl_transfer, "BATCH_BYTES", 16 << 20)  # several READ batches
+    monkeypatch.setattr(nixl_transfer, "BATCH_BYTES", 16 << 20)  # several READ batches:
+    monkeypatch.setenv(settings.NIXL_PULL, "")  # not the default single request
     target = build(7, "big")
 
     def kill_after_first(i: int) -> None:

@@ -96,11 +96,11 @@ def test_processed_layout_without_a_source_rebuilds_with_the_default_loader(tmp_
 
 def test_a_source_killed_mid_transfer_rebuilds_and_serves_correct_weights(tmp_path, sources, monkeypatch) -> None:
     source = sources("--layout", "raw", "--size", "big")
-    monkeypatch.setattr(nixl_transfer, "BATCH_BYTES", 16 << 20)
     real_pull = nixl_transfer.Agent.pull
 
     def pull_and_kill(self, metadata, pairs, **kw):
         kw["on_batch"] = lambda i: source.kill() if i == 1 else None
+        kw["batch_bytes"] = 16 << 20  # several READ requests (the default posts one)
         return real_pull(self, metadata, pairs, **kw)
 
     monkeypatch.setattr(nixl_transfer.Agent, "pull", pull_and_kill)
