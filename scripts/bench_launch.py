@@ -150,6 +150,7 @@ def main() -> int:
     ap.add_argument("--size", default="2GiB", help="model size for make_tiny_model.py (default 2GiB)")
     ap.add_argument("--runs", type=int, default=3, help="starts per option (first runs: once)")
     ap.add_argument("--sglang", action="store_true", help="also SGLang's options (.venv-sglang)")
+    ap.add_argument("--no-vllm", action="store_true", help="leave vLLM's options out (with --sglang: SGLang only)")
     ap.add_argument("--p2p", action="store_true", help="leave mxlaunch's P2P source on (default --no-p2p: on CPU "
                     "it keeps a host copy of the weights to serve peers, which a one-node start does not need)")
     ap.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench-launch")
@@ -170,7 +171,7 @@ def main() -> int:
         shutil.rmtree(old, ignore_errors=True)
     logs.mkdir(parents=True)
     mx = () if args.p2p else ("--no-p2p",)
-    opts = vllm_options(stores, mx) + (sglang_options(stores, dump_dir, mx) if args.sglang else [])
+    opts = ([] if args.no_vllm else vllm_options(stores, mx)) + (sglang_options(stores, dump_dir, mx) if args.sglang else [])
     by_name = {o.name: o for o in opts}
     runnable = [o for o in opts if o.skip is None]
     order = [o for o in runnable if o.once] + [o for _ in range(args.runs) for o in runnable if not o.once]
