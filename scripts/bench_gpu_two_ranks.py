@@ -78,6 +78,23 @@ def huge_fraction(files: list[str]) -> float:
     return huge / total if total else 0.0
 
 
+def pinned_spans(nbytes: int, barrier, reps: int = 3) -> list[tuple[float, float]]:
+    """One pinned buffer → this GPU, `reps` times, each released by the barrier: (start, end) wall times."""
+    import torch
+
+    pin = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    spans = []
+    for _ in range(reps):
+        barrier.wait()
+        torch.cuda.synchronize()
+        t0 = time.time()
+        dev.copy_(pin, non_blocking=True)
+        torch.cuda.synchronize()
+        spans.append((t0, time.time()))
+    return spans
+
+
 def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib: int = 0) -> None:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -107,34 +124,12 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib
 
         early_register.SPAN = span_mib << 20
     dests = {n: torch.empty_like(t) for n, t in named}
-    pin = torch.empty(4 * GiB, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(4 * GiB, dtype=torch.uint8, device="cuda")
     row: dict = {"rank": rank, "bytes": nbytes, "capture_seconds": cap.seconds, "numa_node": node,
                  "cpus": len(os.sched_getaffinity(0)), "capture": cap.prepared, "span_mib": span_mib,
                  "staged_huge_fraction": huge_fraction(files)}
-    spans = []
-    for _ in range(3):
-        barrier.wait()
-        torch.cuda.synchronize()
-        t0 = time.time()
-        dev.copy_(pin, non_blocking=True)
-        torch.cuda.synchronize()
-        spans.append((t0, time.time()))
-    row["ceiling_spans"] = spans
-    del pin, dev
+    row["ceiling_spans"] = pinned_spans(4 * GiB, barrier)
     # the same ceiling with as many bytes as the rank (a larger working set for the host's DMA)
-    pin = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    spans = []
-    for _ in range(3):
-        barrier.wait()
-        torch.cuda.synchronize()
-        t0 = time.time()
-        dev.copy_(pin, non_blocking=True)
-        torch.cuda.synchronize()
-        spans.append((t0, time.time()))
-    row["ceiling_rank_bytes_spans"] = spans
-    del pin, dev
+    row["ceiling_rank_bytes_spans"] = pinned_spans(nbytes, barrier)
     runs = []
     solo = []
     for turn in range(2):  # each rank alone first (the other waits at the barrier), then both at once

@@ -80,15 +80,7 @@ class _Part:
     def close(self) -> None:
         from mxlaunch.plugin import pinned
 
-        for addr in self.registered:
-            pinned.unregister(addr)
-        self.registered.clear()
-        if self.mapping is not None:
-            self.mapping.close()
-            self.mapping = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        pinned.release_mapped(self)
 
 
 class PreparedCapture:

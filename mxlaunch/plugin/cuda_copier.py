@@ -354,15 +354,7 @@ class CudaCopier:
     def _release(self) -> None:
         started = time.perf_counter()
         for f in self._files:
-            for addr in f.registered:
-                pinned.unregister(addr)
-            f.registered.clear()
-            if f.mapping is not None:
-                f.mapping.close()
-                f.mapping = None
-            if f.fd >= 0:
-                os.close(f.fd)
-                f.fd = -1
+            pinned.release_mapped(f)
         self.stats.unregister_seconds += time.perf_counter() - started
         self._files.clear()
 

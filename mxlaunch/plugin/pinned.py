@@ -63,6 +63,20 @@ def unregister(addr: int) -> None:
         _clear_cuda_error()
 
 
+def release_mapped(item: Any) -> None:
+    """Unregister, unmap and close a mapped file: any object with `registered` (addresses), `mapping`
+    (staging.hugepages.FileMapping or None) and `fd` (-1 when closed); safe to call twice."""
+    for addr in item.registered:
+        unregister(addr)
+    item.registered.clear()
+    if item.mapping is not None:
+        item.mapping.close()
+        item.mapping = None
+    if item.fd >= 0:
+        os.close(item.fd)
+        item.fd = -1
+
+
 def _error_name(err: Any) -> str:
     name = getattr(err, "name", None)
     return str(name or err)

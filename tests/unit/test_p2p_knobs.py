@@ -19,7 +19,10 @@ from mxlaunch.plugin.tensors import RestoreError
 from mxlaunch.transfer import nixl as nixl_transfer
 from mxlaunch.transfer.nixl import Agent, NixlUnavailable, PullConfig, TransferError
 from mxlaunch.transfer.tensor_set import Pair
+from tests.unit import test_p2p_nixl
 from tests.unit.test_p2p_nixl import equal_to_seed0
+
+sources = test_p2p_nixl.sources  # the same fixture: real source processes, killed at the end
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,22 +133,6 @@ def test_ranges_keep_limits_and_kinds(monkeypatch) -> None:
 
 
 # ---- real NIXL between processes (CPU, UCX shared memory) -----------------------------------------------
-
-
-@pytest.fixture
-def sources(tmp_path: Path):
-    from tests.unit.test_p2p_nixl import Source
-
-    started = []
-
-    def start(*args: str, name: str = "src"):
-        s = Source(tmp_path, *args, name=name)
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.kill()
 
 
 def pull_in_child(tmp_path: Path, env: dict[str, str], name: str) -> dict:
