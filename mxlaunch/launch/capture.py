@@ -110,7 +110,7 @@ class CaptureSession:
 
     def __init__(self, store: Store, plan: "LaunchPlan", emit: Callable[..., None],
                  timeout_s: Optional[float] = None, local_root: Optional[Path] = None,
-                 copy: Optional[Callable[..., tuple[int, str]]] = None) -> None:
+                 copy: Optional[Callable[..., tuple[int, str]]] = None, upload_at_once: bool = False) -> None:
         self.store = store
         self.plan = plan
         self.sid = plan.source_id
@@ -129,6 +129,7 @@ class CaptureSession:
         self.copy = copy
         self.upload: Optional[UploadJob] = None
         self.ready = False  # the engine serves: a single-node capture uploads only then
+        self.upload_at_once = upload_at_once  # --capture-only: the run exists for the snapshot, not for serving
         self._next_progress = 0.0
 
     # ---- state ----
@@ -238,8 +239,10 @@ class CaptureSession:
     # ---- the upload from /dev/shm ----
 
     def _start_upload(self) -> None:
-        """Once every rank is in /dev/shm and the engine serves (or at once over several nodes)."""
-        if self.state != "uploading" or self.upload is not None or not (self.ready or self.multinode):
+        """Once every rank is in /dev/shm and the engine serves (at once over several nodes, or for
+        --capture-only, which stops the engine when the snapshot is published)."""
+        if (self.state != "uploading" or self.upload is not None
+                or not (self.ready or self.multinode or self.upload_at_once)):
             return
         assert self.writer is not None and self.local_root is not None
         items = []

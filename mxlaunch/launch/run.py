@@ -97,7 +97,8 @@ class Launcher(Stopping):
             self.store = self.store or Store(self.opts.artifact_path)
             via_shm = self.plan.capture_via == "shm"  # make_plan decided (launch/capture_route.py)
             self.capture = CaptureSession(self.store, self.plan, self.emit,
-                                          local_root=self.shm_dir / "capture" if via_shm else None)
+                                          local_root=self.shm_dir / "capture" if via_shm else None,
+                                          upload_at_once=self.opts.capture_only)
             why_not = self.capture.start()
             if why_not is not None:
                 self.capture = None

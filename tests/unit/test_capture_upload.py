@@ -357,15 +357,26 @@ def run_launcher(tmp: Path, model: Path, *, capture_only: bool = True, parts: in
     return runner, code, events
 
 
-def test_a_launch_captures_into_dev_shm_uploads_after_ready_and_publishes(tmp_path: Path) -> None:
-    runner, code, events = run_launcher(tmp_path, write_checkpoint(tmp_path / "model"))
+def stop_when_published(runner: Launcher, event: str, fields: dict) -> None:
+    if event == "published":
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+
+@pytest.mark.parametrize("capture_only", [False, True])
+def test_a_launch_captures_into_dev_shm_uploads_and_publishes(tmp_path: Path, capture_only: bool) -> None:
+    """A serving launch uploads once the engine is ready; --capture-only (which stops the engine when the
+    snapshot is published) uploads as soon as every rank is captured."""
+    runner, code, events = run_launcher(tmp_path, write_checkpoint(tmp_path / "model"), capture_only=capture_only,
+                                        on_event=None if capture_only else stop_when_published)
     names = [e for e, _ in events]
-    assert code == 0, events
+    assert code in ((0,) if capture_only else (0, 128 + signal.SIGTERM)), events
     plan = dict(events)["plan"]
     assert plan["capture_via"] == "shm" and "is not on tmpfs" in plan["capture_via_reason"]
     assert dict(events)["capture-via"]["via"] == "shm"
-    assert names.index("captured") < names.index("ready") < names.index("upload") < names.index("uploaded") \
-        < names.index("published"), names
+    assert names.index("captured") < names.index("upload") < names.index("uploaded") < names.index("published"), names
+    if not capture_only:
+        assert names.index("ready") < names.index("upload"), names
+    assert runner.capture is not None and runner.capture.upload_at_once is capture_only
     upload = dict(events)["upload"]
     assert upload["source"] == str(runner.shm_dir / "capture") and upload["source"].startswith("/dev/shm/")
     assert upload["files"] == 4 and upload["bytes"] == sum(len(rank_bytes(r, p)) for r in (0, 1) for p in (0, 1))
