@@ -95,6 +95,21 @@ def pinned_spans(nbytes: int, barrier, reps: int = 3) -> list[tuple[float, float
     return spans
 
 
+def prepare_restore(rank: int, files: list[str], dests: dict) -> None:
+    """As the adapters do while the engine builds the model: prepare() registers the staged files (and pins
+    the ring); here it is waited for, as a model build would outlast it. The destinations are zeroed."""
+    import torch
+
+    from mxlaunch.plugin import gpu_restore
+
+    for t in dests.values():
+        t.zero_()
+    gpu_restore.prepare(rank, files, timeout_s=10)
+    gpu_restore._registrar.wait()
+    gpu_restore._early._thread.join()
+    torch.cuda.synchronize()
+
+
 def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib: int = 0) -> None:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -133,12 +148,7 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib
     runs = []
     solo = []
     for turn in range(2):  # each rank alone first (the other waits at the barrier), then both at once
-        for t in dests.values():
-            t.zero_()
-        gpu_restore.prepare(rank, files, timeout_s=10)
-        gpu_restore._registrar.wait()
-        gpu_restore._early._thread.join()
-        torch.cuda.synchronize()
+        prepare_restore(rank, files, dests)
         barrier.wait()
         if turn == rank:
             t0 = time.time()
@@ -152,12 +162,7 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib
         gpu_restore.release_pending()
     row["solo"] = solo
     for _ in range(3):
-        for t in dests.values():
-            t.zero_()
-        gpu_restore.prepare(rank, files, timeout_s=10)
-        gpu_restore._registrar.wait()
-        gpu_restore._early._thread.join()
-        torch.cuda.synchronize()
+        prepare_restore(rank, files, dests)
         barrier.wait()
         t0 = time.time()
         r = restore_tensors(list(dests.items()), files, wait_timeout_s=10)

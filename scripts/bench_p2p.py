@@ -499,6 +499,16 @@ def _has_dist(md, name: str) -> bool:
         return False
 
 
+def wait_for_source(source: subprocess.Popen, work: Path, timeout_s: float = 600) -> dict:
+    """The source child's report, once it serves (SystemExit if it died or took longer than timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while not (work / "source.json").exists():
+        if source.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the source did not start")
+        time.sleep(0.5)
+    return json.loads((work / "source.json").read_text())
+
+
 def knob_sweep(args: argparse.Namespace) -> None:
     began = time.monotonic()
     work = Path(args.work)
@@ -514,12 +524,7 @@ def knob_sweep(args: argparse.Namespace) -> None:
     res: dict = {"date": time.strftime("%Y-%m-%d"), "devices": args.devices, "machine": machine_info(), "settings": []}
     source = subprocess.Popen(child("source", args, src_dev), env=base_env)
     try:
-        deadline = time.monotonic() + 600
-        while not (work / "source.json").exists():
-            if source.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the source did not start")
-            time.sleep(0.5)
-        res["source"] = json.loads((work / "source.json").read_text())
+        res["source"] = wait_for_source(source, work)
         res["source_seconds"] = round(time.monotonic() - began, 1)
         longest = 60.0
         runs = [(i, k) for i, k in enumerate(plan)]
@@ -625,12 +630,7 @@ def main() -> None:
     source = subprocess.Popen(child("source", args, src_dev))
     res: dict = {"date": time.strftime("%Y-%m-%d"), "devices": args.devices, "runs": []}
     try:
-        deadline = time.monotonic() + 600
-        while not (work / "source.json").exists():
-            if source.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the source did not start")
-            time.sleep(0.5)
-        res["source"] = json.loads((work / "source.json").read_text())
+        res["source"] = wait_for_source(source, work)
         for i in range(args.runs):
             out = work / f"target-{i}.json"
             subprocess.run(child("target", args, dst_dev, str(out)), check=True)

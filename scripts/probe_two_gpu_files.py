@@ -33,6 +33,7 @@ def worker(rank: int, barrier, out) -> None:
     import torch
 
     from bench_gpu_load import rank_tensors
+    from bench_gpu_two_ranks import prepare_restore
     from mxlaunch.plugin import capture_prepare, gpu_restore
     from mxlaunch.plugin.capture_prepare import PreparedCapture
     from mxlaunch.plugin.early_register import register_file
@@ -67,7 +68,7 @@ def worker(rank: int, barrier, out) -> None:
     pin = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     timed("A pinned buffer, one copy", lambda: dev.copy_(pin, non_blocking=True))
-    del pin, dev
+    pin = dev = None  # the rank's tensors need the room
     regs = [register_file(f, rank, span=1 << 40) for f in files]
     srcs = [torch.frombuffer(r.mapping.view, dtype=torch.uint8) for r in regs]
     bufs = [torch.empty(r.size, dtype=torch.uint8, device="cuda") for r in regs]
@@ -76,7 +77,7 @@ def worker(rank: int, barrier, out) -> None:
         for s, b in zip(srcs, bufs):
             b.copy_(s, non_blocking=True)
     timed("B one copy per file (15)", per_file)
-    del bufs
+    bufs = []
     torch.cuda.empty_cache()
     pieces = []
     for f, s in zip(files, srcs):
@@ -90,7 +91,7 @@ def worker(rank: int, barrier, out) -> None:
     ok_c = all(torch.equal(dests[n], gold[n]) for n in gold)
     timed("C alone (rank 0 then rank 1)", per_tensor, reps=1, alone=True)
     pieces.clear()
-    del srcs
+    srcs = []
     s = None  # noqa: F841 - the last file's tensor view goes before its mapping
     for r in regs:
         try:
@@ -101,11 +102,7 @@ def worker(rank: int, barrier, out) -> None:
     def mx() -> None:
         restore_tensors(list(dests.items()), files, wait_timeout_s=10)
     for _ in range(3):
-        for t in dests.values():
-            t.zero_()
-        gpu_restore.prepare(rank, files, timeout_s=10)
-        gpu_restore._registrar.wait()
-        gpu_restore._early._thread.join()
+        prepare_restore(rank, files, dests)
         timed("D mxlaunch default restore", mx, reps=1)
         gpu_restore.release_pending()
     ok_d = all(torch.equal(dests[n], gold[n]) for n in gold)

@@ -86,10 +86,15 @@ def _huge_pages(fh: BinaryIO, size: int, pager: Any) -> None:
         mapping.close()
 
 
+def temp_path(final: Path) -> Path:
+    """Where a part is written before its rename into place (hidden, per process)."""
+    return final.with_name(f".{final.name}.{os.getpid()}.tmp")
+
+
 def _write_part(final: Path, part: list[Group], meta: dict[str, str], fsync: bool,
                 write: Callable[[BinaryIO, torch.Tensor], int], pager: Any = None) -> int:
     """One part under a temp name, fsynced, renamed into place; the temp file never outlives a failure."""
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    tmp = temp_path(final)
     try:
         with open(tmp, "w+b") as fh:
             header = _header(part, meta)

@@ -32,6 +32,7 @@ from typing import Any, Iterable
 import torch
 
 from mxlaunch import settings
+from mxlaunch.fileutil import is_tmpfs, nearest_existing
 from mxlaunch.plugin.tensors import CaptureError, Group, group_tensors
 
 log = logging.getLogger("mxlaunch.plugin")
@@ -49,8 +50,6 @@ def signature(groups: Iterable[Group]) -> list[tuple]:
 
 def eligible(groups: list[Group], out_dir: Path) -> str | None:
     """None when the capture can be prepared; else why not (for the log)."""
-    from mxlaunch.plugin.cuda_copier import is_tmpfs
-
     if not settings.capture_prepare():
         return "MXLAUNCH_CAPTURE_PREPARE=0"
     if not groups:
@@ -58,10 +57,7 @@ def eligible(groups: list[Group], out_dir: Path) -> str | None:
     devices = {g.tensor.device for g in groups}
     if len(devices) != 1:
         return "the tensors live on several devices"
-    probe = out_dir
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not is_tmpfs(probe):
+    if not is_tmpfs(nearest_existing(out_dir)):
         return f"{out_dir} is not on tmpfs"
     return None
 
@@ -86,13 +82,12 @@ class _Part:
 class PreparedCapture:
     """The parts of one rank's capture, prepared in the background: see the module docstring."""
 
-    def __init__(self, named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike[str], *,
+    def __init__(self, groups: list[Group], out_dir: str | os.PathLike[str], *,
                  metadata: dict[str, str] | None = None, part_bytes: int | None = None) -> None:
-        from mxlaunch.plugin.capture import capture_meta, part_jobs
+        from mxlaunch.plugin.capture import capture_meta, part_jobs, temp_path
         from mxlaunch.plugin.snapshot_files import PART_BYTES, _header
 
         self.out = Path(out_dir)
-        groups = group_tensors(named)
         self.signature = signature(groups)
         self.device = groups[0].tensor.device if groups else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
@@ -101,14 +96,12 @@ class PreparedCapture:
         for final, part, part_meta in part_jobs(groups, self.out, meta, aliases, part_bytes or PART_BYTES):
             header = _header(part, part_meta)
             size = len(header) + sum(g.tensor.numel() * g.tensor.element_size() for g in part)
-            self.parts.append(_Part(final, final.with_name(f".{final.name}.{os.getpid()}.tmp"), part, header, size))
-        self.bytes = sum(p.size for p in self.parts)
+            self.parts.append(_Part(final, temp_path(final), part, header, size))
         self.error: str | None = None
         self.seconds = 0.0
         self.wait_seconds = 0.0
         self.huge_bytes = 0
         self._stop = False
-        self._taken = False
         self._written = False
         self._thread = threading.Thread(target=self._run, name="mxlaunch-capture-prepare", daemon=True)
 
@@ -116,12 +109,12 @@ class PreparedCapture:
     def start(cls, named: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike[str], *,
               metadata: dict[str, str] | None = None, part_bytes: int | None = None) -> "PreparedCapture | None":
         """Begin preparing when the capture can use it; None (and one debug line) otherwise."""
-        named = list(named)
-        why = eligible(group_tensors(named), Path(out_dir))
+        groups = group_tensors(named)
+        why = eligible(groups, Path(out_dir))
         if why:
             log.debug("mxlaunch: the capture is not prepared during loading: %s", why)
             return None
-        prep = cls(named, out_dir, metadata=metadata, part_bytes=part_bytes)
+        prep = cls(groups, out_dir, metadata=metadata, part_bytes=part_bytes)
         prep._thread.start()
         return prep
 
@@ -164,12 +157,7 @@ class PreparedCapture:
         _libc.madvise(part.mapping.addr, part.size, MADV_POPULATE_WRITE)
         part.mapping.view[:len(part.header)] = part.header
         if self.cuda:
-            end = pinned.page_up(part.size)
-            for begin in range(0, end, SPAN):
-                if self._stop:
-                    return
-                pinned.register(part.mapping.addr + begin, min(SPAN, end - begin))
-                part.registered.append(part.mapping.addr + begin)
+            pinned.register_spans(part.mapping.addr, part.size, SPAN, into=part.registered, stop=lambda: self._stop)
 
     # ---- the capture's side -------------------------------------------------------------------------
 
@@ -187,7 +175,6 @@ class PreparedCapture:
             log.warning("mxlaunch: the prepared capture files are not used (%s); writing the parts instead", why)
             self.discard()
             return None
-        self._taken = True
         return self
 
     def write(self, groups: list[Group], fsync: bool = True) -> tuple[list[Path], int]:

@@ -64,10 +64,7 @@ def register_file(path: str, device: Any = None, span: int = SPAN) -> Registered
         raise
     reg = Registered(path, size, fd, mapping, span=span)
     try:
-        for begin in range(0, size, span):
-            n = min(span, pinned.page_up(size) - begin)
-            pinned.register(mapping.addr + begin, n, read_only=True)
-            reg.addrs.append(mapping.addr + begin)
+        pinned.register_spans(mapping.addr, size, span, into=reg.addrs, read_only=True)
     except BaseException:
         reg.release()
         raise

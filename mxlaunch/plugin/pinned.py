@@ -63,6 +63,19 @@ def unregister(addr: int) -> None:
         _clear_cuda_error()
 
 
+def register_spans(addr: int, nbytes: int, span: int, *, into: list[int], read_only: bool = False,
+                   stop: Any = None) -> None:
+    """Page-lock [addr, addr + nbytes) in `span`-byte registrations (short driver calls), appending each
+    registered address to `into` as it goes (the caller unregisters them, also after an error); `stop()`
+    true ends early. A DMA must then not cross a span's end (`cudaErrorInvalidValue`)."""
+    end = page_up(nbytes)
+    for begin in range(0, end, span):
+        if stop is not None and stop():
+            return
+        register(addr + begin, min(span, end - begin), read_only=read_only)
+        into.append(addr + begin)
+
+
 def release_mapped(item: Any) -> None:
     """Unregister, unmap and close a mapped file: any object with `registered` (addresses), `mapping`
     (staging.hugepages.FileMapping or None) and `fd` (-1 when closed); safe to call twice."""

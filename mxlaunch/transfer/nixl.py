@@ -189,7 +189,7 @@ class Agent:
                 if on_batch is not None:
                     on_batch(i)
                 batch = groups[key][lo:hi]
-                handle = self._post(remote, batch, landed, op, preps.get(key), (lo, hi))
+                handle = self._post(remote, batch, landed, op, preps.get(key), (lo, hi), merge=cfg.merge)
                 pending.append((handle, batch))
                 landed = True
                 while len(pending) >= max(1, inflight):
@@ -226,13 +226,13 @@ class Agent:
         return local_h, remote_h
 
     def _post(self, remote: object, batch: list[Pair], landed: bool, op: str = "READ", prep: tuple | None = None,
-              span: tuple[int, int] = (0, 0)) -> object:
+              span: tuple[int, int] = (0, 0), merge: bool = True) -> object:
         """Make and post one request (from the prepared lists when `prep` is given: indices `span`);
         a failure before the post means this batch wrote nothing."""
         try:
             if prep is not None:
                 indices = list(range(*span))
-                extra = {} if self.pull_config.merge else {"skip_desc_merge": True}
+                extra = {} if merge else {"skip_desc_merge": True}
                 handle = self._agent.make_prepped_xfer(op, prep[0], indices, prep[1], indices, **extra)
             else:
                 local = self._agent.get_xfer_descs([(p.local_addr, p.bytes, p.local_dev) for p in batch],
