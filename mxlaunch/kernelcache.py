@@ -188,14 +188,16 @@ def side_dirs(environ: Mapping[str, str] = os.environ) -> Dict[str, Path]:
     return {"inductor_pch": Path(tmp) / f"torchinductor_{re.sub(r'[/:*?<>|]', '_', user)}" / "precompiled_headers"}
 
 
-def sync_tree(src: Path, dst: Path) -> int:
+def sync_tree(src: Path, dst: Path, only: Optional[Sequence[str]] = None) -> int:
     """Regular files of src that dst lacks (or has at another size) → dst, each copied (mtime kept) and a
-    rename (never half a file); links and lock folders are left out. Returns how many were added."""
+    rename (never half a file); links and lock folders are left out. `only` limits it to those relative
+    paths. Returns how many were added."""
     added = 0
     if not src.is_dir():
         return 0
+    wanted = None if only is None else set(only)
     for rel, (size, _) in folder_state(src).items():
-        if rel.split(os.sep)[0] == "locks":
+        if rel.split(os.sep)[0] == "locks" or (wanted is not None and rel not in wanted):
             continue
         target = dst / rel
         if target.is_file() and not target.is_symlink() and target.stat().st_size == size:

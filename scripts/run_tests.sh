@@ -4,8 +4,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${VENV:-.venv}/bin/python
+# The suite writes a few GiB under $TMPDIR and /dev/shm; a run that fails for want of room shows it here.
+df -h "${TMPDIR:-/tmp}" /dev/shm 2>/dev/null | sed 's/^/run_tests: /'
 "$PY" -m pytest -m "unit or e2e or slurm or redis" "$@"
 rc=$?
+df -h "${TMPDIR:-/tmp}" /dev/shm 2>/dev/null | sed 's/^/run_tests: /'
 if [ "$rc" -eq 5 ]; then
   echo "run_tests: pytest collected no tests — the suite is miswired" >&2
   exit 1

@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, Optional
 from mxlaunch import settings
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
-from mxlaunch.kernelcache import (cache_key, cache_vars, changed, folder_state, key_fields, local_dir, side_dirs,
-                                  sync_tree)
+from mxlaunch.kernelcache import (FolderState, cache_key, cache_vars, changed, folder_state, key_fields, local_dir,
+                                  side_dirs, sync_tree)
 from mxlaunch.kernelcache_store import KernelCacheStore
 
 SETTLE_S = 3.0  # the folders must stay unchanged this long after ready before they are captured
@@ -59,6 +59,7 @@ class KernelCacheRun:
         self.before: Dict[str, Any] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.side_before: Dict[str, FolderState] = {}
         self.max_bytes = settings.kernel_cache_max_bytes()
 
     @property
@@ -86,6 +87,9 @@ class KernelCacheRun:
                 sync_tree(folder / sub, outside)
             except OSError:
                 pass  # a miss for that cache only: the engine rebuilds it
+            # What the side folder holds now (this key's files, plus whatever other torch builds and runs left
+            # there, ~150 MB a header): only what this run writes is captured back.
+            self.side_before[sub] = folder_state(outside)
         self.before = folder_state(folder)
         reason = result.reason if result.status == "miss" else f"restored {result.files} files into {folder}"
         self.emit("kernel-cache", status=result.status, reason=reason, key=key, dir=str(folder), files=result.files,
@@ -121,7 +125,8 @@ class KernelCacheRun:
                               reason=f"the cache folders kept changing for {SETTLE_MAX_S:.0f} s; not captured")
                 return
             for sub, outside in side_dirs().items():
-                if sync_tree(outside, folder / sub):
+                written = changed(self.side_before.get(sub, {}), folder_state(outside))
+                if written and sync_tree(outside, folder / sub, only=written):
                     state = folder_state(folder)
             new = changed(self.before, state)
             if not new and (self.status == "hit" or not state):  # a miss with a warm local folder still publishes it

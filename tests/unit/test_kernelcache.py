@@ -341,3 +341,35 @@ def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path:
     assert second[1][1]["status"] == "hit" and not second[1][1]["published"]
     third = launch("k2.bin")  # the same node compiles one more kernel: a partial hit, captured again
     assert third[1][1]["status"] == "partial" and third[1][1]["published"] and third[1][1]["new"] == ["triton/k2.bin"]
+
+
+def test_precompiled_headers_other_runs_left_are_not_captured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's header folder is machine-wide: headers of other torch builds (~150 MB each) stay out of the key."""
+    from mxlaunch.launch import kernel
+
+    monkeypatch.setattr(kernel, "SETTLE_S", 0.3)
+    monkeypatch.setattr(kernel, "POLL_S", 0.1)
+    monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "local"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
+    pch = kernel.side_dirs()["inductor_pch"]
+    pch.mkdir(parents=True)
+    (pch / "0ld.h.gch").write_bytes(b"stale" * 1000)  # left by another torch, before this launch
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
+    store = kc(tmp_path / "store")
+    events: list[tuple[str, dict]] = []
+    info = plan_kernel_cache(spec, source_id="b" * 16, device_type="cpu", kc_store=store)
+    run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
+    env = run.restore()
+    Path(env["TRITON_CACHE_DIR"], "k.bin").write_bytes(b"kernel")
+    (pch / "new.h.gch").write_bytes(b"fresh" * 1000)  # built by this run
+    run.start_capture()
+    run._thread.join(10)
+    run.stop()
+    assert events[-1][0] == "kernel-cache-capture" and events[-1][1]["published"], events
+    assert sorted(events[-1][1]["new"]) == ["inductor_pch/new.h.gch", "triton/k.bin"]
+    archive = next((tmp_path / "store" / "kernel-cache").glob("*/cache-*.tar"))
+    with tarfile.open(archive) as tar:
+        names = {m.name for m in tar if m.isfile()}
+    assert "inductor_pch/new.h.gch" in names and "inductor_pch/0ld.h.gch" not in names, names
