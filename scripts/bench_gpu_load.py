@@ -36,9 +36,10 @@ from mxlaunch.plugin.loader import capture_tensors, restore_tensors  # noqa: E40
 GiB = 1 << 30
 
 
-def rank_tensors(layers: int, device: str = "cuda") -> list[tuple[str, torch.Tensor]]:
-    """Llama-70B TP4 rank shapes (hidden 8192, 64/8 heads of 128, FFN 28672, vocab 128256 / 4)."""
-    h, q, kv, ffn, vocab = 8192, 2048, 256, 7168, 32064
+def rank_tensors(layers: int, device: str = "cuda", tp: int = 4) -> list[tuple[str, torch.Tensor]]:
+    """Llama-70B rank shapes at tensor parallelism `tp` (hidden 8192, 64 query / 8 KV heads of 128, FFN 28672,
+    vocab 128256; KV heads replicate past tp 8): tp 4 is 12.14 GiB for 28 layers, 32.9 GiB for all 80."""
+    h, q, kv, ffn, vocab = 8192, 8192 // tp, max(1024 // tp, 128), 28672 // tp, 128256 // tp
     out = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -343,7 +344,16 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time GPU-copy settings on the staged files, then stop")
     ap.add_argument("--quick", action="store_true",
                     help="only the ceilings, the captures, the default restore and instanttensor (--peers)")
+    ap.add_argument("--ranks", type=int, default=0,
+                    help="N processes, one per GPU, each restoring its own Llama-70B TP-N rank at once "
+                         "(bench_gpu_two_ranks.py; --layers 80 for whole ranks)")
+    ap.add_argument("--numa", choices=("default", "local", "both"), default="default", help="with --ranks")
     args = ap.parse_args()
+    if args.ranks:
+        import bench_gpu_two_ranks
+
+        bench_gpu_two_ranks.run(args.ranks, args.layers, args.numa, "0", args.out)
+        return
     work, disk = Path(args.work), Path(args.disk)
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(disk, ignore_errors=True)

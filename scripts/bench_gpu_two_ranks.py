@@ -1,12 +1,15 @@
-"""Two GPUs restoring at once (issue 11): aggregate GiB/s of two ranks against two concurrent pinned copies.
+"""N GPUs restoring at once (issues 11, 16): aggregate GiB/s of N ranks against N concurrent pinned copies.
 
-One process per GPU, as an engine runs one worker per GPU. Each makes one Llama-70B TP4 rank (12.14 GiB)
-on its GPU, captures it into /dev/shm and stages it back with `mxlaunch stage` (2 MiB pages); then, with
-both processes released by one barrier: (1) the ceiling — each copies one pinned 4 GiB buffer to its GPU
-3 times; (2) mxlaunch's default path — prepare() (early registration of the staged files + ring) and the
-restore, bytes checked with torch.equal. Aggregate = both ranks' bytes / (last end − first start).
+One process per GPU, as an engine runs one worker per GPU. Each makes one Llama-70B rank on its GPU
+(TP4 shapes for two ranks, as in issue 11's runs — 12.14 GiB for 28 layers; TP-N shapes for N ≥ 4),
+captures it into /dev/shm and stages it back with `mxlaunch stage` (2 MiB pages); then, with every process
+released by one barrier: (1) the ceiling — each copies one pinned 4 GiB buffer to its GPU 3 times, and
+once more with as many bytes as its rank (up to 16 GiB); (2) mxlaunch's default path — prepare() (early
+registration of the staged files + ring) and the restore, bytes checked with torch.equal.
+Aggregate = all ranks' bytes / (last end − first start); the per-rank spread is each rank's own GiB/s.
 
     python scripts/bench_gpu_two_ranks.py --out two_ranks.json [--numa both]
+    python scripts/bench_gpu_load.py --ranks 8 --layers 80 --out eight.json    # a whole TP8 node (issue 16)
 
 `--numa local` pins each worker (and the `mxlaunch stage` it runs, so the staged files' pages) to the
 CPUs of its GPU's NUMA node; `both` runs the default and the local placement one after the other.
@@ -30,18 +33,15 @@ GiB = 1 << 30
 
 
 def numa_node_of_gpu(index: int) -> int:
-    """The NUMA node of GPU `index` from sysfs (-1 when unknown)."""
-    import torch
-
-    props = torch.cuda.get_device_properties(index)
-    bus = getattr(props, "pci_bus_id", None)
-    if bus is None:
+    """The NUMA node of GPU `index` from sysfs, by the PCI address nvidia-smi reports (-1 when unknown)."""
+    r = subprocess.run(["nvidia-smi", "-i", str(index), "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+                       capture_output=True, text=True)
+    bus = r.stdout.strip().lower()  # "00000000:18:00.0": an 8-digit domain, sysfs has 4
+    if r.returncode or ":" not in bus:
         return -1
-    domain = getattr(props, "pci_domain_id", 0)
-    dev = getattr(props, "pci_device_id", 0)
-    path = Path(f"/sys/bus/pci/devices/{domain:04x}:{bus:02x}:{dev:02x}.0/numa_node")
+    domain, _, rest = bus.partition(":")
     try:
-        return int(path.read_text())
+        return int(Path(f"/sys/bus/pci/devices/{int(domain, 16):04x}:{rest}/numa_node").read_text())
     except (OSError, ValueError):
         return -1
 
@@ -110,7 +110,8 @@ def prepare_restore(rank: int, files: list[str], dests: dict) -> None:
     torch.cuda.synchronize()
 
 
-def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib: int = 0) -> None:
+def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib: int = 0, ranks: int = 2,
+           tp: int = 4) -> None:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "scripts"))
     import torch
@@ -126,7 +127,7 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib
     torch.cuda.set_device(rank)
     work = Path(f"/dev/shm/mx-two-{rank}")
     shutil.rmtree(work, ignore_errors=True)
-    named = rank_tensors(layers)
+    named = rank_tensors(layers, tp=tp)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     cap = capture_tensors(named, work / "capture")
     p = subprocess.run([sys.executable, "-m", "mxlaunch.cli", "stage", str(work / "capture"), "--dest",
@@ -134,6 +135,7 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib
     if p.returncode:
         raise SystemExit(p.stderr[-1000:])
     files = sorted(str(f) for f in (work / "staged").rglob("*.safetensors"))
+    shutil.rmtree(work / "capture", ignore_errors=True)  # the staged copy is what is restored: half the RAM
     if span_mib:
         from mxlaunch.plugin import early_register
 
@@ -144,10 +146,11 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib
                  "staged_huge_fraction": huge_fraction(files)}
     row["ceiling_spans"] = pinned_spans(4 * GiB, barrier)
     # the same ceiling with as many bytes as the rank (a larger working set for the host's DMA)
-    row["ceiling_rank_bytes_spans"] = pinned_spans(nbytes, barrier)
+    row["ceiling_rank_bytes"] = min(nbytes, 16 * GiB)
+    row["ceiling_rank_bytes_spans"] = pinned_spans(row["ceiling_rank_bytes"], barrier)
     runs = []
     solo = []
-    for turn in range(2):  # each rank alone first (the other waits at the barrier), then both at once
+    for turn in range(ranks if ranks <= 2 else 1):  # rank(s) alone first (the others wait), then all at once
         prepare_restore(rank, files, dests)
         barrier.wait()
         if turn == rank:
@@ -176,49 +179,72 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib
     out.put(row)
 
 
-def one_variant(layers: int, numa: str, span_mib: int = 0) -> dict:
+def aggregate(nbytes: float, spans: list) -> float:
+    """GiB/s of `nbytes` moved by spans (start, end) that ran at once: last end − first start."""
+    return nbytes / GiB / (max(e for _, e in spans) - min(s for s, _ in spans))
+
+
+def one_variant(layers: int, numa: str, span_mib: int = 0, ranks: int = 2, tp: int = 4) -> dict:
     ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, layers, barrier, out, numa, span_mib)) for r in range(2)]
+    barrier, out = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, layers, barrier, out, numa, span_mib, ranks, tp)) for r in range(ranks)]
     for p in procs:
         p.start()
-    rows = sorted([out.get(timeout=500) for _ in procs], key=lambda r: r["rank"])
+    rows = sorted([out.get(timeout=900) for _ in procs], key=lambda r: r["rank"])
     for p in procs:
         p.join()
-    total_ceiling = 2 * 4 * GiB
-    ceil = [total_ceiling / GiB / (max(r["ceiling_spans"][i][1] for r in rows) - min(r["ceiling_spans"][i][0] for r in rows))
-            for i in range(3)]
+    ceil = [aggregate(ranks * 4 * GiB, [r["ceiling_spans"][i] for r in rows]) for i in range(3)]
     total = sum(r["bytes"] for r in rows)
-    ceil_rank = [total / GiB / (max(r["ceiling_rank_bytes_spans"][i][1] for r in rows)
-                                - min(r["ceiling_rank_bytes_spans"][i][0] for r in rows)) for i in range(3)]
-    mx = [total / GiB / (max(r["restore_runs"][i]["span"][1] for r in rows) - min(r["restore_runs"][i]["span"][0] for r in rows))
-          for i in range(3)]
-    res = {"numa": numa, "span_mib": span_mib, "huge": [r["staged_huge_fraction"] for r in rows],
+    ceil_rank = [aggregate(sum(r["ceiling_rank_bytes"] for r in rows), [r["ceiling_rank_bytes_spans"][i] for r in rows])
+                 for i in range(3)]
+    mx = [aggregate(total, [r["restore_runs"][i]["span"] for r in rows]) for i in range(3)]
+    per_rank = [[r["bytes"] / GiB / (r["restore_runs"][i]["span"][1] - r["restore_runs"][i]["span"][0]) for r in rows]
+                for i in range(3)]
+    res = {"numa": numa, "span_mib": span_mib, "ranks_count": ranks, "tp_shapes": tp, "layers": layers,
+           "gib_per_rank": rows[0]["bytes"] / GiB, "huge": [r["staged_huge_fraction"] for r in rows],
+           "numa_nodes": [r["numa_node"] for r in rows], "cpus_per_rank": [r["cpus"] for r in rows],
            "ceiling_two_pinned_copies_gibps": ceil, "mxlaunch_two_ranks_gibps": mx,
            "ratio_median": sorted(mx)[1] / sorted(ceil)[1],
            "ceiling_two_pinned_copies_rank_bytes_gibps": ceil_rank,
            "ratio_median_rank_bytes": sorted(mx)[1] / sorted(ceil_rank)[1],
+           "per_rank_gibps": per_rank,
+           "per_rank_spread": [round(max(x) / min(x), 3) for x in per_rank],
            "exact": all(run["exact"] for r in rows for run in r["restore_runs"]), "ranks": rows}
     print(json.dumps({k: v for k, v in res.items() if k != "ranks"}, indent=1), flush=True)
+    return res
+
+
+def run(ranks: int, layers: int, numa: str, span_mib: str, out: str, tp: int = 0) -> dict:
+    """Every variant (NUMA placement × early-registration span) with `ranks` processes; JSON into `out`."""
+    import torch
+
+    have = torch.cuda.device_count()
+    if ranks < 1 or ranks > have:
+        raise SystemExit(f"--ranks {ranks}: this machine has {have} GPU(s) — ask for at most {have}")
+    tp = tp or (4 if ranks <= 2 else ranks)
+    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
+    variants = ("default", "local") if numa == "both" else (numa,)
+    res = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "topo": topo,
+           "machine": torch.cuda.get_device_name(0), "gpus": have, "cpus": os.cpu_count(),
+           "variants": [one_variant(layers, v, int(span), ranks, tp) for v in variants for span in span_mib.split(",")]}
+    first = res["variants"][0]
+    res.update({k: first[k] for k in ("ceiling_two_pinned_copies_gibps", "mxlaunch_two_ranks_gibps", "ratio_median",
+                                      "per_rank_spread", "exact")})
+    Path(out).write_text(json.dumps(res, indent=1))
+    print(topo)
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--ranks", type=int, default=2, help="processes, one per GPU")
+    ap.add_argument("--tp", type=int, default=0, help="Llama-70B TP degree of the shapes (default: 4 for ≤ 2 ranks, else N)")
     ap.add_argument("--out", default="two_ranks.json")
     ap.add_argument("--numa", choices=("default", "local", "both"), default="default")
     ap.add_argument("--span-mib", default="0", help="comma list: early-registration span(s) in MiB to compare (0 = default)")
     args = ap.parse_args()
-    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout
-    variants = ("default", "local") if args.numa == "both" else (args.numa,)
-    res = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "topo": topo,
-           "variants": [one_variant(args.layers, v, int(span)) for v in variants for span in args.span_mib.split(",")]}
-    first = res["variants"][0]
-    res.update({k: first[k] for k in ("ceiling_two_pinned_copies_gibps", "mxlaunch_two_ranks_gibps", "ratio_median",
-                                      "exact")})
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(topo)
+    run(args.ranks, args.layers, args.numa, args.span_mib, args.out, args.tp)
 
 if __name__ == "__main__":
     main()

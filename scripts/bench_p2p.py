@@ -21,6 +21,15 @@ target also measures the torch baselines. A time budget (--budget-s) stops start
 
     python scripts/bench_p2p.py --knob-sweep --out knobs.json                     # ~5 min on 2×H200 (≤ 7.5)
     python scripts/bench_p2p.py --knob-sweep --knobs default,threads4 --out k.json  # a subset
+
+--ranks N (issue 16): N/2 sources on GPUs 0..N/2-1 (rank r of a world of N/2, its own weights), N/2
+targets on GPUs N/2..N-1, target r pulling rank r from GPU r — all targets released by one barrier after
+their post-processing, so every pair moves at once. Aggregate GiB/s = all bytes / (last pull end − first
+pull start), against N/2 concurrent torch peer copies (same pairs, same bytes, one barrier) in the same
+targets. Each pair's model is a whole small Llama (not a TP shard): the transfer pattern is the node's.
+
+    python scripts/bench_p2p.py --ranks 8 --out p2p_ranks8.json               # 8 GPUs: 4 pull from 4
+    python scripts/bench_p2p.py --ranks 2 --devices cpu,cpu --layers 2 --hidden 256 --inter 512 --out s.json
 """
 
 from __future__ import annotations
@@ -99,6 +108,26 @@ def sync(device: str) -> None:
 # ---- source --------------------------------------------------------------------------------------------
 
 
+def gold_name(args: argparse.Namespace) -> str:
+    return "gold.pt" if args.world == 1 else f"gold-{args.rank}.pt"
+
+
+def source_name(rank: int, world: int) -> str:
+    return "source.json" if world == 1 else f"source-{rank}.json"
+
+
+def file_barrier(work: Path, name: str, rank: int, parties: int, timeout_s: float = 300.0) -> float:
+    """Every party touches `name-<rank>` and waits for all `parties` of them; returns time.time() at release.
+    (Processes started by one parent with no shared multiprocessing context: a folder is the meeting point.)"""
+    (work / f"{name}-{rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(work.glob(f"{name}-*"))) < parties:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"barrier {name}: only {len(list(work.glob(f'{name}-*')))} of {parties} arrived")
+        time.sleep(0.001)
+    return time.time()
+
+
 def run_source(args: argparse.Namespace) -> None:
     import torch
 
@@ -109,17 +138,17 @@ def run_source(args: argparse.Namespace) -> None:
     device = args.device
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    model = build(args, device, seed=0)
+    model = build(args, device, seed=args.rank)
     post_process(model)
     gold = logits(model, device).cpu()
-    torch.save(gold, Path(args.work) / "gold.pt")
+    torch.save(gold, Path(args.work) / gold_name(args))
     named = processed_tensors(model)
     started = time.perf_counter()
-    pub = p2p.serve(named, registry=open_registry(f"file:{args.work}/reg", None), source_id=SOURCE_ID, rank=0,
-                    world=1, layout="processed", run_id="bench-source", ttl_s=60)
+    pub = p2p.serve(named, registry=open_registry(f"file:{args.work}/reg", None), source_id=SOURCE_ID, rank=args.rank,
+                    world=args.world, layout="processed", run_id=f"bench-source-{args.rank}", ttl_s=60)
     info = {"serve_seconds": time.perf_counter() - started, "agent_start_seconds": p2p.agent().start_seconds,
-            **pub.record.extra, "tensors": len(pub.record.tensors)}
-    (Path(args.work) / "source.json").write_text(json.dumps(info))
+            **pub.record.extra, "tensors": len(pub.record.tensors), "rank": args.rank, "device": device}
+    (Path(args.work) / source_name(args.rank, args.world)).write_text(json.dumps(info))
     stop = Path(args.work) / "stop"
     while not stop.exists():
         time.sleep(0.2)
@@ -138,6 +167,7 @@ class BenchEngine:
         self._force_default = False
         self.build_seconds = 0.0
         self.finish_started = 0.0
+        self.pull_wall_start = 0.0
 
     def build(self):
         from mxlaunch.plugin.load_step import effective_plan
@@ -151,10 +181,13 @@ class BenchEngine:
         def default_load() -> None:
             raise RuntimeError("the benchmark has no checkpoint: the default loader must not run")
 
-        self._rank_load = RankLoad(model, effective_plan(self, self.plan), 0, default_load, engine="bench", log=log)
+        self._rank_load = RankLoad(model, effective_plan(self, self.plan), self.args.rank, default_load, engine="bench",
+                                   log=log)
         self._outcome = self._rank_load.run()
         post_process(model)
         sync(self.args.device)
+        if self.args.barrier:  # --ranks: every target starts its pull at once
+            self.pull_wall_start = file_barrier(Path(self.args.work), self.args.barrier, self.args.rank, self.args.world)
         self.finish_started = time.perf_counter()
         return model
 
@@ -178,6 +211,25 @@ def peer_copy(nbytes: int, src: str, dst: str, reps: int = 5, on: str | None = N
         out.append(nbytes / GiB / (time.perf_counter() - t0))
     del a, b
     return out
+
+
+def concurrent_peer_copy(args: argparse.Namespace, nbytes: int, reps: int = 3) -> list[list[float]]:
+    """The --ranks baseline: this pair's torch peer copy of the pull's bytes (source GPU → this GPU), every
+    pair released by one barrier per repetition: [(start, end)] wall times."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=args.source_device)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=args.device)
+    spans = []
+    for i in range(reps + 1):  # the first is a warm-up (peer access set up, allocator)
+        sync(args.source_device), sync(args.device)
+        t0 = file_barrier(Path(args.work), f"{args.barrier}-peer{i}", args.rank, args.world)
+        b.copy_(a, non_blocking=True)
+        sync(args.source_device), sync(args.device)
+        if i:
+            spans.append([t0, time.time()])
+    del a, b
+    return spans
 
 
 def registration_strategies(named) -> dict:
@@ -280,15 +332,15 @@ def run_target(args: argparse.Namespace) -> None:
         torch.cuda.set_device(device)
     run_dir = Path(args.work) / f"run-{os.getpid()}"
     plan = Plan(strategy="p2p", source_id=SOURCE_ID, run_dir=str(run_dir), fallback_ok=False,
-                p2p={"registry": f"file:{args.work}/reg", "layout": "processed", "world": 1,
-                     "run_id": f"bench-target-{os.getpid()}", "serve": True, "timeout_s": 120})
+                p2p={"registry": f"file:{args.work}/reg", "layout": "processed", "world": args.world,
+                     "run_id": f"bench-target-{os.getpid()}", "serve": not args.barrier, "timeout_s": 120})
     engine = BenchEngine(args, plan)
     t0 = time.perf_counter()
-    model = build_and_load(engine, engine.build, plan=plan, rank=0, log=log, engine="bench")
+    model = build_and_load(engine, engine.build, plan=plan, rank=args.rank, log=log, engine="bench")
     sync(device)
-    done = time.perf_counter()
-    loaded = json.loads((run_dir / "markers" / "loaded-0.json").read_text())
-    gold = torch.load(Path(args.work) / "gold.pt")
+    done, done_wall = time.perf_counter(), time.time()
+    loaded = json.loads((run_dir / "markers" / f"loaded-{args.rank}.json").read_text())
+    gold = torch.load(Path(args.work) / gold_name(args))
     mine = logits(model, device).cpu()
     named = processed_tensors(model)
     nbytes = loaded["bytes"]
@@ -301,7 +353,14 @@ def run_target(args: argparse.Namespace) -> None:
         "transfer_gibps": nbytes / GiB / loaded["transfer_seconds"], "pull_gibps": nbytes / GiB / loaded["seconds"],
         "logits_equal": bool(torch.equal(gold, mine)), "total_seconds": round(done - t0, 3),
         "pull_phases": loaded.get("phases", {}), "prepared_during_build": loaded.get("prepared", {}),
+        "rank": args.rank, "device": device, "pull_span": [engine.pull_wall_start, done_wall],
     }
+    if args.barrier:  # --ranks: the concurrent baseline, then nothing else (the others are timing too)
+        if device.startswith("cuda"):
+            row["peer_copy_spans"] = concurrent_peer_copy(args, nbytes)
+        row["logits_equal_at_end"] = bool(torch.equal(gold, logits(model, device).cpu()))
+        Path(args.out).write_text(json.dumps(row))
+        return
     if args.sweep:
         row["sweep"] = sweep(args, named, nbytes)
         row["logits_equal_after_sweep"] = bool(torch.equal(gold, logits(model, device).cpu()))
@@ -499,14 +558,14 @@ def _has_dist(md, name: str) -> bool:
         return False
 
 
-def wait_for_source(source: subprocess.Popen, work: Path, timeout_s: float = 600) -> dict:
+def wait_for_source(source: subprocess.Popen, work: Path, timeout_s: float = 600, name: str = "source.json") -> dict:
     """The source child's report, once it serves (SystemExit if it died or took longer than timeout_s)."""
     deadline = time.monotonic() + timeout_s
-    while not (work / "source.json").exists():
+    while not (work / name).exists():
         if source.poll() is not None or time.monotonic() > deadline:
             raise SystemExit("the source did not start")
         time.sleep(0.5)
-    return json.loads((work / "source.json").read_text())
+    return json.loads((work / name).read_text())
 
 
 def knob_sweep(args: argparse.Namespace) -> None:
@@ -583,6 +642,79 @@ def knob_sweep(args: argparse.Namespace) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+# ---- N ranks at once -----------------------------------------------------------------------------------
+
+
+def ranks_run(args: argparse.Namespace) -> None:
+    n = args.ranks
+    if n < 2 or n % 2:
+        raise SystemExit(f"--ranks {n}: give an even number ≥ 2 (half the GPUs serve, half pull)")
+    world = n // 2
+    if args.devices.startswith("cpu"):
+        devices = ["cpu"] * n
+    else:  # counted without CUDA in this process (the children own the GPUs)
+        smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        have = sum(1 for line in smi.stdout.splitlines() if line.startswith("GPU "))
+        if have < n:
+            raise SystemExit(f"--ranks {n}: this machine has {have} GPU(s) — ask for at most that")
+        devices = [f"cuda:{i}" for i in range(n)]
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    base = ["--world", str(world)]
+    sources = [subprocess.Popen(child("source", args, devices[r]) + base + ["--rank", str(r)]) for r in range(world)]
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "ranks": n, "pairs": world,
+                 "devices": devices, "machine": machine_info(), "runs": []}
+    try:
+        res["sources"] = [wait_for_source(sources[r], work, name=source_name(r, world)) for r in range(world)]
+        for i in range(args.runs):
+            outs = [work / f"target-{i}-{r}.json" for r in range(world)]
+            targets = [subprocess.Popen(child("target", args, devices[world + r], str(outs[r])) + base +
+                                        ["--rank", str(r), "--source-device", devices[r], "--barrier", f"run{i}"])
+                       for r in range(world)]
+            codes = [t.wait(timeout=args.child_timeout_s * 4) for t in targets]
+            if any(codes):
+                raise SystemExit(f"run {i}: target exit codes {codes}")
+            rows = [json.loads(o.read_text()) for o in outs]
+            total = sum(r["bytes"] for r in rows)
+            run = {"gib": total / GiB, "targets": rows,
+                   "aggregate_gibps": total / GiB / (max(r["pull_span"][1] for r in rows) - min(r["pull_span"][0] for r in rows)),
+                   "aggregate_transfer_gibps": total / GiB / max(r["transfer_seconds"] for r in rows),
+                   "per_pair_transfer_gibps": [r["transfer_gibps"] for r in rows],
+                   "logits_equal_all": all(r["logits_equal"] and r.get("logits_equal_at_end", True) for r in rows)}
+            if rows[0].get("peer_copy_spans"):
+                run["concurrent_peer_copy_gibps"] = [
+                    total / GiB / (max(r["peer_copy_spans"][k][1] for r in rows) - min(r["peer_copy_spans"][k][0] for r in rows))
+                    for k in range(len(rows[0]["peer_copy_spans"]))]
+            res["runs"].append(run)
+            print(json.dumps({k: v for k, v in run.items() if k != "targets"}), flush=True)
+    finally:
+        (work / "stop").touch()
+        for s in sources:
+            try:
+                s.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                s.kill()
+    runs = res["runs"]
+    if runs:
+        agg = statistics.median(r["aggregate_gibps"] for r in runs)
+        peers = [x for r in runs for x in r.get("concurrent_peer_copy_gibps", [])]
+        peer = statistics.median(peers) if peers else None
+        res["summary"] = {"gib_total": runs[0]["gib"], "aggregate_gibps_median": agg,
+                          "aggregate_transfer_gibps_median": statistics.median(r["aggregate_transfer_gibps"] for r in runs),
+                          "concurrent_peer_copy_gibps_median": peer,
+                          # the transfers (as bench_p2p's one-pair ratio), then the whole pull phase (+ per-pull setup)
+                          "ratio_vs_concurrent_peer_copies": (statistics.median(r["aggregate_transfer_gibps"] for r in runs) / peer
+                                                              if peer else None),
+                          "ratio_phase_vs_concurrent_peer_copies": agg / peer if peer else None,
+                          "per_pair_spread": [round(max(r["per_pair_transfer_gibps"]) / min(r["per_pair_transfer_gibps"]), 3)
+                                              for r in runs],
+                          "logits_equal_all": all(r["logits_equal_all"] for r in runs)}
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res.get("summary"), indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+
+
 # ---- orchestration -------------------------------------------------------------------------------------
 
 
@@ -613,6 +745,10 @@ def main() -> None:
     ap.add_argument("--role", default="")
     ap.add_argument("--device", default="")
     ap.add_argument("--source-device", default="")
+    ap.add_argument("--ranks", type=int, default=0, help="N GPUs: N/2 sources, N/2 targets pulling at once")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--barrier", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.role == "source":
@@ -623,6 +759,8 @@ def main() -> None:
         return run_knob(args)
     if args.knob_sweep:
         return knob_sweep(args)
+    if args.ranks:
+        return ranks_run(args)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
