@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from mxlaunch import settings
+from mxlaunch.plugin import host_pages
 from mxlaunch.plugin.capture import CaptureResult, capture_tensors
 from mxlaunch.plugin.snapshot_files import (
     ALIASES_KEY, MAX_HEADER, PART_BYTES, PART_NAME, SCHEMA_KEY, FileEntry, FileHeader, read_header,
@@ -149,7 +150,13 @@ def _cpu_view(t: torch.Tensor) -> memoryview | None:
         return None
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+def _pread_into(fd: int, view: memoryview, offset: int, path: Path, addr: int = 0, huge: bool = False) -> None:
+    """Read len(view) bytes at offset into view; `addr` (the view's address, 0 = unknown) lets the pages be
+    made ready first, in this thread (host_pages: the faults, not the copy, are most of a CPU restore)."""
+    if addr:
+        if huge:
+            host_pages.ask_huge(addr, len(view))
+        host_pages.populate(addr, len(view))
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -164,14 +171,16 @@ def _copy_file(header: FileHeader, plan: list[tuple[FileEntry, Group]], pool: Th
     fd = os.open(header.path, os.O_RDONLY)
     mm: mmap.mmap | None = None
     try:
-        jobs: list[tuple[memoryview, int]] = []
+        jobs: list[tuple[memoryview, int, int]] = []
+        prepare_pages, huge = host_pages.enabled(), host_pages.huge_wanted()
         for entry, group in plan:
             if entry.end == entry.begin:
                 continue
             view = _cpu_view(group.tensor)
             if view is not None:
+                base = group.tensor.data_ptr() if prepare_pages else 0
                 for start in range(0, len(view), COPY_SLICE):
-                    jobs.append((view[start:start + COPY_SLICE], entry.begin + start))
+                    jobs.append((view[start:start + COPY_SLICE], entry.begin + start, base and base + start))
                 continue
             if mm is None:
                 mm = mmap.mmap(fd, header.size, prot=mmap.PROT_READ)
@@ -183,10 +192,10 @@ def _copy_file(header: FileHeader, plan: list[tuple[FileEntry, Group]], pool: Th
             copied += entry.end - entry.begin
             del src
         if pool is None or len(jobs) < 2:
-            for view, offset in jobs:
-                _pread_into(fd, view, offset, header.path)
+            for view, offset, addr in jobs:
+                _pread_into(fd, view, offset, header.path, addr, huge)
         else:
-            for future in [pool.submit(_pread_into, fd, v, o, header.path) for v, o in jobs]:
+            for future in [pool.submit(_pread_into, fd, v, o, header.path, a, huge) for v, o, a in jobs]:
                 future.result()
         if mm is not None and any(g.tensor.device.type == "cuda" for _, g in plan):
             torch.cuda.synchronize()
