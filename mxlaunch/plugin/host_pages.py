@@ -1,15 +1,18 @@
-"""Host (CPU) destinations made ready before a restore reads into them: 2 MiB pages, page tables filled.
+"""Host (CPU) destinations made ready before a restore reads into them: page tables filled in one call.
 
 A CPU engine's parameters come from `torch.empty`: memory no page backs yet. A `preadv` into it takes one
-page fault per 4 KiB page inside the kernel's copy (524,288 for 2 GiB), each zeroing its page, and that
-— not the copy — is most of a CPU restore. Asking for transparent huge pages on the tensor's 2 MiB-aligned
-interior (`MADV_HUGEPAGE`: THP is "madvise" on most distributions) and filling its page tables in one call
-(`MADV_POPULATE_WRITE`, Linux ≥ 5.14) before the read measured 1.7× faster on the 2-core VM
-(1 GiB in 64 MiB tensors, 2 threads: 0.63 s plain, 0.50 s populated, 0.37 s both; docs/benchmarks.md).
+page fault per 4 KiB page inside the kernel's copy (524,288 for 2 GiB), each allocating and zeroing its
+page. Filling the range's page tables first in one call (`MADV_POPULATE_WRITE`, Linux ≥ 5.14) does the
+same work without the fault path: the restore of a 2 GiB Llama-shaped model on the 2-core VM went from
+0.66 s to 0.50 s (1.31×, medians of 5 fresh processes, `scripts/bench_cpu_restore.py`).
+
+Asking for 2 MiB pages as well (`MADV_HUGEPAGE` on the tensor's aligned interior; THP is "madvise" on most
+distributions) was bimodal there: 0.37–0.42 s when huge pages were free, 1.15–1.59 s when the kernel
+compacted memory to make them (`defrag` = madvise stalls the faulting thread). So it is opt-in ("huge").
 
 Neither call changes a byte: populating an already-present page does nothing, and a huge-page hint only
 changes how later faults are served. Any error (an old kernel, THP off) leaves the plain path; nothing
-here can fail a restore. `MXLAUNCH_RESTORE_HOST_PAGES=0` turns it off.
+here can fail a restore. `MXLAUNCH_RESTORE_HOST_PAGES` = populate (default) | huge | 0.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def enabled() -> bool:
 
 
 def huge_wanted() -> bool:
-    return settings.restore_host_pages() == "1"
+    return settings.restore_host_pages() == "huge"
 
 
 def ask_huge(addr: int, nbytes: int) -> bool:

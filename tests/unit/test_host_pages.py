@@ -1,5 +1,5 @@
 """Host destinations prepared before a CPU restore (plugin/host_pages.py): pages filled, no byte changed,
-the same restored bytes with the preparation on, populate-only and off."""
+the same restored bytes whatever the setting (populate, huge, off)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_huge_pages_are_asked_for_the_aligned_interior_only() -> None:
     assert not host_pages.ask_huge(4096, (2 << 20) - 4096)  # no whole 2 MiB page inside: nothing asked
 
 
-@pytest.mark.parametrize("value", ["1", "populate", "0"])
+@pytest.mark.parametrize("value", ["populate", "huge", "0"])
 def test_restore_gives_the_same_bytes_whatever_the_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            value: str) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -59,7 +59,7 @@ def test_restore_gives_the_same_bytes_whatever_the_setting(tmp_path: Path, monke
 
 
 def test_the_setting_reads_three_values() -> None:
-    assert settings.restore_host_pages({}) == "1"
+    assert settings.restore_host_pages({}) == "populate"
     assert settings.restore_host_pages({settings.RESTORE_HOST_PAGES: "0"}) == "0"
-    assert settings.restore_host_pages({settings.RESTORE_HOST_PAGES: "populate"}) == "populate"
-    assert settings.restore_host_pages({settings.RESTORE_HOST_PAGES: "yes"}) == "1"
+    assert settings.restore_host_pages({settings.RESTORE_HOST_PAGES: "huge"}) == "huge"
+    assert settings.restore_host_pages({settings.RESTORE_HOST_PAGES: "yes"}) == "populate"
