@@ -178,6 +178,16 @@ class Launcher(Stopping):
 
         threading.Thread(target=watch, name="mx-stage-watch", daemon=True).start()
 
+    def _start_stage_or_fall_back(self) -> None:
+        """Start staging; if it cannot start (no room after all, a clash), the engine is already running:
+        it gets the abort marker and loads by its default loader, as when staging fails later."""
+        try:
+            self._start_stage()
+        except (MxlaunchError, OSError) as exc:
+            self.stage_error = getattr(exc, "message", None) or str(exc)
+            write_json_atomic(self.shm_dir / "markers" / ABORT, {"reason": self.stage_error}, parents=True)
+            self.emit("fallback", reason=f"staging failed: {self.stage_error}")
+
     # -- the run --
 
     def run(self) -> int:
@@ -193,9 +203,13 @@ class Launcher(Stopping):
             self.segments = SegmentRecord(self.shm_dir, self._shm_before)
             if self.signals:  # stopped before the engine started
                 return 128 + self.signals[0]
-            self._start_stage()  # staging and the engine start together
+            env = {**self._env(), **self.kernel.restore()}
             log = open(self.log_dir / "engine.log", "wb")
-            self.proc = process.start(argv, {**self._env(), **self.kernel.restore()})
+            # The engine first, then staging: the engine needs the files only once it has built the model
+            # (tens of seconds later), while the stage's reader threads, started first, held the GIL against
+            # the kernel-cache restore and the spawn (0.7-0.8 s before the engine's first line on the 2-core VM).
+            self.proc = process.start(argv, env)
+            self._start_stage_or_fall_back()
             reader = threading.Thread(target=self._pump, args=(self.proc, log), daemon=True)
             reader.start()
             code = self._supervise()

@@ -249,3 +249,34 @@ def test_capture_only_that_loses_the_claim_stops_with_1_instead_of_serving_on(tm
     names = [e for e, _ in events]
     assert "fallback" in names and any(e == "error" and "--capture-only" in f["message"] for e, f in events), events
     assert runner.proc is not None and runner.proc.poll() is not None
+
+
+def test_staging_that_cannot_start_after_the_engine_spawned_aborts_to_the_default_loader(tmp_path: Path) -> None:
+    """The engine is spawned before staging starts (the readers' threads would delay it); a stage that then
+    refuses to start (here: a clash with a file already at its destination) must not leave the engine
+    waiting: the abort marker tells the plugin to load by the default loader, and a fallback event says why."""
+    import shutil
+
+    from mxlaunch.contract import ABORT
+    from mxlaunch.launch.run import Launcher
+
+    model = write_checkpoint(tmp_path / "model")
+    store = Store(tmp_path / "store")
+    opts = LaunchOptions(artifact_path=store.root)
+    publish(store, make_plan(serve(model), opts, store).source_id, nranks=1)
+    plan = make_plan(serve(model), opts, store)
+    assert plan.strategy == "staged"
+    events: list[tuple[str, dict]] = []
+    launcher = Launcher(plan, opts, emit=lambda event, **f: events.append((event, f)), echo=lambda s: None, store=store)
+    try:
+        launcher._prepare()
+        clash = launcher.shm_dir / "stage" / "0" / "part-00000.safetensors"
+        clash.parent.mkdir(parents=True)
+        clash.write_bytes(b"someone else's")
+        launcher._start_stage_or_fall_back()
+        marker = json.loads((launcher.shm_dir / "markers" / ABORT).read_text())
+        assert "already exists" in marker["reason"], marker
+        assert events[-1][0] == "fallback" and events[-1][1]["reason"].startswith("staging failed: "), events
+        assert launcher.stage_job is None and clash.read_bytes() == b"someone else's"  # nothing of ours overwrote it
+    finally:
+        shutil.rmtree(launcher.shm_dir, ignore_errors=True)
