@@ -558,6 +558,16 @@ def _has_dist(md, name: str) -> bool:
         return False
 
 
+def stop_sources(work: Path, sources: list[subprocess.Popen]) -> None:
+    """Ask the source children to unpublish and exit (the stop file), killing any that do not in 60 s."""
+    (work / "stop").touch()
+    for source in sources:
+        try:
+            source.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            source.kill()
+
+
 def wait_for_source(source: subprocess.Popen, work: Path, timeout_s: float = 600, name: str = "source.json") -> dict:
     """The source child's report, once it serves (SystemExit if it died or took longer than timeout_s)."""
     deadline = time.monotonic() + timeout_s
@@ -623,11 +633,7 @@ def knob_sweep(args: argparse.Namespace) -> None:
             print(json.dumps({k: entry.get(k) for k in ("label", "median", "all_exact", "failed", "wall_seconds")}),
                   flush=True)
     finally:
-        (work / "stop").touch()
-        try:
-            source.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            source.kill()
+        stop_sources(work, [source])
     base = next((e.get("baselines") for e in res["settings"] if e.get("baselines")), None)
     peer = statistics.median(base["peer_copy_gibps"]) if base else None
     res["peer_copy_gibps_median"] = peer
@@ -689,12 +695,7 @@ def ranks_run(args: argparse.Namespace) -> None:
             res["runs"].append(run)
             print(json.dumps({k: v for k, v in run.items() if k != "targets"}), flush=True)
     finally:
-        (work / "stop").touch()
-        for s in sources:
-            try:
-                s.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                s.kill()
+        stop_sources(work, sources)
     runs = res["runs"]
     if runs:
         agg = statistics.median(r["aggregate_gibps"] for r in runs)
@@ -775,11 +776,7 @@ def main() -> None:
             res["runs"].append(json.loads(out.read_text()))
             print(json.dumps(res["runs"][-1]), flush=True)
     finally:
-        (work / "stop").touch()
-        try:
-            source.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            source.kill()
+        stop_sources(work, [source])
     runs = res["runs"]
     if runs:
         med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731

@@ -299,17 +299,25 @@ def test_cache_list_and_rm(tmp_path: Path) -> None:
     assert run_cli("store", "list", "--json", "--artifact-path", str(root)).returncode == 0
 
 
-def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def quick_kernel_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A node-local root and a TMPDIR under tmp_path, a short settle time, no cache variable of the user's;
+    returns Inductor's precompiled-header folder for that TMPDIR."""
     from mxlaunch.launch import kernel
 
     monkeypatch.setattr(kernel, "SETTLE_S", 0.3)
     monkeypatch.setattr(kernel, "POLL_S", 0.1)
     monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "local"))
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
-    pch = kernel.side_dirs()["inductor_pch"]
-    assert pch.parent.parent == tmp_path / "tmpdir"
     for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.delenv(var, raising=False)
+    return kernel.side_dirs()["inductor_pch"]
+
+
+def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxlaunch.launch import kernel
+
+    pch = quick_kernel_runs(tmp_path, monkeypatch)
+    assert pch.parent.parent == tmp_path / "tmpdir"
     argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     spec = parse_vllm_argv(argv, engine_version="0.32.0")
     store = kc(tmp_path / "store")
@@ -347,15 +355,9 @@ def test_precompiled_headers_other_runs_left_are_not_captured(tmp_path: Path, mo
     """Inductor's header folder is machine-wide: headers of other torch builds (~150 MB each) stay out of the key."""
     from mxlaunch.launch import kernel
 
-    monkeypatch.setattr(kernel, "SETTLE_S", 0.3)
-    monkeypatch.setattr(kernel, "POLL_S", 0.1)
-    monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "local"))
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
-    pch = kernel.side_dirs()["inductor_pch"]
+    pch = quick_kernel_runs(tmp_path, monkeypatch)
     pch.mkdir(parents=True)
     (pch / "0ld.h.gch").write_bytes(b"stale" * 1000)  # left by another torch, before this launch
-    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
-        monkeypatch.delenv(var, raising=False)
     spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
     store = kc(tmp_path / "store")
     events: list[tuple[str, dict]] = []
