@@ -172,9 +172,7 @@ class Launcher(Stopping):
                 self.echo(line)
                 self._feed_profile(line)
             except Exception as exc:  # noqa: BLE001 — reported to the plugin through the abort marker
-                self.stage_error = getattr(exc, "message", str(exc))
-                write_json_atomic(self.shm_dir / "markers" / ABORT, {"reason": self.stage_error}, parents=True)
-                self.emit("fallback", reason=f"staging failed: {self.stage_error}")
+                self._abort_stage(getattr(exc, "message", str(exc)))
 
         threading.Thread(target=watch, name="mx-stage-watch", daemon=True).start()
 
@@ -184,9 +182,13 @@ class Launcher(Stopping):
         try:
             self._start_stage()
         except (MxlaunchError, OSError) as exc:
-            self.stage_error = getattr(exc, "message", None) or str(exc)
-            write_json_atomic(self.shm_dir / "markers" / ABORT, {"reason": self.stage_error}, parents=True)
-            self.emit("fallback", reason=f"staging failed: {self.stage_error}")
+            self._abort_stage(getattr(exc, "message", None) or str(exc))
+
+    def _abort_stage(self, reason: str) -> None:
+        """Staging failed: the abort marker sends the engine's plugin to its default loader; say why."""
+        self.stage_error = reason
+        write_json_atomic(self.shm_dir / "markers" / ABORT, {"reason": reason}, parents=True)
+        self.emit("fallback", reason=f"staging failed: {reason}")
 
     # -- the run --
 

@@ -18,18 +18,14 @@ here can fail a restore. `MXLAUNCH_RESTORE_HOST_PAGES` = populate (default) | hu
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 from mxlaunch import settings
+from mxlaunch.staging.hugepages import HUGE, _libc  # the project's one libc binding (madvise typed there)
 
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23
-HUGE = 2 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _populate_works = True  # cleared by the first EINVAL (a kernel before 5.14): no point asking again
 
 

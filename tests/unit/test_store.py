@@ -437,5 +437,5 @@ def test_cli_list_is_readable_at_80_columns(tmp_path: Path, monkeypatch: pytest.
     assert max(len(line) for line in lines) <= 80
     row = next(line for line in lines if line.startswith(SID))
     assert " tiny " in row and f" vllm {META.engine_version} " in row  # the model by name, the engine with its version
-    assert model_name("/root/.cache/huggingface/hub/models--org--m-7B/snapshots/0123abcd") == "org/m-7B"
+    assert model_name("~/.cache/huggingface/hub/models--org--m-7B/snapshots/0123abcd") == "org/m-7B"
     assert model_name("org/m-7B") == "org/m-7B" and model_name("./ckpt/m/") == "m"
