@@ -29,7 +29,7 @@ $(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt
 	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
 	$(SGLANG_VENV)/bin/python -m pip install -q -r requirements/sglang-cpu.txt
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
-	$(SGLANG_VENV)/bin/python -m pip install -q -e .
+	$(SGLANG_VENV)/bin/python -m pip install -q -e '.[p2p]'
 	touch $(SGLANG_STAMP)
 
 sglang-venv: $(SGLANG_STAMP)

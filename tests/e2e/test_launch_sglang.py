@@ -1,6 +1,7 @@
 """mxlaunch launch end to end on real SGLang 0.5.23 (CPU): the three-run proof — default serve → gold,
-capture run → exact, staged restore run → exact — plus a corrupted snapshot falling back and a killed
-launcher leaving nothing behind. SGLang runs from its own venv (tests/helpers/sglang_server.py)."""
+capture run → exact, staged restore run → exact — then a second server pulling from the staged one over
+P2P → exact, plus a corrupted snapshot falling back and a killed launcher leaving nothing behind.
+SGLang runs from its own venv (tests/helpers/sglang_server.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Iterator
 import psutil
 import pytest
 
+from mxlaunch.coord.peers import open_registry
 from mxlaunch.store import MANIFEST
 from tests.helpers.cli import compare_gold, run_cli
 from tests.helpers.launcher import LaunchProcess
@@ -77,8 +79,13 @@ def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, sglang_gold:
     assert parts and all(p.stat().st_size > 0 for p in parts)
 
 
-def test_restore_run_is_staged_and_exact(tiny_model: Path, sglang_gold: Path, store_root: Path) -> None:
+def test_restore_run_is_staged_and_exact_then_a_second_server_pulls_it_over_p2p(
+        tiny_model: Path, sglang_gold: Path, store_root: Path) -> None:
+    """The staged run serves its raw tensors over NIXL once loaded; a second SGLang server launched beside
+    it plans `p2p`, pulls them (UCX, host memory), post-processes them itself and serves SGLang's own
+    numbers exactly. Stopping both leaves no record in the file registry."""
     launch = LaunchProcess(tiny_model, store_root, engine="sglang")
+    target = None
     try:
         plan = launch.wait_event("plan", 120)
         assert plan["strategy"] == "staged", plan
@@ -88,9 +95,25 @@ def test_restore_run_is_staged_and_exact(tiny_model: Path, sglang_gold: Path, st
         compare(launch.url, sglang_gold)
         assert launch.event("fallback") is None
         assert any("mxlaunch: rank 0 loaded" in line for line in launch.stderr_lines)
+        registry = open_registry(None, store_root)
+        live = registry.sources(plan["source_id"], 0)
+        assert len(live) == 1 and live[0].record.layout == "raw", live
+
+        target = LaunchProcess(tiny_model, store_root, engine="sglang")
+        tplan = target.wait_event("plan", 120)
+        assert tplan["strategy"] == "p2p" and "live P2P source" in tplan["reason"], tplan
+        pulled = target.wait_event("loaded", READY_S)
+        assert pulled["strategy"] == "p2p" and pulled["source"] == live[0].record.worker, pulled
+        target.wait_event("ready", READY_S)
+        compare(target.url, sglang_gold)
+        assert target.event("fallback") is None
+        assert len(registry.sources(plan["source_id"], 0)) == 2  # the target became a source too
     finally:
+        if target is not None:
+            target.stop()
         launch.stop()
     assert not Path(plan["run_dir"]).exists()
+    assert registry.sources(plan["source_id"], 0, include_stale=True) == []
 
 
 def test_a_flipped_byte_fails_staging_and_sglang_falls_back(tiny_model: Path, sglang_gold: Path,

@@ -23,6 +23,8 @@ from typing import Iterable, Mapping
 
 import httpx
 
+from mxlaunch.launch.cleanup import remove_orphaned_engine_shm, shm_entries
+
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 _LIVE: set["ServerProcess"] = set()
 
@@ -73,6 +75,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
+        self.shm_before: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -87,6 +90,7 @@ class ServerProcess:
         log = open(self.log_path, "ab")
         try:
             self.started_at = time.monotonic()
+            self.shm_before = shm_entries()
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env, cwd=self.cwd, start_new_session=True,
@@ -143,6 +147,9 @@ class ServerProcess:
             time.sleep(0.2)
         if _group_alive(pgid):
             _killpg(pgid, signal.SIGKILL)
+        # The engines leave segments behind (SGLang's load report, multiprocessing semaphores, vllm-cpu's
+        # communicator): removed by the launcher's own rule — new since start, an engine's, mapped by nobody.
+        remove_orphaned_engine_shm(self.shm_before)
         return self.proc.returncode
 
     def __enter__(self) -> "ServerProcess":
