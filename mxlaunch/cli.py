@@ -67,7 +67,7 @@ def verify_command(
 ) -> None:
     """Record a gold file of prompt/greedy logprobs, or compare a server against one (exit 1 on mismatch)."""
     from mxlaunch import verify as _verify
-    from mxlaunch.errors import CheckFailed, UsageError
+    from mxlaunch.errors import UsageError
     from mxlaunch.prompts import load_prompts
 
     if (record_path is None) == (compare_path is None):

@@ -6,7 +6,6 @@ command-line shape of the same engine.
 
 from __future__ import annotations
 
-import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path

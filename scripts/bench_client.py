@@ -25,7 +25,6 @@ import os
 import platform
 import re
 import socket
-import subprocess
 import sys
 import tempfile
 import threading

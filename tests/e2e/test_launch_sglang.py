@@ -36,6 +36,7 @@ def sglang_ready() -> None:
 def sglang_gold(sglang_ready: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Gold logprobs from SGLang's own default loader (no mxlaunch anywhere)."""
     folder = tmp_path_factory.mktemp("sglang-gold")
+    shm_before = set(os.listdir("/dev/shm"))
     server = start_sglang(tiny_model, folder / "server.log", timeout=READY_S)
     try:
         gold = folder / "gold.json"
@@ -43,6 +44,9 @@ def sglang_gold(sglang_ready: None, tiny_model: Path, tmp_path_factory: pytest.T
         assert result.returncode == 0, result.stderr
     finally:
         server.stop()
+    # SGLang leaves its load-report segment and semaphores; the test server's stop removes them too
+    leaked = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(("sglang_", "sem.mp-")))
+    assert leaked == [], leaked
     yield gold
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.cli import run_cli
 from tests.helpers.tiny_model import cached_model
-from tests.helpers.vllm_server import ServerProcess, start_vllm
+from tests.helpers.vllm_server import start_vllm
 
 VOCAB = 350
 MAX_LEN = 2048

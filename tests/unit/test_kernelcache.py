@@ -14,7 +14,7 @@ import pytest
 
 from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.engines.vllm_argv import parse_vllm_argv
-from mxlaunch.kernelcache import cache_key, cache_vars, changed, cpu_isa, folder_state, key_fields
+from mxlaunch.kernelcache import cache_key, cache_vars, cpu_isa, folder_state, key_fields
 from mxlaunch.kernelcache_store import KEY_JSON, ArchiveRefused, KernelCacheStore, check_members, extract
 from mxlaunch.launch.kernel import plan_kernel_cache
 

@@ -4,7 +4,6 @@ the registry's file backend, and the faults the strategy must survive."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

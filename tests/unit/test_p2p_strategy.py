@@ -10,17 +10,15 @@ import logging
 from pathlib import Path
 
 import pytest
-import torch
 
 from mxlaunch.coord.peers import open_registry
 from mxlaunch.plan import Plan
 from mxlaunch.plugin.load_step import build_and_load, effective_plan
 from mxlaunch.plugin.rank_load import RankLoad
 from mxlaunch.transfer import nixl as nixl_transfer
-from mxlaunch.transfer.tensor_set import processed_tensors
 from tests.helpers.p2p_models import build, checkpoint
 from tests.helpers.p2p_peer import SOURCE_ID
-from tests.unit.test_p2p_nixl import Source, equal_to_seed0, sources  # noqa: F401 - the fixture
+from tests.unit.test_p2p_nixl import equal_to_seed0, sources  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.unit
 log = logging.getLogger("test")

@@ -68,7 +68,7 @@ def test_capture_lookup_verify_roundtrip(tmp_path: Path) -> None:
     assert m["created_at"].endswith("Z") and m["created_by"]["mxlaunch"]
     files = snap.files_for_ranks([1])
     assert len(files) == 3 and all(p.is_file() and p.stat().st_size == n and xxh3_file(p) == h for p, n, h in files)
-    assert all(f"/ranks/1/" in str(p) for p, _, _ in files)
+    assert all("/ranks/1/" in str(p) for p, _, _ in files)
     assert store.verify(SID).ok
     # nothing but the manifest and the data folder is left (no temp folders, no node markers)
     assert sorted(p.name for p in folder.iterdir()) == sorted([MANIFEST, f"data-{m['capture_id']}"])
