@@ -69,13 +69,17 @@ def stop_steps(grace: Tuple[float, float] = (15.0, 10.0)) -> Tuple[Step, ...]:
 
 
 def stop_group(proc: subprocess.Popen, grace: Tuple[float, float] = (15.0, 10.0), *,
-               steps: Optional[Sequence[Step]] = None, since: Optional[float] = None) -> None:
+               steps: Optional[Sequence[Step]] = None, since: Optional[float] = None,
+               interrupted: Optional[Callable[[], bool]] = None) -> None:
     """Stop the command's whole process group, one step after the other, each until the group is gone:
     by default SIGINT, then SIGTERM, then SIGKILL (`stop_steps(grace)`). A step with signal None is a
-    signal already sent at `since` (time.monotonic()): its wait counts from then."""
+    signal already sent at `since` (time.monotonic()): its wait counts from then. `interrupted()` true
+    ends the sequence early, so that the caller can continue with a stricter one."""
     pgid = proc.pid  # started with start_new_session: its own group
     for sig, wait in steps if steps is not None else stop_steps(grace):
         if not group_alive(pgid) and proc.poll() is not None:
+            return
+        if interrupted is not None and interrupted():
             return
         start = time.monotonic()
         if sig is None:
@@ -88,6 +92,8 @@ def stop_group(proc: subprocess.Popen, grace: Tuple[float, float] = (15.0, 10.0)
         deadline = start + wait
         while time.monotonic() < deadline:
             if proc.poll() is not None and not group_alive(pgid):
+                return
+            if interrupted is not None and interrupted():
                 return
             time.sleep(0.05)
     try:

@@ -145,8 +145,24 @@ class Stopping:
             pass
 
     def _stop_engine(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            process.stop_group(self.proc, grace=(20.0, 10.0))
+        """The launcher's own stop (ready timeout, --capture-only done, cleanup): the usual sequence, cut
+        short by a stop signal arriving meanwhile, which then gets the KillWait budget like any other."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        already = len(self.signals)
+        process.stop_group(self.proc, grace=(20.0, 10.0), interrupted=lambda: len(self.signals) > already)
+        if len(self.signals) > already and process.group_alive(self.proc.pid):
+            self._stop_within_budget()
+
+    def _stop_within_budget(self) -> None:
+        """RAM back first — the staged files — then the engine stopped within the budget KillWait leaves."""
+        assert self.proc is not None
+        budget = self.budget.get()
+        free_staged(self.shm_dir)
+        if self.segments is not None:
+            self.segments.update(force=True)
+        self.emit("stopping", signal=signal.Signals(self.signals[0]).name, **budget.describe())
+        process.stop_group(self.proc, steps=budget.steps(), since=self.signal_at)
 
     def _stop_on_signal(self) -> int:
         """After a stop signal: RAM back first — the staged files — then the engine stopped within the
@@ -154,11 +170,7 @@ class Stopping:
         assert self.proc is not None and self.segments is not None
         if not self.forwarded:  # the signal came while the engine was being started
             self._forward(self.signals[0])
-        budget = self.budget.get()
-        free_staged(self.shm_dir)
-        self.segments.update(force=True)
-        self.emit("stopping", signal=signal.Signals(self.signals[0]).name, **budget.describe())
-        process.stop_group(self.proc, steps=budget.steps(), since=self.signal_at)
+        self._stop_within_budget()
         code = self.proc.poll()
         return self._engine_exited(code if code is not None else -signal.SIGKILL)
 

@@ -167,3 +167,42 @@ def test_sigterm_in_a_slurm_job_frees_staged_files_first_and_stops_within_kill_w
     except psutil.NoSuchProcess:
         pass
     assert not runner.shm_dir.exists()
+
+
+def test_a_stop_signal_during_the_launchers_own_stop_gets_the_kill_wait_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher is already stopping a stubborn engine on its own (not ready in time: the usual
+    20 + 10 + 5 s sequence) when Slurm's SIGTERM arrives: from then on KillWait rules — the engine group is
+    gone and the run folder removed inside KillWait, not after the usual sequence."""
+    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
+
+    monkeypatch.setattr(cleanup, "SHM_ROOT", tmp_path / "shm")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("MXLAUNCH_KILL_WAIT", "6")
+    plan = make_plan(serve(write_checkpoint(tmp_path / "model")), LaunchOptions(strategy="default"))
+    child_pid = tmp_path / "child.pid"
+    plan.argv = plan.spec.argv = [PY, str(FAKE), "--mode", "hang", "--stubborn", "--child-pid-file", str(child_pid)]
+    events: list[tuple[str, dict]] = []
+    sent: list[float] = []
+
+    def emit(event: str, **fields: object) -> None:
+        events.append((event, fields))
+        if event == "error" and "not ready" in str(fields.get("message")) and not sent:
+            sent.append(time.monotonic() + 0.5)
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    opts = LaunchOptions(strategy="default", run_dir=tmp_path / "logs", ready_timeout=2, kernel_cache=False)
+    runner = Launcher(plan, opts, emit=emit, echo=lambda line: None)
+    code = runner.run()
+    took = time.monotonic() - sent[0]
+    stopping = next(f for e, f in events if e == "stopping")
+    assert stopping["signal"] == "SIGTERM" and stopping["kill_wait_s"] == 6 and stopping["budget_s"] == 3.0
+    assert took < 6.0 - 1.0, f"the launcher took {took:.1f} s after SIGTERM; Slurm kills at 6 s"
+    assert code == 1  # the stop was the launcher's own (not ready); the signal only hurried it
+    import psutil
+
+    try:
+        assert psutil.Process(int(child_pid.read_text())).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+    assert not runner.shm_dir.exists()
