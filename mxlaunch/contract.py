@@ -39,6 +39,7 @@ CAPTURED = "captured"  # rank R's snapshot files are written into the capture fo
 FALLBACK = "fallback"  # rank R serves with the engine's default loader ({"reason"})
 MARKER_KINDS = (LOADED, CAPTURED, FALLBACK)
 ABORT = "abort.json"  # launcher → plugin: staging failed, stop waiting for files ({"reason"})
+RENDEZVOUS_FILE = "rendezvous_file"  # a marker's field: torch.distributed's FileStore file, removed after the run
 
 
 def marker_name(kind: str, rank: int) -> str:

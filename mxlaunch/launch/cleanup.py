@@ -17,8 +17,9 @@ import shutil
 import stat
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
+from mxlaunch.contract import RENDEZVOUS_FILE
 from mxlaunch.engines.registry import ENGINES
 from mxlaunch.fileutil import pid_alive, write_json_atomic
 
@@ -41,6 +42,39 @@ def shm_entries(root: Optional[Path] = None) -> set[str]:
         return set(os.listdir(root or SHM_ROOT))
     except OSError:
         return set()
+
+
+def rendezvous_files(markers: Path) -> set[str]:
+    """The FileStore files the plugin named in this run's markers (contract.RENDEZVOUS_FILE)."""
+    found: set[str] = set()
+    for path in markers.glob("*.json") if markers.is_dir() else ():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get(RENDEZVOUS_FILE), str):
+            found.add(data[RENDEZVOUS_FILE])
+    return found
+
+
+def remove_rendezvous_files(paths: Iterable[str], since: float) -> list[str]:
+    """The files torch.distributed's FileStore left, one per run, that the engine's workers met through
+    (vLLM: `$TMPDIR/vllm_dist_<hex>`; vLLM never removes it, so a node gathers one per start). The plugin
+    names the file in its markers; it goes once the engine is gone, if it is a plain file of this user,
+    written during this run (mtime ≥ `since`, wall clock) and open in no live process. Returns what went."""
+    removed = []
+    for raw in sorted(set(paths)):
+        path = Path(raw)
+        try:
+            st = path.lstat()
+            if (not path.is_absolute() or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                    or st.st_mtime < since or str(path) in _in_use(path.parent)):
+                continue
+            path.unlink()
+            removed.append(str(path))
+        except OSError:
+            continue
+    return removed
 
 
 def _in_use(root: Path) -> set[str]:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import httpx
 
-from mxlaunch.contract import ABORT, parse_marker_name, staged_line
+from mxlaunch.contract import ABORT, RENDEZVOUS_FILE, parse_marker_name, staged_line
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError
@@ -68,6 +68,7 @@ class Launcher(Stopping):
         self.segments: Optional[SegmentRecord] = None
         self.ready_at: Optional[float] = None
         self.t0 = time.monotonic()
+        self.started_wall = time.time()
         self.loaded: set[int] = set()
         self.stage_result = None
         self.stage_error: Optional[str] = None
@@ -302,15 +303,21 @@ class Launcher(Stopping):
             if kind == "loaded" and rank not in self.loaded:
                 self.loaded.add(rank)
                 self._free_stage(rank)  # give /dev/shm back as soon as no worker needs the files
-                self.emit("loaded", rank=rank, **_read_marker(path))
+                self.emit("loaded", rank=rank, **self._read_marker(path))
             elif kind == "fallback" and rank not in self.loaded:
                 self.loaded.add(rank)
                 self._free_stage(rank)
-                self.emit("fallback", rank=rank, reason=_read_marker(path).get("reason", "?"))
+                self.emit("fallback", rank=rank, reason=self._read_marker(path).get("reason", "?"))
                 if self.capture is not None:  # a capturing rank that fell back: no snapshot, free the claim now
                     self.capture.on_fallback(rank)
             elif kind == "captured" and self.capture is not None:
-                self.capture.on_captured(rank, _read_marker(path))
+                self.capture.on_captured(rank, self._read_marker(path))
+
+    def _read_marker(self, path: Path) -> dict:
+        """A marker's fields to report (the rendezvous file it may name is the cleanup's business)."""
+        data = _read_marker(path)
+        data.pop(RENDEZVOUS_FILE, None)
+        return data
 
     def _free_stage(self, rank: int) -> None:
         """Remove a snapshot rank's staged files once every local worker that reads them has loaded."""

@@ -24,7 +24,9 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 from mxlaunch import settings
 from mxlaunch.launch import process
 from mxlaunch.launch.p2p import unpublish_run
-from mxlaunch.launch.cleanup import SegmentRecord, free_staged, remove_orphaned_engine_shm, remove_run
+from mxlaunch.launch.cleanup import (
+    SegmentRecord, free_staged, remove_orphaned_engine_shm, remove_rendezvous_files, remove_run,
+    rendezvous_files)
 from mxlaunch.launch.process import Step
 from mxlaunch.slurm import kill_wait as scontrol_kill_wait
 
@@ -123,6 +125,7 @@ class Stopping:
     capture: Any  # launch/capture.py CaptureSession while capturing
     ready_at: Optional[float]
     log_dir: Path
+    started_wall: float  # time.time() at the launcher's start: only files written since then are removed
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         """Recorded and forwarded to the engine's whole group at once; the main loop does the rest."""
@@ -190,6 +193,7 @@ class Stopping:
             self._stop_engine()
         if self.proc is not None:  # anything left in the engine's process group (workers) goes too
             process.kill_group(self.proc, wait=2.0)
+        remove_rendezvous_files(rendezvous_files(self.shm_dir / "markers"), since=self.started_wall - 1.0)
         if self.stage_job is not None:
             self.stage_job.cancel()
             free_staged(self.shm_dir)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from mxlaunch.contract import ABORT, FALLBACK, gib, loaded_line
+from mxlaunch.contract import ABORT, FALLBACK, RENDEZVOUS_FILE, gib, loaded_line
 from mxlaunch.plan import Plan, write_marker
 
 
@@ -50,8 +50,28 @@ def distributed_rank() -> int | None:
     return None
 
 
+def rendezvous_file() -> str | None:
+    """The file torch.distributed's default group met through when it is a FileStore (vLLM's `file://`
+    init), so that the launcher can remove it after the run: vLLM never does. None otherwise."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):  # PrefixStore wrappers
+            store = store.underlying_store
+        path = getattr(store, "path", None)
+        return str(path) if path else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def safe_marker(plan: Any, kind: str, rank: int, payload: dict, log: logging.Logger) -> None:
     """Write a marker; a failure is logged, never raised (a marker must not take the engine down)."""
+    store_file = rendezvous_file()
+    if store_file is not None:
+        payload = {**payload, RENDEZVOUS_FILE: store_file}
     try:
         write_marker(plan, kind, rank, payload)
     except Exception as exc:  # noqa: BLE001

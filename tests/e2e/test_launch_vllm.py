@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: P
 
 
 def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, store_root: Path) -> None:
+    rendezvous_before = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
     launch = LaunchProcess(tiny_model, store_root)
     try:
         plan = launch.wait_event("plan", 120)
@@ -79,6 +81,8 @@ def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, stor
     finally:
         launch.stop()
     assert_gone(launch, plan["run_dir"], procs)
+    # vLLM's workers met through a FileStore file in $TMPDIR that vLLM never removes; the launcher did
+    assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) - rendezvous_before == set()
 
 
 def test_a_truncated_snapshot_is_refused_and_the_default_loader_serves(tiny_model: Path, gold_file: Path,

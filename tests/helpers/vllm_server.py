@@ -17,13 +17,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import httpx
 
-from mxlaunch.launch.cleanup import remove_orphaned_engine_shm, shm_entries
+from mxlaunch.launch.cleanup import remove_orphaned_engine_shm, remove_rendezvous_files, shm_entries
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 _LIVE: set["ServerProcess"] = set()
@@ -76,6 +77,8 @@ class ServerProcess:
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
         self.shm_before: set[str] = set()
+        self.rendezvous_before: set[Path] = set()
+        self.started_wall = 0.0
 
     @property
     def url(self) -> str:
@@ -91,6 +94,7 @@ class ServerProcess:
         try:
             self.started_at = time.monotonic()
             self.shm_before = shm_entries()
+            self.rendezvous_before, self.started_wall = _rendezvous_files(), time.time()
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env, cwd=self.cwd, start_new_session=True,
@@ -150,6 +154,8 @@ class ServerProcess:
         # The engines leave segments behind (SGLang's load report, multiprocessing semaphores, vllm-cpu's
         # communicator): removed by the launcher's own rule — new since start, an engine's, mapped by nobody.
         remove_orphaned_engine_shm(self.shm_before)
+        # and vLLM's FileStore file in $TMPDIR (a launch removes its own: launch/cleanup.py)
+        remove_rendezvous_files(map(str, _rendezvous_files() - self.rendezvous_before), since=self.started_wall - 1)
         return self.proc.returncode
 
     def __enter__(self) -> "ServerProcess":
@@ -157,6 +163,10 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _rendezvous_files() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
 
 
 def _killpg(pgid: int, sig: int) -> None:

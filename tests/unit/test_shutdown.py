@@ -206,3 +206,41 @@ def test_a_stop_signal_during_the_launchers_own_stop_gets_the_kill_wait_budget(
     except psutil.NoSuchProcess:
         pass
     assert not runner.shm_dir.exists()
+
+
+# ---- torch.distributed's FileStore file (vLLM's file:// rendezvous) ---------------------------------
+
+def test_the_plugin_names_a_real_filestore_and_the_launcher_removes_it_once_unused(tmp_path: Path) -> None:
+    """A real process group initialised through `file://` (as vLLM's workers do) names its file in the
+    marker; the file outlives a worker that is stopped (as vLLM's are); the cleanup removes it only when nobody holds it."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    store_file = tmp_path / "vllm_dist_0123456789abcdef0123456789abcdef"
+    script = (
+        "import json, sys, torch.distributed as dist\n"
+        "from mxlaunch.plugin.rank_load import rendezvous_file\n"
+        f"dist.init_process_group('gloo', init_method='file://{store_file}', rank=0, world_size=1)\n"
+        f"open('{markers / 'loaded-0.json'}', 'w').write(json.dumps({{'rendezvous_file': rendezvous_file()}}))\n"
+        "import os; os._exit(0)\n")  # a worker stopped by a signal: the store's destructor never runs
+    since = time.time() - 1.0
+    subprocess.run([PY, "-c", script], check=True, timeout=120)
+    assert store_file.exists()  # left behind, as by vLLM
+    assert cleanup.rendezvous_files(markers) == {str(store_file)}
+    with open(store_file, "rb"):  # held open by a live process (this one): left alone
+        assert cleanup.remove_rendezvous_files({str(store_file)}, since=since) == []
+    assert store_file.exists()
+    assert cleanup.remove_rendezvous_files({str(store_file)}, since=time.time() + 60) == []  # older than the run
+    assert cleanup.remove_rendezvous_files({str(store_file)}, since=since) == [str(store_file)]
+    assert not store_file.exists()
+
+
+def test_only_plain_files_of_this_run_are_removed(tmp_path: Path) -> None:
+    folder = tmp_path / "d"
+    folder.mkdir()
+    link_target = tmp_path / "precious"
+    link_target.write_text("x")
+    (tmp_path / "link").symlink_to(link_target)
+    since = time.time() - 1.0
+    asked = {str(folder), str(tmp_path / "link"), "relative/vllm_dist_x", str(tmp_path / "missing")}
+    assert cleanup.remove_rendezvous_files(asked, since=since) == []
+    assert folder.is_dir() and link_target.exists() and (tmp_path / "link").is_symlink()
