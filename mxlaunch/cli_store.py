@@ -1,4 +1,4 @@
-"""`mxlaunch store list/verify/rm`: the artifact store's snapshots (registered by cli.py)."""
+"""`mxlaunch store list/verify/rm/prune`: the artifact store's snapshots (registered by cli.py)."""
 
 from __future__ import annotations
 
@@ -106,3 +106,55 @@ def store_rm(
         print_json({"removed": source_id, "root": str(store.root)})
     else:
         out.print(f"removed {source_id} from {escape(str(store.root))}", highlight=False)
+
+
+@store_app.command("prune")
+def store_prune(
+    artifact_path: Optional[Path] = artifact_path_option(),
+    unused_for: Optional[str] = typer.Option(
+        None, "--unused-for", metavar="AGE",
+        help="Also remove snapshots and kernel caches no launch has used for AGE (e.g. 30d, 12h)."),
+    max_size: Optional[str] = typer.Option(
+        None, "--max-size", metavar="SIZE",
+        help="Then remove the least recently used ones until the store fits in SIZE (e.g. 2TiB, 500GiB)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would go; change nothing."),
+    as_json: bool = json_option("Print the result as JSON."),
+) -> None:
+    """Remove what no launch can use any more (unpublished captures whose claim is over, what interrupted removals left) and, with --unused-for / --max-size, what no launch has used lately.
+
+    Nothing a capture holds the claim of is touched (it is listed as kept). Every launch that stages or pulls a snapshot, or restores a kernel cache, stamps its last use."""
+    from rich.table import Table
+
+    from mxlaunch.errors import UsageError
+    from mxlaunch.staging.capacity import format_bytes, parse_size
+    from mxlaunch.store import Store
+    from mxlaunch.store_prune import parse_duration, prune
+
+    try:
+        age = parse_duration(unused_for) if unused_for is not None else None
+    except ValueError as exc:
+        raise UsageError(f"--unused-for: {exc}", "pass an age such as 30d, 12h or 90m") from exc
+    try:
+        limit = parse_size(max_size) if max_size is not None else None
+    except ValueError as exc:
+        raise UsageError(f"--max-size: {exc}", "pass a size such as 2TiB or 500GiB") from exc
+    store = Store(artifact_path)
+    if not store.root.is_dir():
+        raise UsageError(f"no artifact store at {store.root}", "pass --artifact-path DIR (or set MXLAUNCH_ARTIFACT_PATH)")
+    with err.status(f"{'looking through' if dry_run else 'pruning'} {store.root}"):
+        report = prune(store, unused_for=age, max_bytes=limit, dry_run=dry_run)
+    if as_json:
+        print_json(report.to_dict())
+        return
+    verb = "would remove" if dry_run else "removed"
+    if report.items:
+        table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold underline")
+        for col in ("kind", "name", "size", "why"):
+            table.add_column(col, justify="right" if col == "size" else "left", overflow="fold",
+                             no_wrap=col in ("kind", "size"))
+        for item in report.items:
+            why = f"[yellow]kept: {escape(item.skipped)}[/]" if item.skipped else escape(item.why)
+            table.add_row(item.kind, escape(item.name), format_bytes(item.bytes), why)
+        out.print(table)
+    out.print(f"{verb} {len(report.removed)} item(s), {format_bytes(report.freed)} of "
+              f"{format_bytes(report.bytes_before)} in {escape(str(store.root))}", highlight=False)

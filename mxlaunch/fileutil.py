@@ -176,6 +176,33 @@ def nearest_existing(path: str | os.PathLike[str]) -> Path:
 # ---- who am I, is that process alive -------------------------------------------------------------------
 
 
+LAST_USED = ".last-used"  # in a snapshot's or kernel cache's folder: its mtime is the last launch that used it
+
+
+def mark_used(folder: str | os.PathLike[str]) -> None:
+    """Stamp a store folder as used now (`mxlaunch store prune` removes the least recently used first).
+    Never raises: a read-only store is still usable, it only cannot be pruned by use."""
+    stamp = Path(folder) / LAST_USED
+    try:
+        if not Path(folder).is_dir() or Path(folder).is_symlink():
+            return
+        stamp.touch(exist_ok=True)
+        os.utime(stamp)
+    except OSError:
+        pass
+
+
+def last_used(folder: str | os.PathLike[str], fallback: str) -> Optional[float]:
+    """When a store folder was last used: its stamp's mtime, else the mtime of `fallback` in it (the
+    manifest, the key record: when it was made), else None."""
+    for name in (LAST_USED, fallback):
+        try:
+            return os.lstat(Path(folder) / name).st_mtime
+        except OSError:
+            continue
+    return None
+
+
 def boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mxlaunch import __version__
 from mxlaunch.coord.base import Coordinator, valid_id
-from mxlaunch.fileutil import ensure_dir, read_json, secure, unique_name, write_json_atomic
+from mxlaunch.fileutil import ensure_dir, mark_used, read_json, secure, unique_name, write_json_atomic
 from mxlaunch.kernelcache import cache_key
 from mxlaunch.store_snapshot import _utc_now
 
@@ -221,6 +221,7 @@ class KernelCacheStore:
         except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
             return RestoreResult("miss", f"kernel cache {key} is damaged ({type(exc).__name__}: {exc})",
                                  seconds=time.monotonic() - t0)
+        mark_used(self.folder(key))  # `store prune` removes the least recently used first
         return RestoreResult("hit", "", files, nbytes, time.monotonic() - t0)
 
     def capture(self, key: str, fields: Dict[str, Any], src: Path, max_bytes: int, *, model: Optional[str] = None,

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional
 from mxlaunch import __version__
 from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
 from mxlaunch.coord.file import FileCoordinator
-from mxlaunch.fileutil import ensure_dir, read_json, write_json_atomic
+from mxlaunch.fileutil import ensure_dir, last_used, read_json, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.store_capture import (
     CaptureWriter, PendingCapture, _du, _user, discard_capture, new_capture_id, node_markers, reap_captures, write_failed)
@@ -152,7 +152,7 @@ class Store:
                 manifest = snap.manifest if snap else None
                 status = "claimed" if holder else ("refused" if (child / MANIFEST).exists() else "incomplete")
                 size = _du(child)
-            entries.append(StoreEntry(sid, status, why, size, manifest, holder))
+            entries.append(StoreEntry(sid, status, why, size, manifest, holder, last_used(child, MANIFEST)))
         return entries
 
     def _holder(self, source_id: str) -> Optional[ClaimInfo]:

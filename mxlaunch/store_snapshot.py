@@ -138,6 +138,7 @@ class StoreEntry:
     bytes: int
     manifest: Optional[dict[str, Any]] = None
     holder: Optional[ClaimInfo] = None
+    last_used: Optional[float] = None  # epoch seconds: the folder's .last-used stamp, else its manifest's mtime
 
     def to_dict(self) -> dict[str, Any]:
         m = self.manifest or {}
@@ -146,7 +147,7 @@ class StoreEntry:
             "source_id": self.source_id, "status": self.status, "reason": self.reason or None,
             "model": spec.get("model"), "model_name": model_name(spec.get("model")), "engine": m.get("engine"), "engine_version": m.get("engine_version"),
             "tp": spec.get("tp"), "pp": spec.get("pp"), "nranks": m.get("nranks"), "bytes": self.bytes,
-            "created_at": m.get("created_at"),
+            "created_at": m.get("created_at"), "last_used": self.last_used,
             "claimed_by": None if self.holder is None else {
                 "host": self.holder.host, "pid": self.holder.pid, "expires_at": self.holder.expires_at},
         }

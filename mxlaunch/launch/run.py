@@ -27,7 +27,7 @@ from mxlaunch.contract import ABORT, RENDEZVOUS_FILE, parse_marker_name, staged_
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError
-from mxlaunch.fileutil import process_start_time, write_json_atomic
+from mxlaunch.fileutil import mark_used, process_start_time, write_json_atomic
 from mxlaunch.launch import process
 from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.cleanup import SegmentRecord, reap_stale_runs, shm_entries, shm_user_root
@@ -213,6 +213,8 @@ class Launcher(Stopping):
             # the kernel-cache restore and the spawn (0.7-0.8 s before the engine's first line on the 2-core VM).
             self.proc = process.start(argv, env)
             self._start_stage_or_fall_back()
+            if self.plan.strategy in ("staged", "p2p"):  # `store prune` removes the least recently used first
+                mark_used(self.store_root / self.plan.source_id)
             reader = threading.Thread(target=self._pump, args=(self.proc, log), daemon=True)
             reader.start()
             code = self._supervise()

@@ -81,6 +81,7 @@ def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, stor
     finally:
         launch.stop()
     assert_gone(launch, plan["run_dir"], procs)
+    assert (store_root / plan["source_id"] / ".last-used").is_file()  # stamped for `store prune`
     # vLLM's workers met through a FileStore file in $TMPDIR that vLLM never removes; the launcher did
     assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) - rendezvous_before == set()
 

@@ -1,0 +1,238 @@
+"""Pruning the artifact store: what nobody can use any more, and what nobody has used lately.
+
+A shared store only grows: every model, engine version and parallel layout adds a snapshot, every
+compile key a kernel cache, and a capture killed before it published leaves its parts behind. What goes:
+
+- **leftovers, always**: the parts of unpublished captures whose claim is over (`data-*`, `.tmp-*`,
+  `.nodes-*` of a capture that will never publish), what interrupted removals left (`.trash-*`, older
+  than `TRASH_AGE_S`), and snapshot folders with nothing left in them;
+- **with `unused_for`**: published snapshots and kernel caches whose last use is older than that;
+- **with `max_bytes`**: then the least recently used snapshots and kernel caches until the store fits.
+
+Last use is the mtime of `.last-used` in the folder (fileutil.mark_used), stamped by every launch that
+stages or pulls the snapshot or restores the kernel cache; a folder never stamped counts from when it was
+made (its manifest or key record). Every removal holds the thing's claim — the one a capture takes — so
+a capture in progress is never touched: claimed items are skipped and reported. A launch that is staging
+a snapshot while it is removed keeps reading the files it opened; one that had not opened them yet falls
+back to the engine's loader (the usual fallback rules). `dry_run` decides the same and changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from mxlaunch.coord.base import valid_id
+from mxlaunch.errors import MxlaunchError
+from mxlaunch.fileutil import LAST_USED, last_used
+from mxlaunch.kernelcache_store import KEY_JSON, KernelCacheStore
+from mxlaunch.store import Store
+from mxlaunch.store_capture import _PARTS, _du
+from mxlaunch.store_snapshot import MANIFEST
+
+TRASH_AGE_S = 600.0  # a `.trash-*` younger than this may still be being deleted by its `store rm`
+CLAIM_TTL_S = 120.0
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_duration(text: str) -> float:
+    """'30d', '12h', '90m', '45s', '2w', '3600' → seconds."""
+    m = _DURATION.match(text.lower())
+    if not m:
+        raise ValueError(f"cannot read duration {text!r}: use e.g. 30d, 12h, 90m")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+@dataclass
+class Item:
+    """One thing the prune removes (or would, or could not)."""
+
+    kind: str  # snapshot | kernel-cache | capture | trash | empty
+    name: str  # the source id, the key, "<source id>/<capture id>", or the folder's name
+    path: Path
+    bytes: int
+    why: str
+    last_used: Optional[float] = None
+    skipped: str = ""  # why it stays after all (claimed, failed); empty when removed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "path": str(self.path), "bytes": self.bytes,
+                "why": self.why, "last_used": self.last_used, "skipped": self.skipped or None}
+
+
+@dataclass
+class PruneReport:
+    root: Path
+    dry_run: bool
+    bytes_before: int
+    items: list[Item] = field(default_factory=list)
+
+    @property
+    def removed(self) -> list[Item]:
+        return [i for i in self.items if not i.skipped]
+
+    @property
+    def freed(self) -> int:
+        return sum(i.bytes for i in self.removed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"root": str(self.root), "dry_run": self.dry_run, "bytes_before": self.bytes_before,
+                "bytes_freed": self.freed, "bytes_after": self.bytes_before - self.freed,
+                "removed": [i.to_dict() for i in self.removed],
+                "skipped": [i.to_dict() for i in self.items if i.skipped]}
+
+
+def prune(store: Store, *, unused_for: Optional[float] = None, max_bytes: Optional[int] = None,
+          dry_run: bool = False, now: Optional[float] = None) -> PruneReport:
+    """Decide and (unless dry_run) remove; see the module docstring for what goes."""
+    now = time.time() if now is None else now
+    root = store.root
+    report = PruneReport(root, dry_run, _du(root) if root.is_dir() else 0)
+    if not root.is_dir():
+        return report
+    caches = KernelCacheStore(root, store.coordinator)
+    report.items += _trash(root, now) + _trash(caches.root, now)
+    report.items += _leftover_captures(store)
+    kept = _in_use(store, caches)
+    if unused_for is not None:
+        for item in kept:
+            if item.last_used is not None and item.last_used < now - unused_for:
+                item.why = f"unused for {_age(now - item.last_used)} (--unused-for {_age(unused_for)})"
+                report.items.append(item)
+    if max_bytes is not None:
+        size = report.bytes_before - sum(i.bytes for i in report.items)
+        for item in sorted((i for i in kept if i not in report.items), key=lambda i: i.last_used or 0.0):
+            if size <= max_bytes:
+                break
+            item.why = f"least recently used ({_age(now - (item.last_used or now))} ago), store over --max-size"
+            report.items.append(item)
+            size -= item.bytes
+    for item in report.items:
+        _carry_out(store, caches, item, dry_run)
+    if not dry_run:  # what the removals above emptied, and what was empty already
+        empties = _empty_folders(store)
+        for item in empties:
+            _carry_out(store, caches, item, dry_run)
+        report.items += empties
+    return report
+
+
+def _age(seconds: float) -> str:
+    for unit, scale in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= scale:
+            return f"{seconds / scale:.1f}".removesuffix(".0") + unit
+    return f"{seconds:.0f}s"
+
+
+# ---- what there is ----------------------------------------------------------------------------------
+
+def _trash(folder: Path, now: float) -> list[Item]:
+    items = []
+    for child in _children(folder):
+        if child.name.startswith(".trash-") and child.is_dir() and not child.is_symlink():
+            try:
+                age = now - child.lstat().st_mtime
+            except OSError:
+                continue
+            if age >= TRASH_AGE_S:
+                items.append(Item("trash", child.name, child, _du(child), f"left by an interrupted removal {_age(age)} ago"))
+    return items
+
+
+def _snapshot_folders(store: Store) -> list[Path]:
+    return [c for c in _children(store.root) if valid_id(c.name) and c.name != "kernel-cache" and c.is_dir()
+            and not c.is_symlink()]
+
+
+def _leftover_captures(store: Store) -> list[Item]:
+    """Unpublished captures; whether their claim is over is checked when removing (under the claim)."""
+    items = []
+    for folder in _snapshot_folders(store):
+        published = store._published_capture(folder.name)
+        if published == "?":  # unreadable manifest: every data folder may be the snapshot's
+            continue
+        ids = {m.group(2) for m in map(_PARTS.match, _names(folder)) if m} - {published}
+        for cid in sorted(ids):
+            parts = [folder / f"{p}{cid}" for p in ("data-", ".tmp-", ".nodes-")]
+            items.append(Item("capture", f"{folder.name}/{cid}", folder, sum(_du(p) for p in parts if p.is_dir()),
+                              "unpublished capture, its claim over"))
+    return items
+
+
+def _in_use(store: Store, caches: KernelCacheStore) -> list[Item]:
+    """Published snapshots and kernel caches, each with its last use: what age and size may remove."""
+    items = []
+    for folder in _snapshot_folders(store):
+        if (folder / MANIFEST).is_file():
+            items.append(Item("snapshot", folder.name, folder, _du(folder), "", last_used(folder, MANIFEST)))
+    for folder in _children(caches.root):
+        if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
+            items.append(Item("kernel-cache", folder.name, folder, _du(folder), "", last_used(folder, KEY_JSON)))
+    return items
+
+
+def _empty_folders(store: Store) -> list[Item]:
+    """Snapshot folders with nothing left (no manifest, no capture, at most a stamp)."""
+    return [Item("empty", f.name, f, 0, "an empty snapshot folder") for f in _snapshot_folders(store)
+            if not set(_names(f)) - {LAST_USED}]
+
+
+def _children(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError:
+        return []
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+# ---- removing, each under its claim -------------------------------------------------------------------
+
+def _carry_out(store: Store, caches: KernelCacheStore, item: Item, dry_run: bool) -> bool:
+    """Remove one item (or, dry, check that it could be); sets `item.skipped` when it stays."""
+    if item.kind == "trash":
+        if not dry_run:
+            shutil.rmtree(item.path, ignore_errors=True)
+        return True
+    claim_id = f"kc-{item.name}" if item.kind == "kernel-cache" else item.name.split("/")[0]
+    if dry_run:
+        holder = store.coordinator.holder(claim_id)
+        if holder is not None:
+            item.skipped = f"claimed by {holder.describe()}"
+        return not item.skipped
+    claim = store.coordinator.try_claim(claim_id, ttl_s=CLAIM_TTL_S, extra={"pruning": True})
+    if claim is None:
+        holder = store.coordinator.holder(claim_id)
+        item.skipped = f"claimed by {holder.describe()}" if holder else "its claim is held"
+        return False
+    try:
+        remove: Callable[[], Any] = {
+            "snapshot": lambda: store.remove(item.name, force=True),
+            "kernel-cache": lambda: caches.remove(item.name),
+            "capture": lambda: store.discard_capture(*item.name.split("/", 1)),
+            "empty": lambda: _rmdir_empty(item.path),
+        }[item.kind]
+        remove()
+    except (OSError, ValueError, RuntimeError, MxlaunchError) as exc:
+        item.skipped = f"could not remove it: {exc}"
+    finally:
+        claim.release()
+    return not item.skipped
+
+
+def _rmdir_empty(folder: Path) -> None:
+    if set(_names(folder)) - {LAST_USED}:
+        raise RuntimeError("no longer empty")
+    (folder / LAST_USED).unlink(missing_ok=True)
+    folder.rmdir()

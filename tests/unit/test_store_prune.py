@@ -1,0 +1,158 @@
+"""`mxlaunch store prune`: leftovers always go, used snapshots and kernel caches by age and size, claimed
+things never, a dry run changes nothing — on real stores built through the store's own API."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.coord import FileCoordinator
+from mxlaunch.fileutil import LAST_USED, last_used, mark_used
+from mxlaunch.kernelcache import cache_key
+from mxlaunch.kernelcache_store import KernelCacheStore
+from mxlaunch.store import MANIFEST, Store
+from mxlaunch.store_prune import TRASH_AGE_S, parse_duration, prune
+from tests.helpers.cli import one_line_error, run_cli
+from tests.unit.test_store import META, capture, write_rank
+
+DAY = 86400.0
+
+
+def abandoned_capture(store: Store, sid: str) -> str:
+    """A capture that wrote rank 0 of 2 and whose launcher died: its parts stay, its claim is over."""
+    writer = store.begin_capture(sid, META, nranks=2)
+    write_rank(writer, 0)
+    return writer.capture_id
+
+
+def used_at(folder: Path, when: float) -> None:
+    mark_used(folder)
+    os.utime(folder / LAST_USED, (when, when))
+
+
+def snapshot_files(store: Store) -> dict[str, list[str]]:
+    return {p.name: sorted(str(f.relative_to(p)) for f in p.rglob("*")) for p in store.root.iterdir()
+            if not p.name.startswith(".")}
+
+
+def test_leftovers_go_and_what_is_published_or_claimed_stays(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    stale_in_published = abandoned_capture(store, "aaaa000000000000")  # died; a second capture then published
+    published = capture(store, "aaaa000000000000")
+    abandoned_capture(store, "bbbb000000000000")
+    held = FileCoordinator(tmp_path).try_claim("cccc000000000000")  # a capture running right now
+    abandoned_capture(store, "cccc000000000000")
+    old_trash = tmp_path / ".trash-dddd000000000000-0123"
+    (old_trash / "x").mkdir(parents=True)
+    os.utime(old_trash, (time.time() - TRASH_AGE_S - 60,) * 2)
+    young_trash = tmp_path / ".trash-eeee000000000000-4567"  # a `store rm` may be deleting it right now
+    young_trash.mkdir()
+
+    before = snapshot_files(store)
+    dry = prune(store, dry_run=True)
+    assert snapshot_files(store) == before and old_trash.exists()  # a dry run changes nothing
+    report = prune(store)
+
+    removed = {(i.kind, i.name) for i in report.removed}
+    assert removed == {("capture", f"aaaa000000000000/{stale_in_published}"), ("capture", next(
+        i.name for i in dry.removed if i.name.startswith("bbbb"))), ("trash", old_trash.name),
+        ("empty", "bbbb000000000000")}, removed
+    assert {(i.kind, i.name) for i in dry.removed} == removed - {("empty", "bbbb000000000000")}
+    skipped = [i for i in report.items if i.skipped]
+    assert [i.name.split("/")[0] for i in skipped] == ["cccc000000000000"] and "claimed by" in skipped[0].skipped
+    left = sorted(os.listdir(published))  # the published snapshot alone: its data folder and manifest
+    assert store.verify("aaaa000000000000").ok and len(left) == 2 and left[0].startswith("data-") and left[1] == MANIFEST
+    assert not (tmp_path / "bbbb000000000000").exists() and not old_trash.exists() and young_trash.exists()
+    assert any(n.startswith((".tmp-", "data-")) for n in os.listdir(tmp_path / "cccc000000000000"))
+    assert report.freed > 0 and report.to_dict()["bytes_after"] == report.bytes_before - report.freed
+    held.release()
+
+
+def test_unused_for_removes_what_no_launch_used_lately(tmp_path: Path) -> None:
+    store, now = Store(tmp_path), time.time()
+    old, fresh, never = (capture(store, f"{c * 4}000000000000") for c in "abc")
+    used_at(old, now - 40 * DAY)
+    used_at(fresh, now - 1 * DAY)
+    os.utime(never / MANIFEST, (now - 2 * DAY,) * 2)  # never stamped: counts from when it was published
+    caches = KernelCacheStore(tmp_path, FileCoordinator(tmp_path))
+    src = tmp_path.parent / f"{tmp_path.name}-kc"
+    (src / "inductor").mkdir(parents=True)
+    (src / "inductor" / "k.py").write_text("kernel")
+    keys = []
+    for n in (1, 2):
+        fields = {"engine": "vllm", "n": n}
+        keys.append(cache_key(fields))
+        assert caches.capture(keys[-1], fields, src, 1 << 20).published
+    used_at(caches.folder(keys[0]), now - 31 * DAY)
+
+    listed = {e.source_id: e.to_dict()["last_used"] for e in store.list()}  # `store list --json` shows it
+    assert listed[old.name] == pytest.approx(now - 40 * DAY) and listed[never.name] == pytest.approx(now - 2 * DAY)
+    report = prune(store, unused_for=parse_duration("30d"), now=now)
+
+    assert {(i.kind, i.name) for i in report.removed} == {("snapshot", old.name), ("kernel-cache", keys[0])}
+    assert all("unused for" in i.why for i in report.removed)
+    assert not old.exists() and fresh.exists() and never.exists()
+    assert [e.key for e in caches.list()] == [keys[1]]
+    restored = caches.restore(keys[1], tmp_path.parent / f"{tmp_path.name}-dest", 1 << 20)
+    assert restored.status == "hit" and last_used(caches.folder(keys[1]), "key.json") >= now - 5  # a hit stamps it
+
+
+def test_max_size_removes_the_least_recently_used_first(tmp_path: Path) -> None:
+    store, now = Store(tmp_path), time.time()
+    folders = [capture(store, f"{c * 4}000000000000") for c in "abcd"]
+    for age, folder in zip((1, 4, 2, 3), folders):  # b is the oldest, then d, then c; a the newest
+        used_at(folder, now - age * DAY)
+    one = prune(store, dry_run=True).bytes_before // 4
+    report = prune(store, max_bytes=2 * one + one // 2, now=now)
+    assert [i.name for i in report.removed] == [folders[1].name, folders[3].name]
+    assert all("least recently used" in i.why for i in report.removed)
+    assert [f.exists() for f in folders] == [True, False, True, False]
+    assert report.bytes_before - report.freed <= 2 * one + one // 2
+
+
+def test_a_claimed_snapshot_is_kept_whatever_its_age(tmp_path: Path) -> None:
+    store, now = Store(tmp_path), time.time()
+    folder = capture(store, "aaaa000000000000")
+    used_at(folder, now - 90 * DAY)
+    claim = FileCoordinator(tmp_path).try_claim("aaaa000000000000")
+    report = prune(store, unused_for=DAY, now=now)
+    assert report.removed == [] and "claimed by" in report.items[0].skipped and folder.exists()
+    claim.release()
+    assert [i.name for i in prune(store, unused_for=DAY, now=now).removed] == ["aaaa000000000000"]
+
+
+def test_durations_parse_and_bad_ones_are_refused() -> None:
+    assert [parse_duration(t) for t in ("30d", "12h", "90m", "45s", "2w", "3600", "1.5d")] == [
+        30 * DAY, 43200, 5400, 45, 14 * DAY, 3600, 1.5 * DAY]
+    for bad in ("", "d", "30 days", "-1d", "1y"):
+        with pytest.raises(ValueError, match="use e.g. 30d"):
+            parse_duration(bad)
+
+
+def test_cli_prune_json_dry_run_and_bad_input(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    folder = capture(store, "aaaa000000000000")
+    used_at(folder, time.time() - 10 * DAY)
+    abandoned_capture(store, "bbbb000000000000")
+
+    dry = run_cli("store", "prune", "--artifact-path", str(tmp_path), "--unused-for", "7d", "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    data = json.loads(dry.stdout)
+    assert data["dry_run"] is True and {i["kind"] for i in data["removed"]} == {"snapshot", "capture"}
+    assert folder.exists() and (tmp_path / "bbbb000000000000").exists()
+
+    table = run_cli("store", "prune", "--artifact-path", str(tmp_path), "--unused-for", "7d")
+    assert table.returncode == 0, table.stderr
+    assert "removed 3 item(s)" in table.stdout and "aaaa000000000000" in table.stdout, table.stdout
+    assert not folder.exists() and not (tmp_path / "bbbb000000000000").exists()
+
+    for args, needle in ((("--unused-for", "soon"), "--unused-for"), (("--max-size", "lots"), "--max-size")):
+        bad = run_cli("store", "prune", "--artifact-path", str(tmp_path), *args)
+        assert bad.returncode == 2 and needle in one_line_error(bad), bad.stderr
+    missing = run_cli("store", "prune", "--artifact-path", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "no artifact store" in one_line_error(missing)
+    assert not (tmp_path / "nope").exists()
