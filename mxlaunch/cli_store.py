@@ -156,5 +156,6 @@ def store_prune(
             why = f"[yellow]kept: {escape(item.skipped)}[/]" if item.skipped else escape(item.why)
             table.add_row(item.kind, escape(item.name), format_bytes(item.bytes), why)
         out.print(table)
+    peers = f" and {report.stale_peer_records} stale P2P record(s)" if report.stale_peer_records else ""
     out.print(f"{verb} {len(report.removed)} item(s), {format_bytes(report.freed)} of "
-              f"{format_bytes(report.bytes_before)} in {escape(str(store.root))}", highlight=False)
+              f"{format_bytes(report.bytes_before)} in {escape(str(store.root))}{peers}", highlight=False)

@@ -7,7 +7,9 @@ compile key a kernel cache, and a capture killed before it published leaves its 
   `.nodes-*` of a capture that will never publish), what interrupted removals left (`.trash-*`, older
   than `TRASH_AGE_S`), and snapshot folders with nothing left in them;
 - **with `unused_for`**: published snapshots and kernel caches whose last use is older than that;
-- **with `max_bytes`**: then the least recently used snapshots and kernel caches until the store fits.
+- **with `max_bytes`**: then the least recently used snapshots and kernel caches until the store fits;
+- and P2P source records in the store's file registry (`.peers`) stale for longer than `peer_grace_s`
+  (what `mxlaunch peers --reap` does; a Redis registry is left to that command).
 
 Last use is the mtime of `.last-used` in the folder (fileutil.mark_used), stamped by every launch that
 stages or pulls the snapshot or restores the kernel cache; a folder never stamped counts from when it was
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from mxlaunch.coord.base import valid_id
+from mxlaunch.coord.peers_file import PEERS_DIR, FileRegistry
+from mxlaunch.coord.peers_record import reapable
 from mxlaunch.errors import MxlaunchError
 from mxlaunch.fileutil import LAST_USED, last_used
 from mxlaunch.kernelcache_store import KEY_JSON, KernelCacheStore
@@ -36,6 +40,7 @@ from mxlaunch.store_capture import _PARTS, _du
 from mxlaunch.store_snapshot import MANIFEST
 
 TRASH_AGE_S = 600.0  # a `.trash-*` younger than this may still be being deleted by its `store rm`
+PEER_GRACE_S = 300.0  # a P2P record stale this long is gone for good (a gone process's at once)
 CLAIM_TTL_S = 120.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -72,6 +77,7 @@ class PruneReport:
     dry_run: bool
     bytes_before: int
     items: list[Item] = field(default_factory=list)
+    stale_peer_records: int = 0  # removed (or, dry, that would be)
 
     @property
     def removed(self) -> list[Item]:
@@ -84,12 +90,12 @@ class PruneReport:
     def to_dict(self) -> dict[str, Any]:
         return {"root": str(self.root), "dry_run": self.dry_run, "bytes_before": self.bytes_before,
                 "bytes_freed": self.freed, "bytes_after": self.bytes_before - self.freed,
-                "removed": [i.to_dict() for i in self.removed],
+                "stale_peer_records": self.stale_peer_records, "removed": [i.to_dict() for i in self.removed],
                 "skipped": [i.to_dict() for i in self.items if i.skipped]}
 
 
 def prune(store: Store, *, unused_for: Optional[float] = None, max_bytes: Optional[int] = None,
-          dry_run: bool = False, now: Optional[float] = None) -> PruneReport:
+          dry_run: bool = False, now: Optional[float] = None, peer_grace_s: float = PEER_GRACE_S) -> PruneReport:
     """Decide and (unless dry_run) remove; see the module docstring for what goes."""
     now = time.time() if now is None else now
     root = store.root
@@ -120,6 +126,7 @@ def prune(store: Store, *, unused_for: Optional[float] = None, max_bytes: Option
         for item in empties:
             _carry_out(store, caches, item, dry_run)
         report.items += empties
+    report.stale_peer_records = _stale_peer_records(root, peer_grace_s, dry_run)
     return report
 
 
@@ -229,6 +236,15 @@ def _carry_out(store: Store, caches: KernelCacheStore, item: Item, dry_run: bool
     finally:
         claim.release()
     return not item.skipped
+
+
+def _stale_peer_records(root: Path, grace_s: float, dry_run: bool) -> int:
+    if not (root / PEERS_DIR).is_dir():
+        return 0
+    registry = FileRegistry(root)
+    if dry_run:
+        return sum(reapable(e, grace_s) for e in registry.all_sources(include_stale=True))
+    return registry.reap(grace_s=grace_s)
 
 
 def _rmdir_empty(folder: Path) -> None:

@@ -156,3 +156,21 @@ def test_cli_prune_json_dry_run_and_bad_input(tmp_path: Path) -> None:
     missing = run_cli("store", "prune", "--artifact-path", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "no artifact store" in one_line_error(missing)
     assert not (tmp_path / "nope").exists()
+
+
+def test_stale_p2p_records_in_the_stores_registry_go_too(tmp_path: Path) -> None:
+    from mxlaunch.coord.peers_file import FileRegistry
+    from tests.unit.test_peers_registry import rec
+
+    registry = FileRegistry(tmp_path, host="node-b")  # another host: only the ttl tells (no pid check)
+    live = registry.publish(rec(worker="live"), ttl_s=30)
+    registry.publish(rec(worker="stale"), ttl_s=0.2)
+    time.sleep(0.4)
+    store = Store(tmp_path)
+    assert prune(store, dry_run=True, peer_grace_s=0).stale_peer_records == 1
+    assert len(FileRegistry(tmp_path).all_sources()) == 2  # the dry run removed nothing
+    assert prune(store, peer_grace_s=30).stale_peer_records == 0  # not stale for long enough yet
+    report = prune(store, peer_grace_s=0)
+    assert report.stale_peer_records == 1 and report.to_dict()["stale_peer_records"] == 1
+    assert [e.record.worker for e in FileRegistry(tmp_path).all_sources()] == ["live"]
+    live.unpublish()
