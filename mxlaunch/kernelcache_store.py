@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mxlaunch import __version__
 from mxlaunch.coord.base import Coordinator, valid_id
-from mxlaunch.fileutil import ensure_dir, mark_used, read_json, secure, unique_name, write_json_atomic
+from mxlaunch.fileutil import ensure_dir, last_used, mark_used, read_json, secure, unique_name, write_json_atomic
 from mxlaunch.kernelcache import cache_key
 from mxlaunch.store_snapshot import _utc_now
 
@@ -65,13 +65,14 @@ class CacheEntry:
     meta: Dict[str, Any] = field(default_factory=dict)
     ok: bool = True
     reason: str = ""
+    last_used: Optional[float] = None  # epoch seconds: the last restore's stamp, else when it was written
 
     def to_dict(self) -> Dict[str, Any]:
         fields = self.meta.get("fields") or {}
         return {"key": self.key, "ok": self.ok, "reason": self.reason, "engine": fields.get("engine"),
                 "engine_version": fields.get("engine_version"), "model": self.meta.get("model"),
                 "bytes": self.meta.get("bytes"), "files": self.meta.get("files"),
-                "created_at": self.meta.get("created_at"), "fields": fields}
+                "created_at": self.meta.get("created_at"), "last_used": self.last_used, "fields": fields}
 
 
 # ---- member checks ------------------------------------------------------------------------------------
@@ -274,7 +275,8 @@ class KernelCacheStore:
                     meta = read_json(child / KEY_JSON, limit=1 << 20)
                 except (OSError, ValueError):
                     meta = {}
-            out.append(CacheEntry(child.name, meta if isinstance(meta, dict) else {}, not why, why))
+            out.append(CacheEntry(child.name, meta if isinstance(meta, dict) else {}, not why, why,
+                                  last_used(child, KEY_JSON)))
         return out
 
     def remove(self, key: str) -> None:

@@ -99,6 +99,7 @@ def test_unused_for_removes_what_no_launch_used_lately(tmp_path: Path) -> None:
     assert [e.key for e in caches.list()] == [keys[1]]
     restored = caches.restore(keys[1], tmp_path.parent / f"{tmp_path.name}-dest", 1 << 20)
     assert restored.status == "hit" and last_used(caches.folder(keys[1]), "key.json") >= now - 5  # a hit stamps it
+    assert caches.list()[0].to_dict()["last_used"] >= now - 5  # `cache list --json` shows it
 
 
 def test_max_size_removes_the_least_recently_used_first(tmp_path: Path) -> None:
