@@ -205,6 +205,11 @@ def discard_capture(folder: Path, capture_id: str, published: Optional[str]) -> 
     return removed
 
 
+def capture_ids(names: list[str]) -> set[str]:
+    """The capture ids a snapshot folder's entries carry (data-, .nodes-, .tmp- folders)."""
+    return {m.group(2) for m in map(_PARTS.match, names) if m}
+
+
 def reap_captures(folder: Path, keep: str, published: Optional[str]) -> list[str]:
     """Discard every capture of this source id but `keep` and the published one (ids, sorted)."""
     if published == "?":
@@ -213,7 +218,7 @@ def reap_captures(folder: Path, keep: str, published: Optional[str]) -> list[str
         names = os.listdir(folder)
     except FileNotFoundError:
         return []
-    ids = {m.group(2) for m in map(_PARTS.match, names) if m}
+    ids = capture_ids(names)
     gone = sorted(cid for cid in ids - {keep, published} if discard_capture(folder, cid, published))
     for name in names:  # what a removal left when its holder died half-way
         if name.startswith(".trash-"):

@@ -36,7 +36,7 @@ from mxlaunch.errors import MxlaunchError
 from mxlaunch.fileutil import LAST_USED, last_used
 from mxlaunch.kernelcache_store import KEY_JSON, KernelCacheStore
 from mxlaunch.store import Store
-from mxlaunch.store_capture import _PARTS, _du
+from mxlaunch.store_capture import _du, capture_ids
 from mxlaunch.store_snapshot import MANIFEST
 
 TRASH_AGE_S = 600.0  # a `.trash-*` younger than this may still be being deleted by its `store rm`
@@ -164,7 +164,7 @@ def _leftover_captures(store: Store) -> list[Item]:
         published = store._published_capture(folder.name)
         if published == "?":  # unreadable manifest: every data folder may be the snapshot's
             continue
-        ids = {m.group(2) for m in map(_PARTS.match, _names(folder)) if m} - {published}
+        ids = capture_ids(_names(folder)) - {published}
         for cid in sorted(ids):
             parts = [folder / f"{p}{cid}" for p in ("data-", ".tmp-", ".nodes-")]
             items.append(Item("capture", f"{folder.name}/{cid}", folder, sum(_du(p) for p in parts if p.is_dir()),

@@ -121,19 +121,38 @@ def test_a_live_launchers_recorded_segments_are_left_alone(tmp_path: Path) -> No
 
 # ---- a real launcher, a real signal ----------------------------------------------------------------
 
-def test_sigterm_in_a_slurm_job_frees_staged_files_first_and_stops_within_kill_wait(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's group holds a child that ignores SIGINT and SIGTERM (a worker stuck in start-up):
-    only SIGKILL ends it. With KillWait 6 s the launcher must be done — engine group gone, staged files
-    and run folder removed — inside those 6 s, and the staged files must be gone before it waits."""
-    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
+def stubborn_engine_in_a_slurm_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str):
+    """A plan whose "engine" (fake_vllm_engine.py in `mode`) has a child that ignores SIGINT and SIGTERM,
+    inside a Slurm job with KillWait 6 s. Returns the plan and the file the child writes its pid to."""
+    from mxlaunch.launch import LaunchOptions, make_plan
 
     monkeypatch.setattr(cleanup, "SHM_ROOT", tmp_path / "shm")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("MXLAUNCH_KILL_WAIT", "6")
     plan = make_plan(serve(write_checkpoint(tmp_path / "model")), LaunchOptions(strategy="default"))
     child_pid = tmp_path / "child.pid"
-    plan.argv = plan.spec.argv = [PY, str(FAKE), "--mode", "ready", "--stubborn", "--child-pid-file", str(child_pid)]
+    plan.argv = plan.spec.argv = [PY, str(FAKE), "--mode", mode, "--stubborn", "--child-pid-file", str(child_pid)]
+    return plan, child_pid
+
+
+def assert_engine_and_run_folder_gone(child_pid: Path, run_dir: Path) -> None:
+    import psutil
+
+    try:
+        assert psutil.Process(int(child_pid.read_text())).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+    assert not run_dir.exists()
+
+
+def test_sigterm_in_a_slurm_job_frees_staged_files_first_and_stops_within_kill_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's group holds a child that ignores SIGINT and SIGTERM (a worker stuck in start-up):
+    only SIGKILL ends it. With KillWait 6 s the launcher must be done — engine group gone, staged files
+    and run folder removed — inside those 6 s, and the staged files must be gone before it waits."""
+    from mxlaunch.launch import LaunchOptions, Launcher
+
+    plan, child_pid = stubborn_engine_in_a_slurm_job(tmp_path, monkeypatch, "ready")
     events: list[tuple[str, dict]] = []
     sent: list[float] = []
     runner = None
@@ -160,13 +179,7 @@ def test_sigterm_in_a_slurm_job_frees_staged_files_first_and_stops_within_kill_w
     assert stopping["from"] == "MXLAUNCH_KILL_WAIT" and stopping["stage_left"] is False
     assert took < 6.0 - 1.0, f"the launcher took {took:.1f} s after SIGTERM; Slurm kills at 6 s"
     assert code == 128 + signal.SIGTERM  # the fake engine's main process dies of SIGTERM; its child needed SIGKILL
-    import psutil
-
-    try:
-        assert psutil.Process(int(child_pid.read_text())).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        pass
-    assert not runner.shm_dir.exists()
+    assert_engine_and_run_folder_gone(child_pid, runner.shm_dir)
 
 
 def test_a_stop_signal_during_the_launchers_own_stop_gets_the_kill_wait_budget(
@@ -174,14 +187,9 @@ def test_a_stop_signal_during_the_launchers_own_stop_gets_the_kill_wait_budget(
     """The launcher is already stopping a stubborn engine on its own (not ready in time: the usual
     20 + 10 + 5 s sequence) when Slurm's SIGTERM arrives: from then on KillWait rules — the engine group is
     gone and the run folder removed inside KillWait, not after the usual sequence."""
-    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
+    from mxlaunch.launch import LaunchOptions, Launcher
 
-    monkeypatch.setattr(cleanup, "SHM_ROOT", tmp_path / "shm")
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    monkeypatch.setenv("MXLAUNCH_KILL_WAIT", "6")
-    plan = make_plan(serve(write_checkpoint(tmp_path / "model")), LaunchOptions(strategy="default"))
-    child_pid = tmp_path / "child.pid"
-    plan.argv = plan.spec.argv = [PY, str(FAKE), "--mode", "hang", "--stubborn", "--child-pid-file", str(child_pid)]
+    plan, child_pid = stubborn_engine_in_a_slurm_job(tmp_path, monkeypatch, "hang")
     events: list[tuple[str, dict]] = []
     sent: list[float] = []
 
@@ -199,13 +207,7 @@ def test_a_stop_signal_during_the_launchers_own_stop_gets_the_kill_wait_budget(
     assert stopping["signal"] == "SIGTERM" and stopping["kill_wait_s"] == 6 and stopping["budget_s"] == 3.0
     assert took < 6.0 - 1.0, f"the launcher took {took:.1f} s after SIGTERM; Slurm kills at 6 s"
     assert code == 1  # the stop was the launcher's own (not ready); the signal only hurried it
-    import psutil
-
-    try:
-        assert psutil.Process(int(child_pid.read_text())).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        pass
-    assert not runner.shm_dir.exists()
+    assert_engine_and_run_folder_gone(child_pid, runner.shm_dir)
 
 
 # ---- torch.distributed's FileStore file (vLLM's file:// rendezvous) ---------------------------------
