@@ -4,6 +4,12 @@ Files and folders are created with the user's umask, never world-writable; with 
 get that group, g+rw, and folders g+s (see mxlaunch/settings.py). JSON is written to a temp name in the
 same folder and appears by rename (or by link, for a publish that only one racer may win): no reader
 ever sees half a file.
+
+Private files (`private=True`: P2P records and anything else that lets a peer reach a process's memory)
+are readable by the user alone (0600, folders 0700) or, with `MXLAUNCH_GROUP`, by that group too (0640,
+folders 2770: the group's members publish beside each other). They are created with that mode (os.open's
+mode, fchmod before the first byte), so no reader ever sees one with wider permissions; `exposure()` is the
+reader's side: why a file or folder others could have written (or read) must not be trusted.
 """
 
 from __future__ import annotations
@@ -74,21 +80,96 @@ def ensure_dir(path: str | os.PathLike[str]) -> Path:
     return p
 
 
+def private_mode(*, is_dir: bool) -> int:
+    """The mode of a private file or folder: the user alone, or with MXLAUNCH_GROUP that group too (read
+    for files, rwx + setgid for folders so that the group's members publish into them)."""
+    if shared_gid() is None:
+        return 0o700 if is_dir else 0o600
+    return 0o2770 if is_dir else 0o640
+
+
+def _make_private(fd_or_path: int | str | os.PathLike[str], *, is_dir: bool) -> None:
+    """Give a file (by descriptor) or folder (by path) the shared group if set, then exactly private_mode()."""
+    gid = shared_gid()
+    try:
+        if gid is not None:
+            if isinstance(fd_or_path, int):
+                os.fchown(fd_or_path, -1, gid)
+            else:
+                os.chown(fd_or_path, -1, gid)
+    except PermissionError as exc:
+        raise UsageError(f"cannot give {fd_or_path} the group {gid} (MXLAUNCH_GROUP)",
+                         "use a group you are a member of, or unset MXLAUNCH_GROUP") from exc
+    mode = private_mode(is_dir=is_dir)
+    if isinstance(fd_or_path, int):
+        os.fchmod(fd_or_path, mode)
+    else:
+        os.chmod(fd_or_path, mode)
+
+
+def ensure_private_dir(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
+    """mkdir -p of `path` below `root` (made as a store folder when missing: ensure_dir): every folder from
+    root (excluded) down is made private (0700, or 2770 with MXLAUNCH_GROUP); one of ours found wider is
+    narrowed. Raises UsageError for a folder that is a link, or one others could write that we cannot fix."""
+    base, target = ensure_dir(root), Path(path)
+    rel = target.relative_to(base)
+    current = base
+    for part in rel.parts:
+        current = current / part
+        try:
+            os.mkdir(current, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(current)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{current} is not a real folder", "remove it; the registry makes its own folders")
+        want = private_mode(is_dir=True)
+        if stat.S_IMODE(st.st_mode) != want and st.st_uid == os.getuid():
+            _make_private(current, is_dir=True)
+        elif st.st_uid != os.getuid():
+            why = exposure(st, is_dir=True)
+            if why:
+                raise UsageError(f"registry folder {current} {why}", "remove it or ask its owner to")
+    return target
+
+
+def exposure(st: os.stat_result, *, is_dir: bool) -> Optional[str]:
+    """Why a private file or folder with this stat must not be trusted (others could have written or, for a
+    file, read it), or None. Trusted: owned by this user, or carrying the shared group (MXLAUNCH_GROUP); no
+    permission bits for others; group bits only for the shared group (folders: only its write bit counts)."""
+    mode = stat.S_IMODE(st.st_mode)
+    gid = shared_gid()
+    others = mode & (0o002 if is_dir else 0o007)
+    group = mode & (0o020 if is_dir else 0o070)
+    if st.st_uid != os.getuid() and (gid is None or st.st_gid != gid):
+        return f"belongs to uid {st.st_uid}, not this user (uid {os.getuid()}) or the shared group (MXLAUNCH_GROUP)"
+    if others:
+        return f"is {'writable' if is_dir else 'readable or writable'} by others (mode {mode:04o})"
+    if group and (gid is None or st.st_gid != gid):
+        shared = "MXLAUNCH_GROUP is not set" if gid is None else f"the shared group is {gid}"
+        return f"is open to group {st.st_gid} (mode {mode:04o}) and {shared}"
+    return None
+
+
 def unique_name(prefix: str) -> str:
     return f"{prefix}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def write_json_temp(folder: str | os.PathLike[str], obj: Any, prefix: str = ".") -> Path:
-    """Write JSON to a fresh, uniquely named file in `folder` (fsynced, secured); the caller renames or links it."""
+def write_json_temp(folder: str | os.PathLike[str], obj: Any, prefix: str = ".", *, private: bool = False) -> Path:
+    """Write JSON to a fresh, uniquely named file in `folder` (fsynced, secured); the caller renames or links it.
+    private=True: created 0600 and given private_mode() before the first byte is written."""
     tmp = Path(folder) / (unique_name(prefix) + ".tmp")
     payload = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600 if private else 0o666)
     try:
         with os.fdopen(fd, "wb") as fh:
+            if private:
+                _make_private(fh.fileno(), is_dir=False)
             fh.write(payload)
             fh.flush()
             os.fsync(fh.fileno())
-        secure(tmp, is_dir=False)
+        if not private:
+            secure(tmp, is_dir=False)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -96,18 +177,19 @@ def write_json_temp(folder: str | os.PathLike[str], obj: Any, prefix: str = ".")
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, exclusive: bool = False,
-                      parents: bool = False) -> bool:
+                      parents: bool = False, private: bool = False) -> bool:
     """Make `path` hold `obj` by one atomic step; nothing half-written is ever visible under `path`.
 
     exclusive=False replaces what is there (rename). exclusive=True publishes only if `path` does not
     exist yet and returns whether this call won: `link()` fails with EEXIST for every racer but one. On a
     filesystem without hard links an O_EXCL `<path>.lock` decides the single winner instead.
     parents=True creates missing folders first (plain mkdir: run folders in /dev/shm, markers).
+    private=True: the file is private from its creation (see private_mode()).
     """
     target = Path(path)
     if parents:
         target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = write_json_temp(target.parent, obj, prefix=f".{target.name}.")
+    tmp = write_json_temp(target.parent, obj, prefix=f".{target.name}.", private=private)
     try:
         if not exclusive:
             os.replace(tmp, target)
@@ -122,7 +204,7 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, exclusive: bool
                 raise
         lock = target.with_name(target.name + ".lock")
         try:
-            os.close(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            os.close(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666))
         except FileExistsError:
             return False
         if target.exists():
@@ -133,13 +215,21 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, exclusive: bool
         tmp.unlink(missing_ok=True)
 
 
-def read_json(path: str | os.PathLike[str], limit: int = MAX_JSON_BYTES) -> Any:
-    """Read a JSON file of at most `limit` bytes (regular file only). Raises OSError / ValueError."""
+class Exposed(ValueError):
+    """A private file others could have written (read_json(private=True)); the message says why."""
+
+
+def read_json(path: str | os.PathLike[str], limit: int = MAX_JSON_BYTES, *, private: bool = False) -> Any:
+    """Read a JSON file of at most `limit` bytes (regular file only). Raises OSError / ValueError;
+    private=True also raises `Exposed` for a file others could have written or read (exposure())."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise ValueError("not a regular file")
+        why = exposure(st, is_dir=False) if private else None
+        if why:
+            raise Exposed(why)
         if st.st_size > limit:
             raise ValueError(f"larger than {limit} bytes")
         data = fh.read(limit + 1)

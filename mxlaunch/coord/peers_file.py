@@ -6,7 +6,12 @@
 No locks: a record appears by one `link()` (a second publisher under the same worker id loses unless the
 first one is stale), a heartbeat replaces a tiny file by rename, and a reader validates whatever it finds
 (size caps, schema, the record must match the path it was found under). Works between hosts on NFS or
-Lustre; folders and files get the user's umask and the optional shared group (fileutil.secure).
+Lustre.
+
+Records hold what lets a peer reach a worker's memory (NIXL metadata, addresses), so the registry's files
+are private from their creation: 0600 in 0700 folders, or 0640 in 2770 folders with the shared group
+(`MXLAUNCH_GROUP`; fileutil.private_mode). A reader refuses a record others could have written or read
+(fileutil.exposure) and says why in `refusals` — a target must not trust memory someone else described.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from mxlaunch.coord.peers_record import (
     DEFAULT_TTL_S, MAX_BEAT_BYTES, MAX_RECORD_BYTES, STALE, Beat, BasePublication, PeerEntry, SourceRecord,
     check_record, check_ttl, judge, ordered, reapable)
 from mxlaunch.errors import CheckFailed, UsageError
-from mxlaunch.fileutil import boot_id, ensure_dir, read_json, write_json_atomic
+from mxlaunch.fileutil import Exposed, boot_id, ensure_private_dir, exposure, read_json, write_json_atomic
 
 PEERS_DIR = ".peers"
 _RANK_RE = re.compile(r"^(0|[1-9][0-9]{0,8})$")
@@ -44,7 +49,7 @@ class FilePublication(BasePublication):
         if _identity(self.path) != self._identity:
             return False  # removed (or replaced by a later publisher of the same worker id)
         try:
-            write_json_atomic(self.beat_path, Beat(time.time(), self.ttl_s, self.record.run_id).to_json())
+            write_json_atomic(self.beat_path, Beat(time.time(), self.ttl_s, self.record.run_id).to_json(), private=True)
         except FileNotFoundError:
             return False  # the folder was reaped: the record is gone
         return True
@@ -66,6 +71,13 @@ class FileRegistry:
         self.url = f"file:{self.root}"
         self.host = host or socket.gethostname()
         self._boot_id = boot_id()
+        self._refused: dict[str, str] = {}  # path → why the last read refused it (others could have written it)
+
+    @property
+    def refusals(self) -> list[str]:
+        """One line per record or folder the last reads refused because others could have written it."""
+        return [f"{path} {why} — refused (a record must be private: `chmod 600` it or let its owner republish)"
+                for path, why in sorted(self._refused.items())]
 
     # ---- paths ----
 
@@ -90,8 +102,8 @@ class FileRegistry:
         path = self.record_path(record.source_id, record.rank, record.worker)
         for _ in range(8):
             try:
-                ensure_dir(path.parent)
-                won = write_json_atomic(path, record.to_json(), exclusive=True)
+                ensure_private_dir(path.parent, self.root)
+                won = write_json_atomic(path, record.to_json(), exclusive=True, private=True)
             except FileNotFoundError:
                 continue  # a reaper removed the empty folder meanwhile: make it again
             if won:
@@ -152,6 +164,7 @@ class FileRegistry:
     # ---- reading ----
 
     def sources(self, source_id: str, rank: int | None = None, *, include_stale: bool = False) -> list[PeerEntry]:
+        self._refused.clear()
         if rank is not None:
             folders = [self.rank_dir(source_id, rank)]
         else:
@@ -160,6 +173,7 @@ class FileRegistry:
         return ordered([e for f in folders for e in self._scan(f, now, include_stale)])
 
     def all_sources(self, *, include_stale: bool = True) -> list[PeerEntry]:
+        self._refused.clear()
         now = time.time()
         return ordered([e for f in self._rank_dirs() for e in self._scan(f, now, include_stale)])
 
@@ -168,6 +182,14 @@ class FileRegistry:
     def _scan(self, folder: Path, now: float, include_stale: bool) -> Iterator[PeerEntry]:
         if folder.is_symlink() or folder.parent.is_symlink():
             return  # records live in real folders of the registry, never somewhere a link points
+        for d in (self.dir, folder.parent, folder):  # a folder others can write: any record in it may be theirs
+            try:
+                why = exposure(os.lstat(d), is_dir=True)
+            except OSError:
+                return
+            if why:
+                self._refused[str(d)] = why
+                return
         for path in self._records_in(folder):
             if not include_stale:  # skip reading (maybe large) records whose heartbeat already ran out
                 beat = self._read_beat(path.with_suffix(".beat"))
@@ -186,9 +208,12 @@ class FileRegistry:
 
     def _read_record(self, path: Path) -> SourceRecord | str | None:
         try:
-            data = read_json(path, limit=MAX_RECORD_BYTES)
+            data = read_json(path, limit=MAX_RECORD_BYTES, private=True)
         except FileNotFoundError:
             return None
+        except Exposed as exc:
+            self._refused[str(path)] = str(exc)
+            return "unreadable"
         except (OSError, ValueError):
             return "unreadable"
         record = SourceRecord.from_json(data)
