@@ -36,6 +36,8 @@ RESTORE_HOST_PAGES = "MXLAUNCH_RESTORE_HOST_PAGES"
 KERNEL_CACHE_DIR = "MXLAUNCH_KERNEL_CACHE_DIR"
 KERNEL_CACHE_MAX_GIB = "MXLAUNCH_KERNEL_CACHE_MAX_GIB"
 REGISTRY = "MXLAUNCH_REGISTRY"
+REDIS_PASSWORD = "MXLAUNCH_REDIS_PASSWORD"
+REDIS_TRUSTED = "MXLAUNCH_REDIS_TRUSTED"
 KILL_WAIT = "MXLAUNCH_KILL_WAIT"
 CAPTURE_TIMEOUT = "MXLAUNCH_CAPTURE_TIMEOUT"
 CAPTURE_VIA_SHM = "MXLAUNCH_CAPTURE_VIA_SHM"
@@ -77,6 +79,9 @@ VARIABLES: dict[str, str] = {
                      "write straight to the store",
     REGISTRY: "the P2P source registry when --registry is not given: file (the artifact store's .peers folder; "
               "the default), file:/dir, or redis://host:port/db",
+    REDIS_PASSWORD: "the password of a redis:// P2P registry whose URL has none (keeps it out of argv and the plan file)",
+    REDIS_TRUSTED: "1: allow a redis:// P2P registry without a password (only on a network no one else reaches; "
+                   "by default such a URL is refused: whoever can connect could read and forge P2P records)",
     KILL_WAIT: "in a Slurm job: the scheduler's KillWait in seconds (SIGTERM to SIGKILL), which bounds how long the "
                "launcher takes to stop (default: read from `scontrol show config`; 30, Slurm's default, if that fails)",
     NIXL_UCX_PARAMS: "P2P: init parameters of NIXL's UCX backend, key=value items separated by commas (or ';'), e.g. "
@@ -208,6 +213,16 @@ def registry(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """$MXLAUNCH_REGISTRY (a registry URL), or None when unset or empty."""
     text = environ.get(REGISTRY, "").strip()
     return text or None
+def redis_password(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """$MXLAUNCH_REDIS_PASSWORD, or None when unset or empty."""
+    return environ.get(REDIS_PASSWORD) or None
+
+
+def redis_trusted(environ: Mapping[str, str] = os.environ) -> bool:
+    """True only when $MXLAUNCH_REDIS_TRUSTED is 1: an unauthenticated Redis registry is allowed."""
+    return environ.get(REDIS_TRUSTED, "").strip() == "1"
+
+
 def kill_wait(environ: Mapping[str, str] = os.environ) -> Optional[int]:
     """$MXLAUNCH_KILL_WAIT as whole seconds ≥ 0, or None when unset or not a number."""
     text = environ.get(KILL_WAIT, "").strip()

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # A throw-away redis-server on this host, for the redis tests and for trying a redis:// peer registry.
 #
-#   scripts/start_redis.sh start DIR   install Debian's redis-server if missing (needs root), start it on a
+#   scripts/start_redis.sh start DIR [PASSWORD]
+#                                      install Debian's redis-server if missing (needs root), start it on a
 #                                      free loopback port with DIR as its working folder and no persistence
-#                                      (no RDB snapshots, no AOF), wait until it answers PING, print the port
+#                                      (no RDB snapshots, no AOF), with `requirepass PASSWORD` when given,
+#                                      wait until it answers PING, print the port
 #   scripts/start_redis.sh stop DIR    stop the server started for DIR
 #
-# Then: mxlaunch peers --registry redis://127.0.0.1:PORT/0
+# Then: mxlaunch peers --registry redis://:PASSWORD@127.0.0.1:PORT/0 (mxlaunch refuses a Redis registry
+# without a password unless MXLAUNCH_REDIS_TRUSTED=1)
 #
 # Idempotent: a DIR whose server still runs is left alone (its port is printed again); everything (config,
 # pid file, log) lives in DIR, so several servers can run side by side and nothing outside DIR
@@ -33,12 +36,17 @@ alive() {  # alive PIDFILE: the process named in PIDFILE runs
   [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
 }
 
-answers() {  # answers PORT: the server on PORT says PONG (no redis-cli needed)
-  python3 - "$1" <<'PY' 2>/dev/null
-import socket, sys
+answers() {  # answers PORT: the server on PORT says PONG (no redis-cli needed); logs in first with $PASSWORD
+  REDIS_AUTH="$PASSWORD" python3 - "$1" <<'PY' 2>/dev/null
+import os, socket, sys, time
 with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2) as s:
-    s.sendall(b"PING\r\n")
-    sys.exit(0 if s.recv(64).startswith(b"+PONG") else 1)
+    pw = os.environ.get("REDIS_AUTH", "")
+    s.sendall((f"AUTH {pw}\r\nPING\r\n" if pw else "PING\r\n").encode())
+    want = b"+OK\r\n+PONG" if pw else b"+PONG"
+    got, deadline = b"", time.time() + 2
+    while len(got) < len(want) and time.time() < deadline:
+        got += s.recv(64)
+    sys.exit(0 if got.startswith(want) else 1)
 PY
 }
 
@@ -63,7 +71,9 @@ start() {
     echo "logfile $DIR/redis.log"
     echo "save \"\""
     echo "appendonly no"
+    [ -z "$PASSWORD" ] || echo "requirepass $PASSWORD"
   } >"$DIR/redis.conf"
+  chmod 600 "$DIR/redis.conf"
   redis-server "$DIR/redis.conf"
   local deadline=$((SECONDS + 30))
   until answers "$port" 2>/dev/null; do
@@ -83,9 +93,11 @@ stop() {
   kill -KILL "$pid" 2>/dev/null || true
 }
 
-[ $# -eq 2 ] || die "usage: $0 start DIR | stop DIR"
+[ $# -eq 2 ] || [ $# -eq 3 ] || die "usage: $0 start DIR [PASSWORD] | stop DIR"
 cmd=$1
 DIR=$2
+PASSWORD=${3:-}
+case "$PASSWORD" in *[!A-Za-z0-9_-]*) die "a password of letters, digits, _ and - only" ;; esac
 case "$cmd" in
   start) start ;;
   stop) stop ;;

@@ -13,6 +13,10 @@ Keys (prefix `mxlaunch`; `:` never occurs in a source id, rank or worker id):
 Liveness comes from the server's own expiry (no clock skew between hosts); the `beats` hash keeps the
 last heartbeat for display and for reaping. Publish, heartbeat and remove are Lua scripts: each is one
 atomic step on the server. `redis` is imported only here, and only when a redis:// registry is opened.
+
+Whoever can connect to the database can read every record (and so reach every source's memory) and write
+records a target would trust, so a URL without a password is refused (`check_auth`) unless
+MXLAUNCH_REDIS_PASSWORD supplies one or MXLAUNCH_REDIS_TRUSTED=1 says no one else reaches the network.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import socket
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple, Optional
+from urllib.parse import parse_qs, urlsplit
 
+from mxlaunch import settings
 from mxlaunch.coord.base import valid_id
 from mxlaunch.coord.peers_record import (
     DEFAULT_TTL_S, MAX_BEAT_BYTES, MAX_RECORD_BYTES, STALE, Beat, BasePublication, PeerEntry, SourceRecord,
@@ -79,6 +85,23 @@ def _import_redis() -> Any:
     return redis
 
 
+def check_auth(url: str) -> Optional[str]:
+    """The password to add to the connection (MXLAUNCH_REDIS_PASSWORD when the URL has none), or None.
+    Raises UsageError for a URL without any password unless MXLAUNCH_REDIS_TRUSTED=1."""
+    parts = urlsplit(url)
+    if parts.password or parse_qs(parts.query).get("password"):
+        return None
+    password = settings.redis_password()
+    if password:
+        return password
+    if settings.redis_trusted():
+        return None
+    raise UsageError(f"the peer registry {redact_url(url)} has no password: anyone who reaches that server could "
+                     "read the P2P records (and so the sources' memory) and forge records targets trust",
+                     f"use redis://:PASSWORD@host:port/db (requirepass), set {settings.REDIS_PASSWORD}, or set "
+                     f"{settings.REDIS_TRUSTED}=1 on a network no one else reaches")
+
+
 class RedisPublication(BasePublication):
     """A record this process published in Redis."""
 
@@ -103,13 +126,16 @@ class RedisRegistry:
     """Source records in one Redis database. `host` is overridable for tests (another host: no pid check)."""
 
     def __init__(self, url: str, *, host: str | None = None, prefix: str = "mxlaunch") -> None:
+        password = check_auth(url)
         self._redis = _import_redis()
         self.url = url
+        self.refusals: list[str] = []  # the file registry's mode checks have no Redis counterpart
         self.prefix = prefix
         self.host = host or socket.gethostname()
         self._boot_id = boot_id()
         try:
-            self._db = self._redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
+            extra = {"password": password} if password else {}
+            self._db = self._redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10, **extra)
         except ValueError as exc:
             raise UsageError(f"registry URL {redact_url(url)!r} is not a Redis URL ({exc})",
                              "use redis://host:port/db") from exc
@@ -129,7 +155,8 @@ class RedisRegistry:
             yield
         except errors.AuthenticationError as exc:
             raise UsageError(f"the peer registry at {where} refused our login ({exc})",
-                             "put the right password in the URL: redis://:PASSWORD@host:port/db") from exc
+                             f"put the right password in the URL (redis://:PASSWORD@host:port/db) or in "
+                             f"{settings.REDIS_PASSWORD}") from exc
         except (errors.ConnectionError, errors.TimeoutError) as exc:
             raise UsageError(f"cannot reach the peer registry at {where} ({exc})",
                              "start redis-server there, or pass --registry file (or unset MXLAUNCH_REGISTRY)") from exc

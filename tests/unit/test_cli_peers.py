@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.coord.peers import local_record
+from mxlaunch.coord.peers import local_record, redact_url
 from mxlaunch.coord.peers_file import FileRegistry
 from tests.helpers.cli import one_line_error, run_cli
 
@@ -97,6 +97,6 @@ def test_peers_redis(redis_url: str, tmp_path: Path) -> None:
     redis.Redis.from_url(redis_url).flushdb()
     pub = RedisRegistry(redis_url).publish(record(SID, 0, "redis-w"), ttl_s=600)
     doc = json.loads(run_cli("peers", "--registry", redis_url, "--json").stdout)
-    assert doc["registry"] == redis_url and [(s["worker"], s["state"]) for s in doc["sources"]] == [("redis-w", "live")]
+    assert doc["registry"] == redact_url(redis_url) and [(s["worker"], s["state"]) for s in doc["sources"]] == [("redis-w", "live")]
     pub.unpublish()
     assert json.loads(run_cli("peers", "--registry", redis_url, "--json").stdout)["sources"] == []

@@ -391,7 +391,7 @@ def test_open_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_missing_redis_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "redis", None)  # `import redis` raises ImportError
     with pytest.raises(UsageError) as info:
-        open_registry("redis://127.0.0.1:6379/0", None)
+        open_registry("redis://:pw@127.0.0.1:6379/0", None)
     assert "pip install 'mxlaunch[redis]'" in info.value.one_line()
 
 
