@@ -48,7 +48,8 @@ def _short_str(x: object, most: int, empty: bool = False) -> bool:
 
 
 def valid_tensors(tensors: object) -> bool:
-    """A list of manifest entries {name, dtype, shape, bytes, addr, dev} with sane types and unique names."""
+    """A list of manifest entries {name, dtype, shape, bytes, addr, dev} with sane types and unique names;
+    an entry's optional "digest" (transfer/digest.py: "algo:hex") is a short string."""
     if not isinstance(tensors, list):
         return False
     names = set()
@@ -58,7 +59,8 @@ def valid_tensors(tensors: object) -> bool:
         shape = t["shape"]
         if not (_short_str(t["name"], 1024) and _short_str(t["dtype"], 64) and isinstance(shape, list)
                 and len(shape) <= 32 and all(_is_int(d) for d in shape)
-                and _is_int(t["bytes"]) and _is_int(t["addr"]) and _is_int(t["dev"])):
+                and _is_int(t["bytes"]) and _is_int(t["addr"]) and _is_int(t["dev"])
+                and ("digest" not in t or _short_str(t["digest"], 128))):
             return False
         names.add(t["name"])
     return len(names) == len(tensors)

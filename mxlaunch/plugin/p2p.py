@@ -2,14 +2,18 @@
 
 Target (a worker whose plan says strategy p2p):
     sources = registry.sources(source_id, rank)       # live records, freshest first, same world and layout
-    for each source: match names/dtypes/shapes/strides against its manifest (refused before any byte
-    moves) → register this worker's memory by allocation → one-sided READs → done
+    for each source: match names/dtypes/shapes/strides against its manifest, and it must publish a
+    checksum of every tensor (refused before any byte moves) → register this worker's memory by
+    allocation → one-sided READs → every tensor's checksum checked (transfer/digest.py) → done
     a mismatch or a failure before bytes land → the next source; none left → the caller's fallback;
-    a failure after bytes landed → `landed=True`: the caller re-initialises the model (never serves it).
+    a failure after bytes landed, a checksum that differs included → `landed=True`: the caller
+    re-initialises the model (never serves it).
 Source (any worker whose plan has p2p serving on, after its weights are final):
-    register the tensors it serves (processed: the model's own memory, zero-copy; raw: a host copy made
-    before post-processing), publish a record with the NIXL metadata and the manifest, heartbeat in a
-    daemon thread, unpublish at exit (the launcher also removes its run's records when it stops).
+    checksum every tensor it serves from its own loaded bytes (before registering them: NIXL exposes
+    registered memory for remote WRITE too), register them (processed: the model's own memory, zero-copy;
+    raw: a host copy made before post-processing), publish a record with the NIXL metadata and the
+    manifest, heartbeat in a daemon thread, unpublish at exit (the launcher also removes its run's
+    records when it stops).
 
 One NIXL agent per worker process: the memory a target registered to pull into is what it serves
 afterwards (processed layout), so becoming a source costs no second registration.
@@ -32,18 +36,12 @@ import torch
 
 from mxlaunch.plugin.tensors import Group, LayoutMismatch, RestoreError, group_tensors
 from mxlaunch.transfer.regions import Region, region_index, regions_for
-from mxlaunch.transfer.tensor_set import describe, span_bytes
+from mxlaunch.transfer.digest import add_digests, mismatches
+from mxlaunch.transfer.tensor_set import byte_view, describe, span_bytes  # noqa: F401 - byte_view: public here too
 
 log = logging.getLogger("mxlaunch.plugin")
 
 ALIGN = 256  # offsets of the raw host copy (keeps every dtype aligned and DMA-friendly)
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes a transfer moves for `t` (its span), as a uint8 tensor on the same storage."""
-    n = span_bytes(t)
-    out = torch.empty(0, dtype=torch.uint8, device=t.device)
-    return out.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
 
 
 @dataclass
@@ -53,6 +51,7 @@ class RawCopy:
     buffer: torch.Tensor
     groups: list[Group]
     entries: list[dict]
+    digest_seconds: float = 0.0
 
     @property
     def bytes(self) -> int:
@@ -61,7 +60,8 @@ class RawCopy:
 
 def keep_raw(named: Iterable[tuple[str, torch.Tensor]]) -> RawCopy:
     """Copy every storage group's bytes into one host buffer (one registration), recording each one's
-    place; the manifest keeps the original dtype, shape and stride so a target matches its own raw model."""
+    place; the manifest keeps the original dtype, shape and stride so a target matches its own raw model,
+    and each group's checksum, taken from the loaded tensor itself (transfer/digest.py)."""
     groups = [g for g in group_tensors(named) if g.tensor.numel()]
     offsets, total = [], 0
     for g in groups:
@@ -74,7 +74,9 @@ def keep_raw(named: Iterable[tuple[str, torch.Tensor]]) -> RawCopy:
         n = span_bytes(g.tensor)
         buffer[off:off + n].copy_(byte_view(g.tensor))
         entry.update(addr=base + off, dev=0, device="cpu", region=0)
-    return RawCopy(buffer, groups, entries)
+    started = time.perf_counter()
+    add_digests(groups, entries)
+    return RawCopy(buffer, groups, entries, time.perf_counter() - started)
 
 
 # ---- the worker's agent and what it serves -------------------------------------------------------------
@@ -126,7 +128,7 @@ class PullResult:
     transfer_seconds: float
     registrations: int
     skipped: list[str] = field(default_factory=list)  # why earlier sources were passed over
-    phases: dict = field(default_factory=dict)  # seconds: lookup, match, regions, register, connect, transfer
+    phases: dict = field(default_factory=dict)  # seconds: lookup, match, regions, register, connect, transfer, verify
     warmed: bool = False  # the source's memory was opened while the engine built the model (prepare_pull)
 
 
@@ -140,8 +142,10 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
     started = time.perf_counter()
     skipped: list[str] = []
     entries = registry.sources(source_id, rank)
+    skipped += list(getattr(registry, "refusals", []))  # records others could have written: never used
     if not entries:
-        raise RestoreError(f"no live P2P source of {source_id} rank {rank} in {registry.url}", landed=False)
+        refused = f" ({'; '.join(skipped)})" if skipped else ""
+        raise RestoreError(f"no live P2P source of {source_id} rank {rank} in {registry.url}{refused}", landed=False)
     warmed = _warmed.get((source_id, rank))
     entries.sort(key=lambda e: e.record.worker != warmed)  # the source opened during the build goes first
     phases = {"lookup": time.perf_counter() - started}
@@ -150,6 +154,11 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
         who = f"{rec.worker} on {rec.host}"
         if rec.world != world or rec.layout != layout:
             skipped.append(f"{who}: serves layout {rec.layout} of {rec.world} ranks, this worker needs {layout} of {world}")
+            continue
+        unproven = [e["name"] for e in rec.tensors if not isinstance(e.get("digest"), str)]
+        if unproven:
+            skipped.append(f"{who}: publishes no checksum for {len(unproven)} tensor(s) (an older mxlaunch?), so "
+                           "what it serves cannot be checked")
             continue
         t0 = time.perf_counter()
         try:
@@ -173,6 +182,13 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
                 raise RestoreError(f"the transfer from {who} failed after bytes landed: {exc}", landed=True) from exc
             skipped.append(f"{who}: {exc}")
             continue
+        t0 = time.perf_counter()
+        bad = mismatches(named, rec.tensors)
+        phases["verify"] = time.perf_counter() - t0
+        if bad:
+            raise RestoreError(f"{len(bad)} tensor(s) pulled from {who} differ from the checksums it published "
+                               f"({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''}): its memory changed after it "
+                               "loaded, or the transfer corrupted them — not serving them", landed=True)
         return PullResult(stats.bytes, len(pairs), time.perf_counter() - started, rec.worker, rec.host, reg_took,
                           stats.transfer_seconds, agent().registrations, skipped,
                           {k: round(v, 4) for k, v in phases.items()}, rec.worker == warmed)
@@ -228,17 +244,22 @@ def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any,
     if isinstance(named, RawCopy):
         regions = [Region(named.buffer.data_ptr(), named.bytes, 0, "cpu")]
         entries = named.entries
+        digest_took = named.digest_seconds
         _serving.append(named)
     else:
         groups = [g for g in group_tensors(named) if g.tensor.numel()]
         regions = regions_for([g.tensor for g in groups])
         entries = describe(groups, region_index(regions))
+        started = time.perf_counter()
+        add_digests(groups, entries)  # before registering: from here on a peer could write into them
+        digest_took = time.perf_counter() - started
     reg_took = register_once(regions)
     a = agent()
     device = "cuda" if any(r.kind == "cuda" for r in regions) else "cpu"
     record = local_record(source_id, rank, world, layout=layout, worker=a.name, run_id=run_id, device=device,
                           agent_metadata=a.metadata(), tensors=entries,
-                          extra={"register_seconds": round(reg_took, 4), "regions": len(regions),
+                          extra={"register_seconds": round(reg_took, 4), "digest_seconds": round(digest_took, 4),
+                                 "regions": len(regions),
                                  "bytes": sum(int(e["bytes"]) for e in entries)})
     publication = registry.publish(record, ttl_s=ttl_s)
     publication.keep_alive()

@@ -57,6 +57,13 @@ def span_bytes(t: torch.Tensor) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes a transfer moves for `t` (its span), as a uint8 tensor on the same storage."""
+    n = span_bytes(t)
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
+
+
 def device_index(t: torch.Tensor) -> int:
     return (t.device.index or 0) if t.device.type == "cuda" else 0
 

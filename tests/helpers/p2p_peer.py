@@ -2,9 +2,12 @@
 
     python -m tests.helpers.p2p_peer serve  --registry DIR --layout processed|raw --seed 0 --size tiny --ready FILE
     python -m tests.helpers.p2p_peer pull   --registry DIR --layout processed --size tiny --out FILE
+    python -m tests.helpers.p2p_peer attack --registry DIR|URL --tensor NAME --out FILE [--source-id ID]
 
 `serve` publishes its model and waits to be killed; `pull` builds a model with other values, pulls, and
-writes {"equal": bool, ...} comparing with the source's seed.
+writes {"equal": bool, ...} comparing with the source's seed. `attack` is issue 29's outsider: with a
+source's record in hand (read as whoever runs it can), it starts its own NIXL agent and one-sided WRITEs
+junk over one tensor of the live source; it writes {"wrote": bytes, "tensor", "worker"} (or {"error"}).
 """
 
 from __future__ import annotations
@@ -56,9 +59,37 @@ def pull(args: argparse.Namespace) -> None:
                                           "progress_thread": a.progress_thread}))
 
 
+def _registry(where: str):
+    return open_registry(where if "://" in where or where.startswith("file:") else f"file:{where}", None)
+
+
+def attack(args: argparse.Namespace) -> None:
+    """WRITE 0x5A bytes over `--tensor` of the freshest live source, through its record alone."""
+    from mxlaunch.transfer.nixl import Agent
+    from mxlaunch.transfer.regions import Region
+    from mxlaunch.transfer.tensor_set import Pair
+
+    try:
+        entries = _registry(args.registry).sources(args.source_id, 0)
+        if not entries:
+            raise RuntimeError("no source record readable")
+        rec = entries[0].record
+        (entry,) = [e for e in rec.tensors if e["name"] == args.tensor or args.tensor in e.get("aliases", [])]
+        junk = torch.full((int(entry["bytes"]),), 0x5A, dtype=torch.uint8)
+        agent = Agent("outsider-" + str(time.time_ns()))
+        agent.register([Region(junk.data_ptr(), junk.numel(), 0, "cpu")])
+        pair = Pair(args.tensor, junk.data_ptr(), int(entry["addr"]), junk.numel(), 0, int(entry["dev"]), "cpu",
+                    str(entry.get("device", "cpu")))
+        stats = agent.pull(rec.metadata_bytes(), [pair], op="WRITE", timeout_s=60)
+        result = {"wrote": stats.bytes, "tensor": args.tensor, "worker": rec.worker}
+    except Exception as exc:  # noqa: BLE001 - the test reads why
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    Path(args.out).write_text(json.dumps(result))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=("serve", "pull"))
+    ap.add_argument("role", choices=("serve", "pull", "attack"))
     ap.add_argument("--registry", required=True)
     ap.add_argument("--layout", default="processed")
     ap.add_argument("--seed", type=int, default=0)
@@ -70,8 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--ready", default="")
     ap.add_argument("--out", default="")
+    ap.add_argument("--tensor", default="embed.weight")
     args = ap.parse_args(argv)
-    (serve if args.role == "serve" else pull)(args)
+    {"serve": serve, "pull": pull, "attack": attack}[args.role](args)
 
 
 if __name__ == "__main__":

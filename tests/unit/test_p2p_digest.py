@@ -1,0 +1,160 @@
+"""Checksums of what a P2P target pulled (transfer/digest.py): the algorithms themselves, and issue 29's
+attack through real NIXL — an outsider with a source's record WRITEs into its registered memory; a target
+that pulls afterwards refuses the bytes (landed: rebuild + default loader, exact), never serves them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxlaunch.plugin import p2p
+from mxlaunch.plugin.loader import module_tensors
+from mxlaunch.plugin.tensors import RestoreError
+from mxlaunch.transfer.digest import MIX, XXH3, digest, mismatches, mix_reference
+from mxlaunch.transfer.tensor_set import describe, processed_tensors
+from mxlaunch.plugin.tensors import group_tensors
+from tests.helpers.p2p_models import build
+from tests.helpers.p2p_peer import SOURCE_ID
+from tests.unit.test_p2p_nixl import ROOT, equal_to_seed0, registry, sources  # noqa: F401 - the fixture
+from tests.unit.test_p2p_strategy import Engine, markers, plan_for
+
+pytestmark = pytest.mark.unit
+
+
+# ---- the algorithms ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 64, 1001])
+def test_mx128_in_torch_equals_its_plain_python_definition(n: int) -> None:
+    data = torch.randint(0, 256, (n + 3,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    for off in (0, 3):  # an aligned and a misaligned start (a view inside a packed tensor)
+        part = data[off:off + n]
+        assert digest(part, MIX) == mix_reference(bytes(part.tolist()))
+
+
+@pytest.mark.parametrize("algo", [XXH3, MIX])
+def test_every_changed_byte_changes_the_digest(algo: str) -> None:
+    t = torch.randn(75)  # 300 bytes: not a whole number of words
+    want = digest(t, algo)
+    raw = t.view(torch.uint8)
+    for i in range(raw.numel()):
+        raw[i] ^= 0x01
+        assert digest(t, algo) != want, i
+        raw[i] ^= 0x01
+    assert digest(t, algo) == want
+
+
+def test_swapped_words_and_a_longer_zero_tail_change_mx128() -> None:
+    t = torch.arange(16, dtype=torch.int64)
+    swapped = t.clone()
+    swapped[[3, 9]] = swapped[[9, 3]]
+    assert digest(t, MIX) != digest(swapped, MIX)
+    z = torch.zeros(16, dtype=torch.uint8)
+    assert digest(z, MIX) != digest(torch.zeros(17, dtype=torch.uint8), MIX)  # same padded words, other length
+
+
+def test_a_strided_view_is_checked_over_the_span_it_moves_and_the_source_picks_by_device() -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    view = base[:, :3]
+    assert digest(view).startswith(XXH3 + ":")
+    before = digest(view)
+    base[1, 4] = -1.0  # inside the view's span (the bytes a transfer copies), outside its elements
+    assert digest(view) != before
+
+
+def test_mismatches_names_what_differs_and_an_entry_without_a_digest() -> None:
+    model = build(0)
+    named = processed_tensors(model)
+    groups = [g for g in group_tensors(named) if g.tensor.numel()]
+    entries = describe(groups)
+    for g, e in zip(groups, entries):
+        e["digest"] = digest(g.tensor)
+    assert mismatches(named, entries) == []
+    model.embed.weight.data[0, 0] += 1.0
+    assert mismatches(named, entries) == ["embed.weight"]
+    entries[1].pop("digest")
+    assert entries[1]["name"] in mismatches(named, entries)
+
+
+# ---- the attack, through real NIXL ----------------------------------------------------------------------
+
+
+def attack(tmp_path: Path, tensor: str = "embed.weight") -> dict:
+    out = tmp_path / "attack.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.p2p_peer", "attack", "--registry", str(tmp_path / "reg"),
+                           "--tensor", tensor, "--out", str(out)], cwd=ROOT, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("layout", ["raw", "processed"])
+def test_an_outsiders_write_into_a_source_is_caught_before_the_target_serves(tmp_path, sources, layout) -> None:
+    sources("--layout", layout)
+    wrote = attack(tmp_path)
+    assert wrote.get("wrote", 0) > 0, wrote  # NIXL lets it: registered memory is remotely writable
+    target = build(7, post=layout == "processed")
+    named = processed_tensors(target) if layout == "processed" else module_tensors(target)
+    with pytest.raises(RestoreError, match="differ from the checksums it published") as info:
+        p2p.pull(named, registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1, layout=layout)
+    assert info.value.landed is True and "embed.weight" in str(info.value)
+
+
+def test_after_the_attack_the_strategy_rebuilds_and_serves_the_default_loaders_weights(tmp_path, sources) -> None:
+    sources("--layout", "raw")
+    assert attack(tmp_path).get("wrote", 0) > 0
+    plan = plan_for(tmp_path, "raw", serve=False)
+    engine = Engine(plan, "raw")
+    model = engine.load()
+    assert engine.builds == 2 and equal_to_seed0(model)  # never the attacked bytes
+    reason = markers(plan)["fallback-0"]["reason"]
+    assert "differ from the checksums" in reason and "building the model again" in reason
+
+
+def test_a_source_that_publishes_no_checksums_is_passed_over_before_any_byte_moves(tmp_path, sources) -> None:
+    sources("--layout", "raw")
+    reg = registry(tmp_path)
+    (entry,) = reg.sources(SOURCE_ID, 0)
+    old = entry.record
+    bare = replace(old, worker="no-digests", pid=__import__("os").getpid(), start_time=0,
+                   tensors=[{k: v for k, v in t.items() if k != "digest"} for t in old.tensors])
+    reg.remove(SOURCE_ID, 0, old.worker)
+    pub = reg.publish(bare)
+    target = build(7, post=False)
+    before = [t.clone() for _, t in module_tensors(target)]
+    try:
+        with pytest.raises(RestoreError, match="publishes no checksum") as info:
+            p2p.pull(module_tensors(target), registry=reg, source_id=SOURCE_ID, rank=0, world=1, layout="raw")
+        assert info.value.landed is False
+        assert all(torch.equal(a, b) for a, (_, b) in zip(before, module_tensors(target)))
+    finally:
+        pub.unpublish()
+
+
+def test_the_cost_of_checksums_on_the_cpu_is_printed(tmp_path, sources, capsys) -> None:
+    """Not a timing assertion: the numbers go to the log (pytest -s) for docs/p2p.md."""
+    sources("--layout", "raw", "--size", "big")
+    (entry,) = registry(tmp_path).sources(SOURCE_ID, 0)
+    target = build(7, "big", post=False)
+    result = p2p.pull(module_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
+                      layout="raw")
+    target.post_process()
+    assert equal_to_seed0(target, "big")
+    mib = result.bytes / (1 << 20)
+    src = entry.record.extra["digest_seconds"]
+    with capsys.disabled():
+        print(f"\n[checksum cost, CPU, xxh3-128] {mib:.1f} MiB in {result.tensors} tensors: source {src:.4f} s "
+              f"({mib / max(src, 1e-9):.0f} MiB/s) at publish; target verify {result.phases['verify']:.4f} s "
+              f"({mib / max(result.phases['verify'], 1e-9):.0f} MiB/s) against a {result.phases['transfer']:.4f} s READ")
+    t = torch.randn((64 << 20) // 4)
+    started = time.perf_counter()
+    digest(t, MIX)
+    took = time.perf_counter() - started
+    with capsys.disabled():
+        print(f"[checksum cost, CPU, mx128 (the GPU algorithm run on the CPU)] 64 MiB in {took:.3f} s")
