@@ -168,6 +168,47 @@ def check_nixl() -> Check:
     return Check("NIXL (p2p)", OK, version or "importable")
 
 
+def check_registry(path: Path) -> list[Check]:
+    """Who can reach this node's P2P sources: the registry's privacy (file) or authentication (Redis), and
+    what NIXL exposes (docs/p2p.md, "Who can read a source")."""
+    from urllib.parse import urlsplit
+
+    from mxlaunch import settings
+    from mxlaunch.coord.peers import redact_url
+    from mxlaunch.fileutil import exposure
+
+    url = settings.registry() or "file"
+    if url.startswith(("redis://", "rediss://")):
+        name, where = "P2P registry (Redis)", redact_url(url)
+        if urlsplit(url).password or "password=" in urlsplit(url).query or settings.redis_password():
+            row = Check(name, OK, f"{where}: authenticated" + ("" if url.startswith("rediss://") else " (no TLS)"),
+                        "" if url.startswith("rediss://") else "use rediss:// where others share the network")
+        elif settings.redis_trusted():
+            row = Check(name, WARN, f"{where}: no password, allowed by {settings.REDIS_TRUSTED}=1",
+                        "whoever reaches the server can read and forge P2P records: set requirepass")
+        else:
+            row = Check(name, MISSING, f"{where}: no password — launches refuse it (exit 2)",
+                        f"redis://:PASSWORD@host:port/db or {settings.REDIS_PASSWORD}; "
+                        f"{settings.REDIS_TRUSTED}=1 only on a network no one else reaches")
+    else:
+        folder = url[len("file://"):] if url.startswith("file://") else url[len("file:"):]
+        peers = (path if url == "file" else Path(folder).expanduser()) / ".peers"
+        name = "P2P registry (files)"
+        try:
+            why = exposure(os.lstat(peers), is_dir=True)
+        except OSError:
+            why = None
+            detail = f"{peers} not made yet: it will be private (0600 records in 0700 folders"
+        else:
+            detail = f"{peers}: private (0600 records in 0700 folders"
+        detail += "; 0640/2770 with MXLAUNCH_GROUP)"
+        row = Check(name, WARN, f"{peers} {why}", "chmod 700 it (records others could write are refused)") if why \
+            else Check(name, OK, detail)
+    return [row, Check("P2P exposure", INFO, "NIXL registers a source's memory for remote READ and WRITE (no "
+                                             "read-only registration); targets check every tensor's checksum",
+                       "keep records private: whoever holds one can read, and write, that source's weights")]
+
+
 def check_gds() -> Check:
     found = any(Path(p).exists() for p in ("/etc/cufile.json", "/dev/nvidia-fs0", "/proc/driver/nvidia-fs"))
     return Check("GPUDirect Storage", OK if found else INFO, "present" if found else "not found",
@@ -212,6 +253,7 @@ def run_checks(path: Path, probe_torch: bool = True) -> list[Check]:
     rows.append(check_lustre())
     rows += check_gpus() if probe_torch else []
     rows.append(check_nixl())
+    rows += check_registry(path)
     rows.append(check_gds())
     rows.append(check_slurm())
     rows += check_engines()

