@@ -27,6 +27,9 @@ def peers(
     source_id: Optional[str] = typer.Option(None, "--source-id", help="Only this source id."),
     reap: bool = typer.Option(False, "--reap", help="First remove stale records (stale longer than --grace)."),
     grace: float = typer.Option(0.0, "--grace", min=0.0, help="With --reap: seconds a record must have been stale."),
+    verify: bool = typer.Option(False, "--verify", help="Ask every live source to recompute its checksums "
+                                "(answered at its next heartbeat); exit 1 unless all match."),
+    timeout: float = typer.Option(30.0, "--timeout", min=1.0, help="With --verify: seconds to wait for the answers."),
     as_json: bool = json_option("Print the sources as JSON."),
 ) -> None:
     """Engine workers that publish their weights for P2P transfer: who, where, live or stale (docs/p2p.md)."""
@@ -39,11 +42,20 @@ def peers(
     where = redact_url(reg.url)
     reaped = reg.reap(grace_s=grace) if reap else None
     entries = reg.sources(source_id, include_stale=True) if source_id else reg.all_sources(include_stale=True)
+    refused = list(getattr(reg, "refusals", []))
+    verified = None
+    if verify:
+        from mxlaunch.coord.peers_verify import verify_sources
+
+        verified = verify_sources(reg, [e for e in entries if e.state == "live"], timeout_s=timeout)
     if as_json:
-        payload = {"registry": where, "sources": [e.to_json() for e in entries]}
+        payload = {"registry": where, "sources": [e.to_json() for e in entries], "refused": refused}
         if reaped is not None:
             payload["reaped"] = reaped
+        if verified is not None:
+            payload["verified"] = verified
         print_json(payload)
+        _verify_exit(verified)
         return
     if not entries:
         out.print(f"no sources in {escape(where)}", highlight=False)
@@ -66,3 +78,16 @@ def peers(
         out.print(table)
     if reaped is not None:
         out.print(f"reaped {reaped} stale record{'' if reaped == 1 else 's'}", highlight=False)
+    for line in refused:
+        out.print(f"[yellow]refused[/] {escape(line)}", highlight=False)
+    for v in verified or []:
+        what = "[green]its bytes match the checksums it published[/]" if v["ok"] else (
+            f"[red]{escape(v.get('error') or str(len(v['bad'])) + ' tensor(s) changed: ' + ', '.join(v['bad'][:3]))}[/]")
+        out.print(f"verify {escape(v['worker'])} (rank {v['rank']}): {what}", highlight=False)
+    _verify_exit(verified)
+
+
+def _verify_exit(verified: Optional[list]) -> None:
+    """--verify: exit 1 (the check failed) unless every live source answered that its bytes match."""
+    if verified is not None and not all(v["ok"] for v in verified):
+        raise typer.Exit(1)

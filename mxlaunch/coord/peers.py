@@ -63,6 +63,10 @@ class PeerRegistry(Protocol):
 
     def reap(self, grace_s: float = 60.0) -> int: ...
 
+    def request_verify(self, source_id: str, rank: int, worker: str) -> str: ...
+
+    def verify_answer(self, source_id: str, rank: int, worker: str, nonce: str) -> dict | None: ...
+
 
 # ---- opening one ---------------------------------------------------------------------------------------
 

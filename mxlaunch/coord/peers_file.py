@@ -2,6 +2,8 @@
 
     <root>/.peers/<source_id>/<rank>/<worker>.json   the SourceRecord, written once (temp + link)
     <root>/.peers/<source_id>/<rank>/<worker>.beat   {"at", "ttl_s", "run_id"}, rewritten (temp + rename)
+    <root>/.peers/<source_id>/<rank>/<worker>.verify    a `peers --verify` request {"nonce", "at"}
+    <root>/.peers/<source_id>/<rank>/<worker>.verified  the source's answer {"nonce", "ok", "bad", ...}
 
 No locks: a record appears by one `link()` (a second publisher under the same worker id loses unless the
 first one is stale), a heartbeat replaces a tiny file by rename, and a reader validates whatever it finds
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -53,6 +56,19 @@ class FilePublication(BasePublication):
         except FileNotFoundError:
             return False  # the folder was reaped: the record is gone
         return True
+
+    def _pending_verify(self) -> Optional[str]:
+        path = self.path.with_suffix(".verify")
+        try:
+            data = read_json(path, limit=MAX_BEAT_BYTES, private=True)
+        except (OSError, ValueError):
+            return None
+        path.unlink(missing_ok=True)
+        nonce = data.get("nonce") if isinstance(data, dict) else None
+        return nonce if isinstance(nonce, str) and valid_id(nonce) else None
+
+    def _answer_verify(self, nonce: str, result: dict) -> None:
+        write_json_atomic(self.path.with_suffix(".verified"), {**result, "nonce": nonce}, private=True)
 
     def _drop(self) -> None:
         stored = self._reg._read_record(self.path)
@@ -130,6 +146,23 @@ class FileRegistry:
 
     def remove(self, source_id: str, rank: int, worker: str) -> bool:
         return self._unlink_pair(self.record_path(source_id, rank, worker))
+
+    def request_verify(self, source_id: str, rank: int, worker: str) -> str:
+        """Ask a live source to recompute its checksums (answered at its next heartbeat); returns the nonce."""
+        nonce = secrets.token_hex(8)
+        path = self.record_path(source_id, rank, worker)
+        path.with_suffix(".verified").unlink(missing_ok=True)
+        write_json_atomic(path.with_suffix(".verify"), {"nonce": nonce, "at": time.time()}, private=True)
+        return nonce
+
+    def verify_answer(self, source_id: str, rank: int, worker: str, nonce: str) -> Optional[dict]:
+        """The source's answer to request `nonce`, or None while there is none."""
+        try:
+            data = read_json(self.record_path(source_id, rank, worker).with_suffix(".verified"), limit=1 << 16,
+                             private=True)
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and data.get("nonce") == nonce else None
 
     def remove_run(self, run_id: str) -> int:
         """Drop every record `run_id` published (reads the tiny heartbeats first, records only to confirm)."""
@@ -257,6 +290,7 @@ class FileRegistry:
         except FileNotFoundError:
             existed = False
         path.with_suffix(".beat").unlink(missing_ok=True)
+        path.with_suffix(".verify").unlink(missing_ok=True)  # the answer (.verified) stays for its asker; reaped
         return existed
 
     def _sweep(self, folder: Path, now: float, grace_s: float) -> None:
@@ -264,6 +298,8 @@ class FileRegistry:
         for p in _children(folder):
             if p.name.startswith(".") and p.name.endswith(".tmp"):
                 old = now - (_mtime(p) or now) > _TEMP_AGE_S + grace_s
+            elif p.suffix in (".verify", ".verified") and not p.with_suffix(".json").exists():
+                old = now - (_mtime(p) or now) > grace_s
             elif p.suffix == ".beat" and not p.with_suffix(".json").exists():
                 beat = self._read_beat(p)
                 since = beat.at + beat.ttl_s if beat is not None else _mtime(p)

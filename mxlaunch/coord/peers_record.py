@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 from mxlaunch.coord.base import valid_id
@@ -236,7 +236,12 @@ def ordered(entries: list[PeerEntry]) -> list[PeerEntry]:
 
 
 class BasePublication:
-    """The heartbeat loop both backends share; a backend supplies `_beat()` and `_drop()`."""
+    """The heartbeat loop both backends share; a backend supplies `_beat()` and `_drop()`, and for
+    `mxlaunch peers --verify` `_pending_verify()` (a request's nonce, taken) and `_answer_verify()`.
+    `verifier` (set by the plugin) recomputes the served bytes' checksums: {"ok", "bad", ...}; a source
+    that finds its own bytes changed answers so and stops offering itself."""
+
+    verifier: Optional[Callable[[], dict]] = None
 
     def __init__(self, record: SourceRecord, ttl_s: float) -> None:
         self.record = record
@@ -248,6 +253,28 @@ class BasePublication:
 
     def _beat(self) -> bool:  # write a heartbeat if the record still exists; False when it is gone
         raise NotImplementedError
+
+    def _pending_verify(self) -> Optional[str]:  # the nonce of a verify request (removed), or None
+        return None
+
+    def _answer_verify(self, nonce: str, result: dict) -> None:
+        raise NotImplementedError
+
+    def answer_verify_request(self) -> Optional[dict]:
+        """Answer a pending `peers --verify` request (the heartbeat thread calls this); returns the result."""
+        if self.verifier is None or self._gone:
+            return None
+        nonce = self._pending_verify()
+        if nonce is None:
+            return None
+        try:
+            result = dict(self.verifier())
+        except Exception as exc:  # noqa: BLE001 - say so rather than pass
+            result = {"ok": False, "bad": [], "error": str(exc)[:300]}
+        self._answer_verify(nonce, {**result, "worker": self.record.worker, "at": time.time()})
+        if not result.get("ok"):
+            self.unpublish()  # its bytes are not what it published: no target may pull them
+        return result
 
     def _drop(self) -> None:  # remove the record and its heartbeat, if they are still this publisher's
         raise NotImplementedError
@@ -275,6 +302,7 @@ class BasePublication:
                 try:
                     if not self.heartbeat():
                         return
+                    self.answer_verify_request()
                 except (OSError, MxlaunchError):
                     continue  # transient (filesystem, network): the next beat retries before the ttl ends
 

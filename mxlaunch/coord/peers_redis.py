@@ -9,6 +9,8 @@ Keys (prefix `mxlaunch`; `:` never occurs in a source id, rank or worker id):
                                                  and unpublish touch only their own record)
     mxlaunch:sources                             set   "<source_id>:<rank>" of every hash above (all_sources)
     mxlaunch:run:<run_id>                        set   "<source_id>:<rank>:<worker>" a run published (remove_run)
+    mxlaunch:verify:<source_id>:<rank>:<worker>  string, PX 60 s: a `peers --verify` request's nonce
+    mxlaunch:verified:<source_id>:<rank>:<worker> string, PX 120 s: the source's answer (JSON with the nonce)
 
 Liveness comes from the server's own expiry (no clock skew between hosts); the `beats` hash keeps the
 last heartbeat for display and for reaping. Publish, heartbeat and remove are Lua scripts: each is one
@@ -117,6 +119,19 @@ class RedisPublication(BasePublication):
             keys = self._reg._keys(r.source_id, r.rank, r.worker)
             return bool(self._reg._beat_script(keys=keys, args=[r.worker, beat, _ms(self.ttl_s), self._token]))
 
+    def _pending_verify(self) -> Optional[str]:
+        r = self.record
+        with self._reg._io():
+            raw = self._reg._db.getdel(self._reg._verify_key("verify", r.source_id, r.rank, r.worker))
+        nonce = _text(raw)
+        return nonce if nonce and valid_id(nonce) else None
+
+    def _answer_verify(self, nonce: str, result: dict) -> None:
+        r = self.record
+        with self._reg._io():
+            self._reg._db.set(self._reg._verify_key("verified", r.source_id, r.rank, r.worker),
+                              json.dumps({**result, "nonce": nonce}), px=120_000)
+
     def _drop(self) -> None:
         r = self.record
         self._reg._remove(r.source_id, r.rank, r.worker, expected=self._token, run_id=r.run_id)
@@ -208,6 +223,24 @@ class RedisRegistry:
 
     def remove(self, source_id: str, rank: int, worker: str) -> bool:
         return self._remove(source_id, rank, worker)
+
+    def _verify_key(self, kind: str, source_id: str, rank: int, worker: str) -> str:
+        _check(source_id, rank, worker)
+        return f"{self.prefix}:{kind}:{source_id}:{rank}:{worker}"
+
+    def request_verify(self, source_id: str, rank: int, worker: str) -> str:
+        """Ask a live source to recompute its checksums (answered at its next heartbeat); returns the nonce."""
+        nonce = secrets.token_hex(8)
+        with self._io():
+            self._db.delete(self._verify_key("verified", source_id, rank, worker))
+            self._db.set(self._verify_key("verify", source_id, rank, worker), nonce, px=60_000)
+        return nonce
+
+    def verify_answer(self, source_id: str, rank: int, worker: str, nonce: str) -> Optional[dict]:
+        with self._io():
+            raw = self._db.get(self._verify_key("verified", source_id, rank, worker))
+        data = _json(raw, 1 << 16)
+        return data if isinstance(data, dict) and data.get("nonce") == nonce else None
 
     def _remove(self, source_id: str, rank: int, worker: str, *, expected: str = "", run_id: str = "") -> bool:
         with self._io():

@@ -245,6 +245,8 @@ def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any,
         regions = [Region(named.buffer.data_ptr(), named.bytes, 0, "cpu")]
         entries = named.entries
         digest_took = named.digest_seconds
+        base = named.buffer.data_ptr()
+        served = [named.buffer[int(e["addr"]) - base:int(e["addr"]) - base + int(e["bytes"])] for e in entries]
         _serving.append(named)
     else:
         groups = [g for g in group_tensors(named) if g.tensor.numel()]
@@ -253,6 +255,7 @@ def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any,
         started = time.perf_counter()
         add_digests(groups, entries)  # before registering: from here on a peer could write into them
         digest_took = time.perf_counter() - started
+        served = [byte_view(g.tensor) for g in groups]
     reg_took = register_once(regions)
     a = agent()
     device = "cuda" if any(r.kind == "cuda" for r in regions) else "cpu"
@@ -262,10 +265,29 @@ def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any,
                                  "regions": len(regions),
                                  "bytes": sum(int(e["bytes"]) for e in entries)})
     publication = registry.publish(record, ttl_s=ttl_s)
+    publication.verifier = self_check(entries, served, a.name)
     publication.keep_alive()
     _serving.append(publication)
     atexit.register(_unpublish_all)
     return publication
+
+
+def self_check(entries: Sequence[dict], served: Sequence[torch.Tensor], name: str) -> Callable[[], dict]:
+    """`mxlaunch peers --verify`'s answer: recompute every served span's checksum (what a target would READ
+    now) against the one published; a difference is logged as an error (the caller stops offering it)."""
+    from mxlaunch.transfer.digest import digest
+
+    def verify() -> dict:
+        started = time.perf_counter()
+        bad = [e["name"] for e, view in zip(entries, served) if digest(view, e["digest"].split(":", 1)[0]) != e["digest"]]
+        took = time.perf_counter() - started
+        if bad:
+            log.error("mxlaunch: P2P source %s: %d tensor(s) no longer match the checksums it published (%s): its "
+                      "registered memory was written by someone; it stops serving as a source", name, len(bad),
+                      ", ".join(bad[:3]))
+        return {"ok": not bad, "bad": bad[:20], "tensors": len(entries), "seconds": round(took, 4)}
+
+    return verify
 
 
 def _unpublish_all() -> None:

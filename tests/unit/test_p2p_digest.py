@@ -158,3 +158,38 @@ def test_the_cost_of_checksums_on_the_cpu_is_printed(tmp_path, sources, capsys) 
     took = time.perf_counter() - started
     with capsys.disabled():
         print(f"[checksum cost, CPU, mx128 (the GPU algorithm run on the CPU)] 64 MiB in {took:.3f} s")
+
+
+@pytest.mark.parametrize("layout", ["raw", "processed"])
+def test_peers_verify_asks_a_live_source_to_prove_its_bytes_and_a_written_one_stops_serving(tmp_path, sources,
+                                                                                           layout) -> None:
+    from tests.helpers.cli import run_cli
+
+    source = sources("--layout", layout, "--ttl", "3")  # a heartbeat (and so an answer) every second
+    args = ("peers", "--registry", f"file:{tmp_path / 'reg'}", "--verify", "--timeout", "30", "--json")
+    good = run_cli(*args)
+    assert good.returncode == 0, good.stderr
+    (v,) = json.loads(good.stdout)["verified"]
+    assert v["ok"] is True and v["worker"] == source.worker and v["tensors"] > 0
+    assert attack(tmp_path).get("wrote", 0) > 0
+    bad = run_cli(*args)
+    assert bad.returncode == 1, bad.stderr
+    (v,) = json.loads(bad.stdout)["verified"]
+    assert v["ok"] is False and "embed.weight" in v["bad"]
+    assert registry(tmp_path).sources(SOURCE_ID, 0) == []  # it stopped offering its changed bytes
+
+
+def test_peers_verify_reports_a_source_that_does_not_answer(tmp_path) -> None:
+    from mxlaunch.coord.peers import local_record
+    from tests.helpers.cli import run_cli
+
+    reg = registry(tmp_path)
+    pub = reg.publish(local_record(SOURCE_ID, 0, 1, layout="raw", worker="silent", run_id="r", device="cpu",
+                                   agent_metadata=b"md", tensors=[]), ttl_s=600)  # no heartbeat thread: no answer
+    try:
+        result = run_cli("peers", "--registry", f"file:{tmp_path / 'reg'}", "--verify", "--timeout", "1", "--json")
+        assert result.returncode == 1
+        (v,) = json.loads(result.stdout)["verified"]
+        assert v["ok"] is False and v["error"] == "no answer"
+    finally:
+        pub.unpublish()
