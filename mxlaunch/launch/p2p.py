@@ -97,6 +97,9 @@ def decide_p2p(*, enabled: bool, registry_url: Optional[str], store_root: Path, 
     empty = [r for r in snapshot_ranks if not decision.sources.get(r)]
     if empty:
         decision.why_not = f"no live P2P source of rank {empty[0]} ({layout} layout, {world} ranks) in {registry.url}"
+        refused = list(getattr(registry, "refusals", []))  # records others could have written: never trusted
+        if refused:
+            decision.why_not += f" ({len(refused)} refused: {refused[0]})"
     return decision
 
 
