@@ -212,7 +212,7 @@ def profile_command(
 ) -> None:
     """Cold-start phases from SGLang/vLLM logs or live runs, with statistics over runs."""
     from mxlaunch import profile as prof
-    from mxlaunch.profile_live import run_live
+    from mxlaunch.profile_live import check_startable, run_live
     from mxlaunch.errors import CheckFailed, UsageError
 
     if engine not in prof.ENGINES:
@@ -224,6 +224,7 @@ def profile_command(
             results = [prof.merge_nodes(results)]
     elif command:
         results = []
+        check_startable(command)
         for i in range(1, runs + 1):
             err.print(f"run {i}/{runs}: starting {' '.join(command)}", highlight=False)
             result, code = run_live(command, timeout, engine=engine)
