@@ -22,6 +22,7 @@ from mxlaunch.cli_store import store_app
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
 app = typer.Typer(
+    rich_markup_mode=None,  # help texts are plain: "[default: ...]" is text, not a markup tag
     name="mxlaunch",
     help="Fast, verified cold starts for SGLang and vLLM.",
     no_args_is_help=True,

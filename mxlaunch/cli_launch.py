@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from mxlaunch.cli_common import artifact_path_option, err, json_option, out, print_json
+from mxlaunch.cli_common import artifact_path_option, err, json_option, out, plain_fields, print_json
 from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
 from mxlaunch.engines.registry import ENGINES
 
@@ -85,7 +85,7 @@ def launch(
                       f"kernel cache {fields.get('kernel_cache', 'off')}): "
                       f"{escape(shown)}", highlight=False)
         else:
-            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("argv", "log_tail") and v not in ([], ""))
+            detail = plain_fields(fields, skip=("argv", "log_tail"))
             err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)
             if fields.get("log_tail"):
                 err.print(escape(str(fields["log_tail"])), highlight=False)

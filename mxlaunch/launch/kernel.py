@@ -42,7 +42,7 @@ def plan_kernel_cache(spec: LaunchSpec, *, source_id: str, device_type: str, kc_
     reason = why or f"archive of {meta['files']} files, {meta['bytes']} bytes in {kc_store.root / key}"
     if cv.unmanaged:
         reason += f"; left to you: {', '.join(cv.unmanaged)} (set in your environment)"
-    return {"status": "hit" if meta else "miss", "reason": reason, "key": key, "dir": str(folder),
+    return {"status": "found" if meta else "miss", "reason": reason, "key": key, "dir": str(folder),
             "env": cv.env, "unmanaged": cv.unmanaged, "fields": fields}
 
 
@@ -91,7 +91,7 @@ class KernelCacheRun:
             # there, ~150 MB a header): only what this run writes is captured back.
             self.side_before[sub] = folder_state(outside)
         self.before = folder_state(folder)
-        reason = result.reason if result.status == "miss" else f"restored {result.files} files into {folder}"
+        reason = f"restored {result.files} files into {folder}" if result.status == "hit" else result.reason
         self.emit("kernel-cache", status=result.status, reason=reason, key=key, dir=str(folder), files=result.files,
                   bytes=result.bytes, seconds=round(time.monotonic() - t0, 3), unmanaged=self.info.get("unmanaged", []))
         return dict(self.info["env"])
@@ -129,11 +129,11 @@ class KernelCacheRun:
                 if written and sync_tree(outside, folder / sub, only=written):
                     state = folder_state(folder)
             new = changed(self.before, state)
-            if not new and (self.status == "hit" or not state):  # a miss with a warm local folder still publishes it
+            if not new and (self.status in ("hit", "local") or not state):  # a miss with a warm local folder still publishes it
                 self.emit("kernel-cache-capture", status=self.status, published=False, new_files=0,
                           reason="nothing new compiled")
                 return
-            outcome = "partial" if self.status == "hit" else "miss"
+            outcome = "partial" if self.status in ("hit", "local") else "miss"
             result = self.kc_store.capture(self.info["key"], self.info["fields"], folder, self.max_bytes,
                                            model=self.model, stop=self._stop.is_set)
             self.emit("kernel-cache-capture", status=outcome, published=result.published, new_files=len(new),
