@@ -246,6 +246,9 @@ def profile_command(
             out.print(renderable)
         for line in prof.unmatched_lines(results) if explain else []:
             out.print(line, soft_wrap=True, highlight=False, markup=False)
+        if log:
+            err.print("from a log: the time before its first line (interpreter start-up and imports) is not in it; "
+                      "`mxlaunch profile -- CMD` times that too (interpreter_startup)", highlight=False)
     problem = prof.not_ready_message(results)
     if problem:
         raise CheckFailed(problem, fix="the profile above shows the phases it reached")
