@@ -111,7 +111,7 @@ class Start:
                     except ValueError:
                         pass
                     continue
-                if self.first_line_s is None and not text.startswith("{"):
+                if self.first_line_s is None and not text.startswith(("{", "mxlaunch")):  # the engine's, not ours
                     self.first_line_s = now
                 if self.engine_core_s is None and "EngineCore" in text:
                     self.engine_core_s = now
