@@ -288,8 +288,11 @@ class Harness:
 
 
 def gpu_name() -> Optional[str]:
-    proc = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                          capture_output=True, text=True)
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True)
+    except OSError:
+        return None  # no NVIDIA driver here (a CPU dry run of the harness)
     return proc.stdout.strip() or None
 
 
