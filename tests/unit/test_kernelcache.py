@@ -399,3 +399,28 @@ def test_an_archive_of_no_files_is_neither_published_nor_a_hit(tmp_path: Path) -
     (folder / KEY_JSON).write_text(json.dumps({**meta, "archive_bytes": (folder / meta["archive"]).stat().st_size}))
     result = store.restore(key, tmp_path / "node2", CAP)
     assert result.status == "miss" and result.reason == f"kernel cache {key} holds no files"
+
+
+def test_a_run_stopped_before_its_caches_settle_still_publishes_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: a first run stopped ~10 s after ready published no kernel cache (the capture waited for the
+    folders to settle and was dropped at stop). Now the stop holds the capture while the engine is being
+    stopped and, once it is gone, captures what it wrote."""
+    from mxlaunch.launch import kernel
+
+    quick_kernel_runs(tmp_path, monkeypatch)
+    monkeypatch.setattr(kernel, "SETTLE_S", 3600.0)  # the folders never look settled before the stop
+    spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
+    store = kc(tmp_path / "store")
+    events: list[tuple[str, dict]] = []
+    info = plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)
+    run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
+    env = run.restore()
+    Path(env["TRITON_CACHE_DIR"], "k1.bin").write_bytes(b"kernel")
+    run.start_capture()
+    run.hold()  # the stop begins: the engine may still write
+    Path(env["TRITON_CACHE_DIR"], "k2.bin").write_bytes(b"written while stopping")
+    assert run._thread.is_alive() and not [e for e, _ in events if e == "kernel-cache-capture"]
+    run.finish(budget_s=30)  # the engine is gone
+    (captured,) = [f for e, f in events if e == "kernel-cache-capture"]
+    assert captured["published"] and sorted(captured["new"]) == ["triton/k1.bin", "triton/k2.bin"], captured
+    assert store.lookup(info["key"])[0]["files"] == 2
