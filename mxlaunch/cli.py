@@ -22,6 +22,7 @@ from mxlaunch.cli_store import store_app
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
 app = typer.Typer(
+    rich_markup_mode=None,  # help texts are plain: "[default: ...]" is text, not a markup tag
     name="mxlaunch",
     help="Fast, verified cold starts for SGLang and vLLM.",
     no_args_is_help=True,
@@ -212,7 +213,7 @@ def profile_command(
 ) -> None:
     """Cold-start phases from SGLang/vLLM logs or live runs, with statistics over runs."""
     from mxlaunch import profile as prof
-    from mxlaunch.profile_live import run_live
+    from mxlaunch.profile_live import check_startable, run_live
     from mxlaunch.errors import CheckFailed, UsageError
 
     if engine not in prof.ENGINES:
@@ -224,6 +225,7 @@ def profile_command(
             results = [prof.merge_nodes(results)]
     elif command:
         results = []
+        check_startable(command)
         for i in range(1, runs + 1):
             err.print(f"run {i}/{runs}: starting {' '.join(command)}", highlight=False)
             result, code = run_live(command, timeout, engine=engine)
@@ -244,6 +246,9 @@ def profile_command(
             out.print(renderable)
         for line in prof.unmatched_lines(results) if explain else []:
             out.print(line, soft_wrap=True, highlight=False, markup=False)
+        if log:
+            err.print("from a log: the time before its first line (interpreter start-up and imports) is not in it; "
+                      "`mxlaunch profile -- CMD` times that too (interpreter_startup)", highlight=False)
     problem = prof.not_ready_message(results)
     if problem:
         raise CheckFailed(problem, fix="the profile above shows the phases it reached")

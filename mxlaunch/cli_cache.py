@@ -11,6 +11,7 @@ from rich.markup import escape
 from mxlaunch.cli_common import artifact_path_option, json_option, out, print_json
 
 cache_app = typer.Typer(
+    rich_markup_mode=None,  # help texts are plain: "[default: ...]" is text, not a markup tag
     help="See and remove the JIT kernel caches in the artifact store (docs/kernel-cache.md).",
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},

@@ -30,6 +30,23 @@ def artifact_path_option() -> Any:
     return typer.Option(None, "--artifact-path", envvar=settings.ARTIFACT_PATH, help=_ARTIFACT_PATH_HELP)
 
 
+def plain_fields(fields: dict, skip: tuple = ()) -> str:
+    """`key=value ...` for people: numbers, words and lists of them only. Nested detail (dicts, lists of
+    dicts) is left to --json, where it is proper JSON; empty values are left out."""
+    parts = []
+    for key, value in fields.items():
+        if key in skip or value is None or value in ([], "", {}) or isinstance(value, dict):
+            continue
+        if isinstance(value, (list, tuple)):
+            if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+                continue
+            value = ",".join(str(v) for v in value)
+        elif isinstance(value, bool):
+            value = "yes" if value else "no"
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
 def print_json(payload: dict) -> None:
     """Every --json output carries schema 1 and goes to stdout, alone."""
     payload = {"schema": 1, **payload}

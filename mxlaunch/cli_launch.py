@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from mxlaunch.cli_common import artifact_path_option, err, json_option, out, print_json
+from mxlaunch.cli_common import artifact_path_option, err, json_option, out, plain_fields, print_json
 from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
 from mxlaunch.engines.registry import ENGINES
 
@@ -53,6 +53,8 @@ def launch(
             out.print(f"strategy [bold]{plan.strategy}[/]: {escape(plan.reason)}")
             out.print(f"source id {plan.source_id} · engine {plan.spec.engine} {plan.spec.engine_version or '(not installed)'}"
                       f" · tp {plan.spec.tp} pp {plan.spec.pp} dp {plan.spec.dp}")
+            if plan.runtime is not None:
+                out.print(f"engine version from {escape(plan.runtime.version_from)}", highlight=False)
             out.print("command: " + escape(" ".join(plan.argv)))
             kc = plan.kernel_cache or {}
             out.print(f"kernel cache [bold]{kc.get('status', 'off')}[/]{' ' + kc['key'] if kc.get('key') else ''}: "
@@ -67,6 +69,7 @@ def launch(
             if plan.stage_files:
                 out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
         return
+    plan.refuse_unstartable()
     if capture_only and plan.strategy != "capture":
         from mxlaunch.errors import UsageError
 
@@ -82,7 +85,7 @@ def launch(
                       f"kernel cache {fields.get('kernel_cache', 'off')}): "
                       f"{escape(shown)}", highlight=False)
         else:
-            detail = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("argv", "log_tail") and v not in ([], ""))
+            detail = plain_fields(fields, skip=("argv", "log_tail"))
             err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)
             if fields.get("log_tail"):
                 err.print(escape(str(fields["log_tail"])), highlight=False)

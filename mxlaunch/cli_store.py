@@ -13,6 +13,7 @@ from mxlaunch.cli_common import artifact_path_option, err, json_option, out, pri
 # ---- store: list / verify / rm snapshots in the artifact store (issue 3) ----
 
 store_app = typer.Typer(
+    rich_markup_mode=None,  # help texts are plain: "[default: ...]" is text, not a markup tag
     help="See, check and remove snapshots in the artifact store.",
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},

@@ -43,11 +43,12 @@ class ArchiveRefused(Exception):
 
 @dataclass
 class RestoreResult:
-    status: str  # "hit" | "miss"
+    status: str  # "hit" (files restored) | "local" (every file already on this node) | "miss"
     reason: str = ""
     files: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    kept: int = 0  # files of the archive already on this node (left as they were)
 
 
 @dataclass
@@ -106,10 +107,10 @@ def _inside(root: Path, path: Path) -> bool:
     return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
 
 
-def extract(archive: Path, dest: Path, max_bytes: int) -> Tuple[int, int]:
+def extract(archive: Path, dest: Path, max_bytes: int) -> Tuple[int, int, int]:
     """Check every member, then write them under dest (each file by rename: never half a file). Files
-    already there with the same size are kept. Returns (files, bytes) written."""
-    files = nbytes = 0
+    already there with the same size are kept. Returns (files, bytes) written and the files kept."""
+    files = nbytes = kept = 0
     with tarfile.open(archive, "r:") as tar:
         members = check_members(tar, max_bytes)
         ensure_dir(dest)
@@ -124,6 +125,7 @@ def extract(archive: Path, dest: Path, max_bytes: int) -> Tuple[int, int]:
             if not _inside(dest, target.parent) or target.is_symlink():
                 raise ArchiveRefused(f"{target} leads out of {dest} (a link on this node)")
             if target.is_file() and target.stat().st_size == m.size:
+                kept += 1
                 continue
             src = tar.extractfile(m)
             assert src is not None
@@ -141,7 +143,7 @@ def extract(archive: Path, dest: Path, max_bytes: int) -> Tuple[int, int]:
                     tmp.unlink()
             files += 1
             nbytes += m.size
-    return files, nbytes
+    return files, nbytes, kept
 
 
 def build_archive(src: Path, out: Path, max_bytes: int, stop: Callable[[], bool] = lambda: False) -> Tuple[int, int]:
@@ -216,14 +218,19 @@ class KernelCacheStore:
         if meta is None:
             return RestoreResult("miss", why)
         try:
-            files, nbytes = extract(self.folder(key) / meta["archive"], dest, max_bytes)
+            files, nbytes, kept = extract(self.folder(key) / meta["archive"], dest, max_bytes)
         except ArchiveRefused as exc:
             return RestoreResult("miss", f"kernel cache {key} refused: {exc}", seconds=time.monotonic() - t0)
         except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
             return RestoreResult("miss", f"kernel cache {key} is damaged ({type(exc).__name__}: {exc})",
                                  seconds=time.monotonic() - t0)
+        if files == 0 and kept == 0:  # an archive of nothing restores nothing: the engine compiles as on a miss
+            return RestoreResult("miss", f"kernel cache {key} holds no files", seconds=time.monotonic() - t0)
         mark_used(self.folder(key))  # `store prune` removes the least recently used first
-        return RestoreResult("hit", "", files, nbytes, time.monotonic() - t0)
+        if files == 0:  # a warm node: what the archive holds is here already; nothing was restored
+            return RestoreResult("local", f"the {kept} files of kernel cache {key} are already on this node",
+                                 0, 0, time.monotonic() - t0, kept=kept)
+        return RestoreResult("hit", "", files, nbytes, time.monotonic() - t0, kept=kept)
 
     def capture(self, key: str, fields: Dict[str, Any], src: Path, max_bytes: int, *, model: Optional[str] = None,
                 stop: Callable[[], bool] = lambda: False) -> CaptureResult:
@@ -239,6 +246,8 @@ class KernelCacheStore:
         tmp = folder / (unique_name(".tmp-") + ".tar")
         try:
             files, nbytes = build_archive(src, tmp, max_bytes, stop)
+            if files == 0:  # folders only: restoring it would restore nothing
+                return CaptureResult(False, "the cache folders hold no files; nothing to capture")
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
             secure(tmp, is_dir=False)

@@ -140,6 +140,8 @@ class StartupProfiler:
 
     def _handle(self, raw: str, arrival: Optional[float]) -> List[PhaseEvent]:
         assert self.fmt is not None
+        if self.live and arrival is not None:  # spawn → this: the interpreter and its imports, before any log
+            self.marks.setdefault("first_line", arrival)
         parsed = self.fmt.split(raw)
         if parsed is not None:
             self.engine_lines += 1
@@ -219,7 +221,10 @@ class StartupProfiler:
             [min(self.begins[n].values()) for n in ("dist_init", "weight_loading") if self.begins.get(n)],
             default=None,
         )
-        out["process_startup"] = self._between(self.t0, self.marks.get("spawn"))
+        # live: spawn → the first line (interpreter + imports of the engine's first process), then → the engine
+        # core's first line; a log alone starts at its first line and cannot see what came before it
+        out["interpreter_startup"] = self._between(self.t0, self.marks.get("first_line")) if self.live else None
+        out["process_startup"] = self._between(self.marks.get("first_line", self.t0), self.marks.get("spawn"))
         out["worker_spawn"] = self._between(self.marks.get("spawn"), first_begin)
         for name in ("dist_init", "weight_loading", "kv_cache_alloc", "torch_compile", "cuda_graph_capture",
                      "piecewise_cuda_graph_capture", "stage", "p2p"):

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 from mxlaunch.engines.base import PhaseEvent
 from mxlaunch.engines.registry import ENGINES, detect
+from mxlaunch.engines.runtime import locate
 from mxlaunch.errors import UsageError
 from mxlaunch.launch import process
 from mxlaunch.profile import RunProfile, StartupProfiler
@@ -32,6 +33,15 @@ def engine_from_argv(argv: Sequence[str]) -> str:
     return next((name for name in ENGINES if name in joined), "auto")
 
 
+def check_startable(argv: Sequence[str]) -> None:
+    """An engine's own launch form that cannot start here: a one-line UsageError before anything is spawned."""
+    found = detect(argv)
+    if found is not None:
+        runtime = locate(argv, display=found.display, dists=found.version_dists)
+        if runtime.problem:
+            raise UsageError(runtime.problem, fix=runtime.fix)
+
+
 def run_live(
     argv: Sequence[str],
     timeout: float,
@@ -47,6 +57,7 @@ def run_live(
         raise UsageError("no command to run", fix="mxlaunch profile -- python -m vllm.entrypoints.openai.api_server ...")
     if engine == "auto":
         engine = engine_from_argv(argv)
+    check_startable(argv)
     prof = StartupProfiler(engine=engine, source=" ".join(argv), live=True)
     start = time.monotonic()
     try:

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mxlaunch.errors import UsageError
 
 PHASES: Tuple[str, ...] = (
+    "interpreter_startup",  # live runs only: spawn → the engine's first output line
     "process_startup",
     "worker_spawn",
     "dist_init",

@@ -6,7 +6,14 @@ cd "$(dirname "$0")/.."
 PY=${VENV:-.venv}/bin/python
 # The suite writes a few GiB under $TMPDIR and /dev/shm; a run that fails for want of room shows it here.
 df -h "${TMPDIR:-/tmp}" /dev/shm 2>/dev/null | sed 's/^/run_tests: /'
-"$PY" -m pytest -m "unit or e2e or slurm or redis" "$@"
+# The default run: one live e2e per capability. `--full` (make test-full, before each release of a capability)
+# adds the tests marked `full`: second live runs of capabilities the default run already covers.
+MARKERS="(unit or e2e or slurm or redis) and not full"
+if [ "${1:-}" = "--full" ]; then
+  shift
+  MARKERS="unit or e2e or slurm or redis"
+fi
+"$PY" -m pytest -m "$MARKERS" --durations=25 "$@"
 rc=$?
 df -h "${TMPDIR:-/tmp}" /dev/shm 2>/dev/null | sed 's/^/run_tests: /'
 if [ "$rc" -eq 5 ]; then

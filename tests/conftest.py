@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+# As in an activated environment: the engines' console scripts (vllm) resolve on PATH to this Python's,
+# so that launch plans read the engine's version where the engine runs (mxlaunch/engines/runtime.py).
+_BIN = os.path.dirname(sys.executable)
+if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = os.pathsep.join(p for p in (_BIN, os.environ.get("PATH", "")) if p)
 
 _MARKER_BY_FOLDER = {"unit": "unit", "e2e": "e2e", "slurm": "slurm", "redis": "redis"}
 

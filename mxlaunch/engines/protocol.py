@@ -17,6 +17,7 @@ from mxlaunch.engines.base import LaunchSpec, LogFormat
 class Engine(Protocol):
     name: str  # the registry key and LaunchSpec.engine ("vllm")
     display: str  # how messages name it ("vLLM")
+    version_dists: Tuple[str, ...]  # the distributions its version is read from, first found wins
     plugin_group: str  # the entry-point group its plugin loader reads ("vllm.general_plugins")
     plugin_allowlist: str  # the variable that limits which plugins load ("VLLM_PLUGINS")
     log_format: Callable[[], LogFormat]  # a fresh reader of its start-up log (one per log)

@@ -7,10 +7,12 @@ Adding an engine: implement engines/protocol.py's `Engine` in one module and add
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from dataclasses import replace
+from typing import Dict, Optional, Sequence, Tuple
 
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.protocol import Engine
+from mxlaunch.engines.runtime import EngineRuntime, locate
 from mxlaunch.engines.sglang_engine import ENGINE as SGLANG
 from mxlaunch.engines.vllm_engine import ENGINE as VLLM
 from mxlaunch.errors import UsageError
@@ -35,10 +37,20 @@ def engine_for(argv: Sequence[str]) -> Engine:
     return engine
 
 
+def inspect_command(argv: Sequence[str]) -> Tuple[LaunchSpec, EngineRuntime]:
+    """argv → (LaunchSpec, what would run it): the version is the one installed where the engine runs
+    (None, with the runtime's `problem`, when the command cannot start there)."""
+    engine = engine_for(argv)
+    runtime = locate(argv, display=engine.display, dists=engine.version_dists)
+    spec = engine.parse(argv, engine_version=runtime.version)
+    if runtime.version is None:  # parse() reads the launcher's own when given none: not where the engine runs
+        spec = replace(spec, engine_version=None)
+    return spec, runtime
+
+
 def parse_command(argv: Sequence[str]) -> LaunchSpec:
     """argv → LaunchSpec by the engine that runs it, with the version installed in the engine's Python."""
-    engine = engine_for(argv)
-    return engine.parse(argv, engine_version=engine.version(argv))
+    return inspect_command(argv)[0]
 
 
 def all_snapshot_formats() -> set:

@@ -24,6 +24,7 @@ _MULTINODE = ("nnodes", "node_rank", "dist_init_addr")
 class SGLangEngine:
     name = sglang_argv.ENGINE
     display = "SGLang"
+    version_dists = ("sglang",)  # the distributions its version is read from
     plugin_group = "sglang.srt.plugins"
     plugin_allowlist = "SGLANG_PLUGINS"
     log_format = SGLangLog

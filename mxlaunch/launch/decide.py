@@ -18,7 +18,8 @@ from mxlaunch.contract import LAUNCH_STRATEGIES, RAW, SHARED_FOLDER_FORMATS, SNA
 from mxlaunch.contract import snapshot_format_name as snapshot_format_name_for
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import engine_python
-from mxlaunch.engines.registry import ENGINES, all_snapshot_formats, detect, parse_command, spec_engine
+from mxlaunch.engines.registry import ENGINES, all_snapshot_formats, detect, inspect_command, parse_command, spec_engine
+from mxlaunch.engines.runtime import EngineRuntime
 from mxlaunch.errors import UsageError
 from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.kernelcache_store import KernelCacheStore
@@ -74,6 +75,12 @@ class LaunchPlan:
     capture_via: Optional[str] = None  # a capture: "shm" (node-local /dev/shm, then uploaded) | "store"; else None
     capture_via_reason: str = ""
     capture_bytes: int = 0  # a capture: this node's part, estimated from the checkpoint (launch/capture_route.py)
+    runtime: Optional[EngineRuntime] = None  # what would run the command (engines/runtime.py): its problem stops a launch
+
+    def refuse_unstartable(self) -> None:
+        """A one-line UsageError (exit 2) when the engine command cannot start here."""
+        if self.runtime is not None and self.runtime.problem:
+            raise UsageError(self.runtime.problem, self.runtime.fix)
 
     @property
     def stage_bytes(self) -> int:
@@ -84,6 +91,9 @@ class LaunchPlan:
         return {
             "engine": spec.engine,
             "engine_version": spec.engine_version,
+            "engine_version_from": self.runtime.version_from if self.runtime else None,
+            "engine_python": self.runtime.python if self.runtime else None,
+            "engine_problem": self.runtime.problem if self.runtime else None,
             "model": spec.model,
             "served_model_name": spec.served_model_name,
             "tp": spec.tp,
@@ -162,7 +172,7 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
         raise UsageError(f"--capture-id {opts.capture_id!r} is not one safe name",
                          "use letters, digits, '.', '_' and '-' (the same id on every node of the capture)")
     capture_id = opts.capture_id or job.capture_id
-    spec = parse_command(argv)
+    spec, runtime = inspect_command(argv)
     fmt = snapshot_format_name(spec, opts.snapshot_format)
     device = device_type_for(spec)
     fields = identity_fields(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
@@ -177,8 +187,10 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
     def plan(strategy: str, reason: str, files: list[SnapshotFile] | None = None, folder: Path | None = None) -> LaunchPlan:
         return LaunchPlan(spec, device, sid, fields, strategy, reason, engine.command(spec, strategy), ranks,
                           files or [], folder, job.to_json(), snapshot_format=fmt, p2p=offer if strategy != "default" else None,
-                          capture_id=capture_id)
+                          capture_id=capture_id, runtime=runtime)
 
+    if runtime.problem:
+        return plan("default", f"{runtime.problem} — {runtime.fix}")
     if opts.strategy == "default":
         return plan("default", "asked for with --strategy default")
     if not spec.safe:

@@ -42,7 +42,7 @@ def plan_kernel_cache(spec: LaunchSpec, *, source_id: str, device_type: str, kc_
     reason = why or f"archive of {meta['files']} files, {meta['bytes']} bytes in {kc_store.root / key}"
     if cv.unmanaged:
         reason += f"; left to you: {', '.join(cv.unmanaged)} (set in your environment)"
-    return {"status": "hit" if meta else "miss", "reason": reason, "key": key, "dir": str(folder),
+    return {"status": "found" if meta else "miss", "reason": reason, "key": key, "dir": str(folder),
             "env": cv.env, "unmanaged": cv.unmanaged, "fields": fields}
 
 
@@ -57,7 +57,9 @@ class KernelCacheRun:
         self.model = model
         self.status = self.info["status"]
         self.before: Dict[str, Any] = {}
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # give up (no capture)
+        self._held = threading.Event()  # the engine is being stopped: capture nothing until it is gone
+        self._now = threading.Event()  # the engine is gone: capture what it wrote, settled or not
         self._thread: Optional[threading.Thread] = None
         self.side_before: Dict[str, FolderState] = {}
         self.max_bytes = settings.kernel_cache_max_bytes()
@@ -91,7 +93,7 @@ class KernelCacheRun:
             # there, ~150 MB a header): only what this run writes is captured back.
             self.side_before[sub] = folder_state(outside)
         self.before = folder_state(folder)
-        reason = result.reason if result.status == "miss" else f"restored {result.files} files into {folder}"
+        reason = f"restored {result.files} files into {folder}" if result.status == "hit" else result.reason
         self.emit("kernel-cache", status=result.status, reason=reason, key=key, dir=str(folder), files=result.files,
                   bytes=result.bytes, seconds=round(time.monotonic() - t0, 3), unmanaged=self.info.get("unmanaged", []))
         return dict(self.info["env"])
@@ -103,8 +105,15 @@ class KernelCacheRun:
             self._thread.start()
 
     def _settled(self, folder: Path) -> Optional[Dict[str, Any]]:
+        """The folder's state once it has not changed for SETTLE_S (None: given up). Once the engine is gone
+        (`finish`), whatever it wrote is final: captured at once."""
         state, still_since, deadline = folder_state(folder), time.monotonic(), time.monotonic() + SETTLE_MAX_S
         while not self._stop.wait(POLL_S):
+            if self._now.is_set():
+                return folder_state(folder)
+            if self._held.is_set():  # a stop has begun: wait for the engine to be gone, then capture
+                deadline = float("inf")
+                continue
             now_state = folder_state(folder)
             if now_state != state:
                 state, still_since = now_state, time.monotonic()
@@ -129,11 +138,11 @@ class KernelCacheRun:
                 if written and sync_tree(outside, folder / sub, only=written):
                     state = folder_state(folder)
             new = changed(self.before, state)
-            if not new and (self.status == "hit" or not state):  # a miss with a warm local folder still publishes it
+            if not new and (self.status in ("hit", "local") or not state):  # a miss with a warm local folder still publishes it
                 self.emit("kernel-cache-capture", status=self.status, published=False, new_files=0,
                           reason="nothing new compiled")
                 return
-            outcome = "partial" if self.status == "hit" else "miss"
+            outcome = "partial" if self.status in ("hit", "local") else "miss"
             result = self.kc_store.capture(self.info["key"], self.info["fields"], folder, self.max_bytes,
                                            model=self.model, stop=self._stop.is_set)
             self.emit("kernel-cache-capture", status=outcome, published=result.published, new_files=len(new),
@@ -141,6 +150,21 @@ class KernelCacheRun:
         except Exception as exc:  # noqa: BLE001 — a failed capture must not stop serving
             self.emit("kernel-cache-capture", status=self.status, published=False,
                       reason=f"capture failed ({type(exc).__name__}: {exc})")
+
+    def hold(self) -> None:
+        """The engine is about to be stopped: a file it writes meanwhile may be half-written, so nothing
+        is captured until `finish` says it is gone."""
+        self._held.set()
+
+    def finish(self, budget_s: float) -> None:
+        """The engine is gone: capture what it compiled if that has not happened yet — a first run stopped
+        soon after ready still publishes its kernels — within `budget_s` (then given up)."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._now.set()
+        self._thread.join(max(0.0, budget_s))
+        if self._thread.is_alive():
+            self.stop(timeout=2.0)
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()

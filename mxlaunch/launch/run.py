@@ -26,7 +26,7 @@ import httpx
 from mxlaunch.contract import ABORT, RENDEZVOUS_FILE, parse_marker_name, staged_line
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
-from mxlaunch.errors import MxlaunchError
+from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.fileutil import mark_used, process_start_time, write_json_atomic
 from mxlaunch.launch import process
 from mxlaunch.launch.capture import CaptureSession
@@ -211,7 +211,11 @@ class Launcher(Stopping):
             # The engine first, then staging: the engine needs the files only once it has built the model
             # (tens of seconds later), while the stage's reader threads, started first, held the GIL against
             # the kernel-cache restore and the spawn (0.7-0.8 s before the engine's first line on the 2-core VM).
-            self.proc = process.start(argv, env)
+            try:
+                self.proc = process.start(argv, env)
+            except OSError as exc:  # checked in the plan already; a PATH changed since, or a race
+                raise UsageError(f"cannot start the engine command {argv[0]}: {exc.strerror or exc}",
+                                 "check the command after --, or activate the environment that has the engine")
             self._start_stage_or_fall_back()
             if self.plan.strategy in ("staged", "p2p"):  # `store prune` removes the least recently used first
                 mark_used(self.store_root / self.plan.source_id)

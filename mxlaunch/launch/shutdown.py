@@ -147,6 +147,16 @@ class Stopping:
         except ProcessLookupError:
             pass
 
+    def _kernel_capture_budget(self, hurry: bool) -> float:
+        """Seconds the kernel-cache capture may still take once the engine is gone: 30 s after the launcher's
+        own stop; after a stop signal, what KillWait leaves (minus its margin), 10 s outside Slurm."""
+        if not hurry:
+            return 30.0
+        budget = self.budget.get()
+        if budget.kill_wait is None or self.signal_at is None:
+            return 10.0
+        return budget.kill_wait - margin(budget.kill_wait) - (time.monotonic() - self.signal_at)
+
     def _stop_engine(self) -> None:
         """The launcher's own stop (ready timeout, --capture-only done, cleanup): the usual sequence, cut
         short by a stop signal arriving meanwhile, which then gets the KillWait budget like any other."""
@@ -188,7 +198,7 @@ class Stopping:
         """/dev/shm first (staged files, the engine's segments, the run folder), kernel caches and the
         store after: under Slurm's KillWait what matters most goes before what can wait."""
         hurry = bool(self.signals)
-        self.kernel.stop(timeout=0.0 if hurry else 30.0)  # no kernel capture from an engine being stopped
+        self.kernel.hold()  # no kernel capture from an engine being stopped: it waits until the engine is gone
         if self.proc is not None and self.proc.poll() is None:
             self._stop_engine()
         if self.proc is not None:  # anything left in the engine's process group (workers) goes too
@@ -207,7 +217,7 @@ class Stopping:
         if leaked:
             self.emit("cleanup", message=f"removed {len(leaked)} shared-memory segment(s) the engine left in "
                                          f"/dev/shm: {', '.join(leaked)}")
-        self.kernel.stop(timeout=2.0 if hurry else 0.0)
+        self.kernel.finish(self._kernel_capture_budget(hurry))  # what a short run compiled is still published
         if self.capture is not None:  # an unfinished capture is given up (the claim holder's leaves nothing)
             self.capture.close()
         if unpublish_run(self.plan.p2p, self.run_id, self.store_root):  # workers killed with the engine cannot

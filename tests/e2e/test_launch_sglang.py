@@ -120,6 +120,7 @@ def test_restore_run_is_staged_and_exact_then_a_second_server_pulls_it_over_p2p(
     assert registry.sources(plan["source_id"], 0, include_stale=True) == []
 
 
+@pytest.mark.full  # the same fallback runs live on vLLM in the default run (test_launch_vllm.py)
 def test_a_flipped_byte_fails_staging_and_sglang_falls_back(tiny_model: Path, sglang_gold: Path,
                                                             store_root: Path, tmp_path: Path) -> None:
     broken = tmp_path / "store"
@@ -167,6 +168,7 @@ STOCK_FILES = {"sharded_state": ["model-rank-0-part-0.safetensors"],  # SGLang's
                "presharded": ["checksum.json", "model-00000-common.safetensor"]}
 
 
+@pytest.mark.full  # SGLang's own dump formats as an option (four starts); the raw default runs above
 @pytest.mark.parametrize("fmt", sorted(STOCK_FILES))
 def test_stock_format_capture_then_restore_serve_exactly(tiny_model: Path, sglang_gold: Path, tmp_path: Path,
                                                          fmt: str) -> None:

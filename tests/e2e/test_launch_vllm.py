@@ -86,6 +86,7 @@ def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, stor
     assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) - rendezvous_before == set()
 
 
+@pytest.mark.full  # the refusal is the store's check (unit: test_store.py); live in make test-full
 def test_a_truncated_snapshot_is_refused_and_the_default_loader_serves(tiny_model: Path, gold_file: Path,
                                                                         store_root: Path, tmp_path: Path) -> None:
     broken = tmp_path / "store"
@@ -128,6 +129,7 @@ def test_a_flipped_byte_fails_staging_and_the_engine_falls_back(tiny_model: Path
     assert not Path(plan["run_dir"]).exists()
 
 
+@pytest.mark.full  # the claim race runs with real processes in unit/test_coord_file.py; live in make test-full
 def test_two_launches_racing_on_a_new_model_capture_once_and_both_serve(tiny_model: Path, gold_file: Path,
                                                                           tmp_path: Path) -> None:
     store = tmp_path / "race-store"

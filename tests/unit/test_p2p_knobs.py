@@ -144,11 +144,15 @@ def pull_in_child(tmp_path: Path, env: dict[str, str], name: str) -> dict:
     return json.loads(out.read_text())
 
 
+# One knob set in the default run; the others (40-110 s each on 2 cores: 1 MiB pieces through UCX) in make test-full.
+FULL = pytest.mark.full
+
+
 @pytest.mark.parametrize("env", [
     {PULL: "prepped=1"},                                           # NIXL merges back-to-back equal pieces
-    {PULL: "prepped=1,merge=0,chunk_mib=1,inflight=3"},            # every 1 MiB piece its own copy, 3 requests
-    {UCX: "num_threads=2,split_batch_size=1", PULL: "chunk_mib=1,batch_mib=0"},  # one request over 2 threads
-    {UCX: "num_workers=2", settings.NIXL_PROGRESS_THREAD: "0"},
+    pytest.param({PULL: "prepped=1,merge=0,chunk_mib=1,inflight=3"}, marks=FULL),  # every 1 MiB piece its own copy
+    pytest.param({UCX: "num_threads=2,split_batch_size=1", PULL: "chunk_mib=1,batch_mib=0"}, marks=FULL),  # 2 threads
+    pytest.param({UCX: "num_workers=2", settings.NIXL_PROGRESS_THREAD: "0"}, marks=FULL),
 ], ids=["prepped", "prepped-nomerge-chunks", "ucx-threads", "no-progress-thread"])
 def test_a_pull_through_the_knobs_is_exact(tmp_path, sources, env) -> None:
     sources("--layout", "processed", "--size", "big")

@@ -171,7 +171,8 @@ def test_incremental_feed_with_arrival_times() -> None:
     prof.feed_text("   Application startup complete.\n", 5.0)  # the line completes in the next chunk
     run = prof.result()
     assert run.ready and run.total_seconds == 5.0  # live: from process start to the ready line's arrival
-    assert run.seconds("process_startup") == 2.0 and run.seconds("weight_loading") == 1.25
+    assert run.seconds("interpreter_startup") == 0.5  # spawn → the first line
+    assert run.seconds("process_startup") == 1.5 and run.seconds("weight_loading") == 1.25  # → the engine core
 
 
 def test_multinode_merge_takes_the_slowest_node_per_phase() -> None:

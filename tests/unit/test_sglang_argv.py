@@ -180,8 +180,9 @@ def test_launch_dry_run_json_for_sglang_without_sglang_installed(tmp_path: Path)
         assert key in data, key
     assert data["engine"] == "sglang" and (data["tp"], data["nnodes"], data["node_rank"]) == (2, 2, 1)
     assert [r["tp_rank"] for r in data["local_ranks"]] == [1]
-    if data["engine_version"] is None:  # `sglang` is not on this PATH: a login node
-        assert data["strategy"] == "default" and "SGLang is not installed" in data["reason"]
+    # `sglang` is not on this PATH (SGLang lives in a venv of its own): a login node's dry run still plans
+    assert data["engine_version"] is None and data["strategy"] == "default"
+    assert data["engine_problem"] == "engine command 'sglang' not found on PATH" and data["engine_problem"] in data["reason"]
 
 
 def test_vllm_refuses_stock_snapshot_formats(tmp_path: Path) -> None:

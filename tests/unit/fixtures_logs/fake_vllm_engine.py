@@ -38,6 +38,7 @@ def main() -> int:
     if args.child_pid_file:
         with open(args.child_pid_file, "w") as fh:
             fh.write(str(child.pid))
+    time.sleep(0.3)  # an interpreter importing the engine prints nothing yet
     line("APIServer", "non-default args: {'model_tag': '/models/tiny', 'model': '/models/tiny', 'enforce_eager': True}", "utils.py:286")
     time.sleep(0.4)
     line("EngineCore", "Initializing a V1 LLM engine (v0.32.0) with config: model='/models/tiny'", "core.py:133")

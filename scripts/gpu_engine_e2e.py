@@ -1,0 +1,343 @@
+#!/usr/bin/env python3
+"""The real engine on the GPU, through mxlaunch: every strategy checked with `mxlaunch verify`, time to ready
+measured from spawn. Run on the GPU machine once vLLM's kit is there (../shared/gpu-engines/README.md):
+
+    source /tmp/kit/device_env.sh && python3 scripts/gpu_engine_e2e.py \
+        --scenarios default,capture,staged,staged --out $OUT/gpu_engine.json
+    # a later run of the same machine adds to the same work folder's record:
+    source /tmp/kit/device_env.sh && python3 scripts/gpu_engine_e2e.py \
+        --scenarios default,prefetch,fastsafetensors,staged,p2p --out $OUT/gpu_engine.json
+
+One run per batch of scenarios, in the order given; the work folder (default /tmp/gpu-e2e) keeps the model,
+the gold, the store and the runs so far, so a batch can build on the one before (`staged` needs a
+`capture` first, every comparison needs a `default` first: its `mxlaunch verify --record` is the gold).
+
+Scenarios (each one start, vLLM `python3 -m vllm.entrypoints.openai.api_server`, bf16, `--enforce-eager`):
+  default          the engine alone (the first one records the gold)
+  capture          `mxlaunch launch` into an empty store: the first serve captures (waits for "published")
+  staged           `mxlaunch launch --no-p2p` from the store (the staged restore)
+  p2p              a staged source with P2P on, then a second server on the same GPU pulling from it over
+                   NIXL (each with half the --gpu-memory-utilization); the record is the puller's
+  prefetch         vLLM `--safetensors-load-strategy prefetch`
+  fastsafetensors  vLLM `--load-format fastsafetensors` (recorded "not installed" if it cannot import)
+  instanttensor    vLLM `--load-format instanttensor` (likewise)
+
+Before every start the pages of the model's and the store's files are evicted (posix_fadvise DONTNEED);
+the software (Python, vLLM, CUDA) stays warm. Per start: `ready_s` (spawn → /health 200), `weight_s` (the
+weight phase from the engine's log: vLLM's "Loading weights took", mxlaunch's "rank 0 loaded"),
+`first_line_s` (spawn → the first line the process printed: the interpreter and its imports) and
+`engine_core_s` (spawn → the engine core process's first line), the launcher's or the log's phases, and
+`verify` ("exact", or what differed). VLLM_USE_FLASHINFER_SAMPLER=0 for every start (the same for all):
+a fresh node would otherwise spend ~117 s in a silent FlashInfer JIT build in the first one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_launch_runs import REPO, Option, _stop, free_port, read_log  # noqa: E402
+
+API = "vllm.entrypoints.openai.api_server"
+ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
+ENGINE_OPTIONS = {"prefetch": ("--safetensors-load-strategy", "prefetch"),
+                  "fastsafetensors": ("--load-format", "fastsafetensors"),
+                  "instanttensor": ("--load-format", "instanttensor")}
+SCENARIOS = ("default", "capture", "staged", "p2p", *ENGINE_OPTIONS)
+
+
+def evict(*folders: Path) -> int:
+    """Drop the page cache of every regular file under the folders; returns the bytes evicted."""
+    total = 0
+    for folder in folders:
+        for path in folder.rglob("*") if folder.is_dir() else []:
+            if path.is_file() and not path.is_symlink():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    total += os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+    return total
+
+
+def engine_argv(model: Path, port: int, util: float, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", API, "--model", str(model), "--dtype", "bfloat16", "--enforce-eager",
+            "--max-model-len", "2048", "--gpu-memory-utilization", f"{util:g}", "--host", "127.0.0.1",
+            "--port", str(port), *extra]
+
+
+class Start:
+    """One process (a plain engine or `mxlaunch launch`) and the arrival times of its lines."""
+
+    def __init__(self, argv: list[str], log: Path, events: Optional[Path]) -> None:
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **ENV},
+                                     start_new_session=True, cwd=REPO, stdin=subprocess.DEVNULL)
+        self.log, self.events_path = log, events
+        self.first_line_s: Optional[float] = None
+        self.engine_core_s: Optional[float] = None
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        sinks = [(self.proc.stderr, open(log, "wb"), False)]
+        sinks.append((self.proc.stdout, open(events, "wb") if events else sinks[0][1], events is not None))
+        self.threads = [threading.Thread(target=self._pump, args=s, daemon=True) for s in sinks]
+        for t in self.threads:
+            t.start()
+
+    def _pump(self, pipe: Any, sink: Any, json_lines: bool) -> None:
+        for raw in iter(pipe.readline, b""):
+            now = round(time.monotonic() - self.t0, 3)
+            with self._lock:
+                sink.write(raw)
+                sink.flush()
+                text = raw.decode(errors="replace")
+                if json_lines:
+                    try:
+                        self.events.append(json.loads(text))
+                    except ValueError:
+                        pass
+                    continue
+                if self.first_line_s is None and not text.startswith(("{", "mxlaunch")):  # the engine's, not ours
+                    self.first_line_s = now
+                if self.engine_core_s is None and "EngineCore" in text:
+                    self.engine_core_s = now
+
+    def event(self, name: str) -> Optional[dict]:
+        with self._lock:
+            return next((e for e in self.events if e.get("event") == name), None)
+
+    def wait_ready(self, port: int, timeout: float) -> float:
+        while time.monotonic() - self.t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited {self.proc.returncode} before it was ready")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return round(time.monotonic() - self.t0, 3)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"not ready in {timeout:g} s")
+
+    def wait_event(self, name: str, timeout: float) -> Optional[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.event(name)
+            if found or self.proc.poll() is not None:
+                return found
+            time.sleep(0.2)
+        return None
+
+    def stop(self, launcher: bool) -> None:
+        _stop(self.proc, launcher=launcher)
+        for t in self.threads:
+            t.join(5)
+
+
+def mx(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mxlaunch.cli", *args]
+
+
+def verify(port: int, gold: Path, record: bool) -> str:
+    """Record the gold, or compare against it: "exact", or what differed."""
+    flag = "--record" if record else "--compare"
+    proc = subprocess.run(mx("verify", "--url", f"http://127.0.0.1:{port}", flag, str(gold), "--json"),
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    if record:
+        return "gold" if proc.returncode == 0 else f"record failed ({proc.returncode}): {proc.stderr.strip()[-300:]}"
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        return f"compare failed ({proc.returncode}): {proc.stderr.strip()[-300:]}"
+    if report.get("pass"):
+        return "exact"
+    return f"{report.get('prompts_failed')} prompts differ; worst {report.get('worst')}"
+
+
+def profile_phases(log: Path) -> dict:
+    proc = subprocess.run(mx("profile", "--log", str(log), "--json"), capture_output=True, text=True, timeout=120, cwd=REPO)
+    try:
+        run = json.loads(proc.stdout)["runs"][0]
+    except (ValueError, KeyError, IndexError):
+        return {}
+    return {p["name"]: p.get("seconds") for p in run.get("phases", [])}
+
+
+def importable(module: str) -> Optional[str]:
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
+
+
+class Harness:
+    def __init__(self, work: Path, model: Path, util: float, timeout: float) -> None:
+        self.work, self.model, self.util, self.timeout = work, model, util, timeout
+        self.store, self.gold, self.logs = work / "store", work / "gold.json", work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.record_path = work / "runs.json"
+        self.runs: list[dict] = json.loads(self.record_path.read_text()) if self.record_path.exists() else []
+
+    def _log(self, name: str) -> Path:
+        return self.logs / f"{len(self.runs):02d}-{name}.log"
+
+    def run(self, scenario: str) -> dict:
+        evicted = evict(self.model, self.store)
+        try:
+            if scenario == "p2p":
+                rec = self._p2p()
+            else:
+                rec = self._one(scenario)
+        except RuntimeError as exc:
+            rec = {"name": scenario, "strategy": scenario, "error": str(exc)}
+        rec.update(evicted_bytes=evicted, at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+        self.runs.append(rec)
+        self.record_path.write_text(json.dumps(self.runs, indent=1))
+        shown = {k: rec.get(k) for k in ("ready_s", "weight_s", "first_line_s", "engine_core_s", "verify", "error")}
+        print(f"gpu_engine_e2e: {scenario}: {shown}", flush=True)
+        return rec
+
+    def _one(self, scenario: str) -> dict:
+        port = free_port()
+        extra: tuple[str, ...] = ()
+        if scenario in ENGINE_OPTIONS:
+            module = {"fastsafetensors": "fastsafetensors", "instanttensor": "instanttensor"}.get(scenario)
+            why = importable(module) if module else None
+            if why:
+                return {"name": scenario, "strategy": scenario, "skipped": f"not installed: {why}"}
+            extra = ENGINE_OPTIONS[scenario]
+        argv = engine_argv(self.model, port, self.util, extra)
+        launcher = scenario in ("capture", "staged")
+        log = self._log(scenario)
+        events = log.with_suffix(".events.jsonl") if launcher else None
+        if launcher:
+            argv = mx("launch", "--json", "--artifact-path", str(self.store), "--no-p2p", "--", *argv)
+        start = Start(argv, log, events)
+        rec: dict = {"name": scenario, "strategy": "default" if scenario == "default" else scenario,
+                     "command": shlex.join(argv)}
+        try:
+            rec["ready_s"] = start.wait_ready(port, self.timeout)
+            if scenario == "capture":
+                rec["published"] = start.wait_event("published", 300) is not None
+            elif launcher:
+                start.wait_event("loaded", 30)
+            record = scenario == "default" and not self.gold.exists()
+            rec["verify"] = verify(port, self.gold, record)
+        finally:
+            start.stop(launcher)
+        return self._finish(rec, start, log, launcher)
+
+    def _finish(self, rec: dict, start: Start, log: Path, launcher: bool) -> dict:
+        text = log.read_text(errors="replace")
+        opt = Option(rec["name"], "vllm", launch=() if launcher else None, once=rec["name"] == "capture")
+        rec.update(read_log(opt, text, start.events))
+        rec.update(first_line_s=start.first_line_s, engine_core_s=start.engine_core_s, log=str(log))
+        ready = start.event("ready")
+        rec["phases"] = (ready or {}).get("phases") or profile_phases(log)
+        if launcher:
+            plan = start.event("plan") or {}
+            rec["planned"] = plan.get("strategy")
+            rec["kernel_cache"] = (start.event("kernel-cache") or {}).get("status")
+            if rec["name"] != "capture" and rec.get("planned") != rec["name"]:
+                rec["error"] = f"planned {rec.get('planned')!r}, not {rec['name']!r}: {plan.get('reason')}"
+        return rec
+
+    def _p2p(self) -> dict:
+        why = importable("nixl_cu13") and importable("nixl")
+        if why:
+            return {"name": "p2p", "strategy": "p2p", "skipped": f"NIXL not installed: {why}"}
+        half = round(self.util / 2, 3)
+        src_port, dst_port = free_port(), free_port()
+        src_log, dst_log = self._log("p2p-source"), self._log("p2p")
+        src = Start(mx("launch", "--json", "--artifact-path", str(self.store), "--",
+                       *engine_argv(self.model, src_port, half)), src_log, src_log.with_suffix(".events.jsonl"))
+        dst: Optional[Start] = None
+        rec: dict = {"name": "p2p", "strategy": "p2p"}
+        try:
+            rec["source_ready_s"] = src.wait_ready(src_port, self.timeout)
+            if src.wait_event("loaded", 60) is None:
+                raise RuntimeError("the source never loaded its rank")
+            time.sleep(2)  # its worker publishes the source record right after loading
+            evict(self.model, self.store)
+            argv = mx("launch", "--json", "--artifact-path", str(self.store), "--",
+                      *engine_argv(self.model, dst_port, half))
+            rec["command"] = shlex.join(argv)
+            dst = Start(argv, dst_log, dst_log.with_suffix(".events.jsonl"))
+            rec["ready_s"] = dst.wait_ready(dst_port, self.timeout)
+            dst.wait_event("loaded", 30)
+            rec["verify"] = verify(dst_port, self.gold, record=False)
+            rec["source_verify"] = verify(src_port, self.gold, record=False)
+        finally:
+            if dst is not None:
+                dst.stop(True)
+            src.stop(True)
+        if dst is None:
+            return rec
+        return self._finish(rec, dst, dst_log, launcher=True)
+
+
+def gpu_name() -> Optional[str]:
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True)
+    except OSError:
+        return None  # no NVIDIA driver here (a CPU dry run of the harness)
+    return proc.stdout.strip() or None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenarios", default="default,capture,staged,staged")
+    ap.add_argument("--size", default="8GiB", help="make_tiny_model.py --size (default 8GiB)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-e2e"))
+    ap.add_argument("--util", type=float, default=0.7, help="--gpu-memory-utilization (p2p: half each)")
+    ap.add_argument("--timeout", type=float, default=420, help="seconds to ready, per start")
+    ap.add_argument("--out", type=Path, required=True, help="the JSON record (every run so far in the work folder)")
+    args = ap.parse_args()
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {unknown}: pick from {', '.join(SCENARIOS)}")
+    model = args.work / f"llama-{args.size}"
+    if not (model / "config.json").exists():
+        args.work.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model),
+                        "--size", args.size], check=True)
+    harness = Harness(args.work, model, args.util, args.timeout)
+    for scenario in scenarios:
+        harness.run(scenario)
+    import vllm  # noqa: PLC0415 — only for its version, in the engine's environment
+
+    doc = {"schema": 1, "engine": "vllm", "engine_version": vllm.__version__, "gpu": gpu_name(),
+           "date": dt.date.today().isoformat(), "model": {"size": args.size,
+           "bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))},
+           "env": ENV, "command": shlex.join([sys.executable, *sys.argv]), "runs": harness.runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print_table(harness.runs)
+    return 0
+
+
+def print_table(runs: list[dict]) -> None:
+    print("| start | strategy | ready (s, from spawn) | weight phase (s) | first line (s) | engine core (s) | verify |")
+    print("|---|---|---|---|---|---|---|")
+    for r in runs:
+        cells = [r.get(k) for k in ("ready_s", "weight_s", "first_line_s", "engine_core_s")]
+        shown = ["—" if v is None else f"{v:.2f}" for v in cells]
+        note = r.get("verify") or r.get("skipped") or r.get("error") or "—"
+        print(f"| {r['name']} | {r.get('strategy')} | " + " | ".join(shown) + f" | {note} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
