@@ -133,3 +133,15 @@ def test_regions_one_per_storage_on_the_cpu_and_the_index_finds_them() -> None:
     assert len(regions) == len(storages)
     find = region_index(regions)
     assert find(m.layer.q_view) == find(m.layer.qk) >= 0
+
+
+def test_empty_placeholders_a_source_does_not_serve_are_not_missing() -> None:
+    """vLLM 0.26 on a GPU: every attention layer holds `kv_cache = torch.tensor([])` as a plain attribute
+    until the KV cache exists; sources serve only groups with bytes, so the target must not ask for them."""
+    src, dst = _model(0), _model(1)
+    for m in (src, dst):
+        m.layer.kv_cache = torch.tensor([])
+    served = [g for g in group_tensors(processed_tensors(src)) if g.tensor.numel()]  # as plugin/p2p.serve does
+    assert "layer.kv_cache" not in {n for g in served for n in g.names}
+    pairs = match(processed_tensors(dst), describe(served))
+    assert pairs and all(p.bytes for p in pairs)
