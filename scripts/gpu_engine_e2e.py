@@ -37,6 +37,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -249,7 +250,13 @@ class Harness:
             plan = start.event("plan") or {}
             rec["planned"] = plan.get("strategy")
             rec["kernel_cache"] = (start.event("kernel-cache") or {}).get("status")
-            if rec["name"] != "capture" and rec.get("planned") != rec["name"]:
+            rec["loaded_event"] = start.event("loaded")  # p2p: the pull's phases (transfer, verify, ...)
+            fallback = start.event("fallback")
+            if fallback:
+                rec["fallback"] = fallback.get("reason")
+            if rec.get("fallback"):
+                rec["error"] = f"fell back: {rec['fallback'][:300]}"
+            elif rec["name"] != "capture" and rec.get("planned") != rec["name"]:
                 rec["error"] = f"planned {rec.get('planned')!r}, not {rec['name']!r}: {plan.get('reason')}"
         return rec
 
@@ -284,6 +291,8 @@ class Harness:
             src.stop(True)
         if dst is None:
             return rec
+        served = re.search(r"checksums in ([0-9.]+) s", src_log.read_text(errors="replace"))
+        rec["source_checksum_s"] = float(served.group(1)) if served else None
         return self._finish(rec, dst, dst_log, launcher=True)
 
 

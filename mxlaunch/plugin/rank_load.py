@@ -272,8 +272,8 @@ class RankLoad:
                             rank=self.rank % p["world"], world=p["world"], layout=p["layout"], run_id=p["run_id"])
             extra = pub.record.extra
             self.log.info("mxlaunch: rank %d serves %s GiB (%s layout) over P2P as %s: %d region(s) registered in "
-                          "%.3f s", self.rank, gib(extra.get("bytes", 0)), p["layout"], pub.record.worker,
-                          extra.get("regions", 0), extra.get("register_seconds", 0.0))
+                          "%.3f s, checksums in %.3f s", self.rank, gib(extra.get("bytes", 0)), p["layout"], pub.record.worker,
+                          extra.get("regions", 0), extra.get("register_seconds", 0.0), extra.get("digest_seconds", 0.0))
         except Exception as exc:  # noqa: BLE001
             self.log.warning("mxlaunch: rank %d could not become a P2P source: %s", self.rank, exc)
 
