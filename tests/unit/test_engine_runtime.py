@@ -22,6 +22,16 @@ def env_with_path(path: str) -> dict:
     return {**os.environ, "PATH": path}
 
 
+def fake_vllm(tmp_path: Path, first_line: str, mode: int) -> Path:
+    """A `vllm` script in a bin folder of its own."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    script = folder / "vllm"
+    script.write_text(first_line + "\n")
+    script.chmod(mode)
+    return script
+
+
 @pytest.fixture
 def bare_python(tmp_path: Path) -> Path:
     """A real interpreter with nothing installed: a fresh venv without pip."""
@@ -42,12 +52,8 @@ def test_an_engine_script_not_on_path_is_one_line_and_exit_2(tmp_path: Path) -> 
 
 
 def test_a_script_without_the_execute_bit_is_named(tmp_path: Path) -> None:
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    script = folder / "vllm"
-    script.write_text(f"#!{sys.executable}\n")
-    script.chmod(0o644)
-    result = run_cli("launch", "--", "vllm", "serve", str(tmp_path), env=env_with_path(str(folder)))
+    script = fake_vllm(tmp_path, f"#!{sys.executable}", 0o644)
+    result = run_cli("launch", "--", "vllm", "serve", str(tmp_path), env=env_with_path(str(script.parent)))
     assert result.returncode == 2
     assert f"{script} is not executable" in one_line_error(result)
     runtime = locate([str(script), "serve", "M"], display="vLLM", dists=("vllm",))
@@ -64,11 +70,7 @@ def test_a_python_without_the_engine_is_refused(bare_python: Path, tmp_path: Pat
 
 
 def test_a_console_script_whose_interpreter_is_gone(tmp_path: Path) -> None:
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    script = folder / "vllm"
-    script.write_text(f"#!{tmp_path}/moved-venv/bin/python3\nimport sys\n")
-    script.chmod(0o755)
+    script = fake_vllm(tmp_path, f"#!{tmp_path}/moved-venv/bin/python3", 0o755)
     result = run_cli("launch", "--", str(script), "serve", str(tmp_path))
     assert result.returncode == 2
     assert "does not exist (a moved or removed environment?)" in one_line_error(result)

@@ -313,6 +313,18 @@ def quick_kernel_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return kernel.side_dirs()["inductor_pch"]
 
 
+def kernel_run(tmp_path: Path, source_id: str) -> tuple:
+    """A launch's kernel-cache run on a fresh store, its events collected: (run, env, events, store, info)."""
+    from mxlaunch.launch import kernel
+
+    spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
+    store = kc(tmp_path / "store")
+    events: list[tuple[str, dict]] = []
+    info = plan_kernel_cache(spec, source_id=source_id, device_type="cpu", kc_store=store)
+    run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
+    return run, run.restore(), events, store, info
+
+
 def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mxlaunch.launch import kernel
 
@@ -358,12 +370,7 @@ def test_precompiled_headers_other_runs_left_are_not_captured(tmp_path: Path, mo
     pch = quick_kernel_runs(tmp_path, monkeypatch)
     pch.mkdir(parents=True)
     (pch / "0ld.h.gch").write_bytes(b"stale" * 1000)  # left by another torch, before this launch
-    spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
-    store = kc(tmp_path / "store")
-    events: list[tuple[str, dict]] = []
-    info = plan_kernel_cache(spec, source_id="b" * 16, device_type="cpu", kc_store=store)
-    run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
-    env = run.restore()
+    run, env, events, store, info = kernel_run(tmp_path, "b" * 16)
     Path(env["TRITON_CACHE_DIR"], "k.bin").write_bytes(b"kernel")
     (pch / "new.h.gch").write_bytes(b"fresh" * 1000)  # built by this run
     run.start_capture()
@@ -409,12 +416,7 @@ def test_a_run_stopped_before_its_caches_settle_still_publishes_them(tmp_path: P
 
     quick_kernel_runs(tmp_path, monkeypatch)
     monkeypatch.setattr(kernel, "SETTLE_S", 3600.0)  # the folders never look settled before the stop
-    spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
-    store = kc(tmp_path / "store")
-    events: list[tuple[str, dict]] = []
-    info = plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)
-    run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
-    env = run.restore()
+    run, env, events, store, info = kernel_run(tmp_path, "a" * 16)
     Path(env["TRITON_CACHE_DIR"], "k1.bin").write_bytes(b"kernel")
     run.start_capture()
     run.hold()  # the stop begins: the engine may still write
