@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Runs every test (all markers). Starts what the tests need; pytest's "no tests collected" (5) is a failure
-# of the suite's wiring, not a pass, so it is reported as such.
+# Runs the tests. Starts what the tests need; pytest's "no tests collected" (5) is a failure of the suite's
+# wiring, not a pass, so it is reported as such.
+#
+# Two pytest runs side by side on the machine's two cores: the unit tests (tests/unit: mostly one Python
+# thread each) beside the live ones (tests/e2e, tests/slurm: an engine start is mostly one interpreter
+# importing). Each test keeps to its own ports, folders and /dev/shm names, so neither run can see the
+# other's. MXLAUNCH_TESTS_SERIAL=1 runs them one after the other.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${VENV:-.venv}/bin/python
@@ -8,16 +13,34 @@ PY=${VENV:-.venv}/bin/python
 df -h "${TMPDIR:-/tmp}" /dev/shm 2>/dev/null | sed 's/^/run_tests: /'
 # The default run: one live e2e per capability. `--full` (make test-full, before each release of a capability)
 # adds the tests marked `full`: second live runs of capabilities the default run already covers.
-MARKERS="(unit or e2e or slurm or redis) and not full"
+NOT_FULL=" and not full"
 if [ "${1:-}" = "--full" ]; then
   shift
-  MARKERS="unit or e2e or slurm or redis"
+  NOT_FULL=""
 fi
-"$PY" -m pytest -m "$MARKERS" --durations=25 "$@"
-rc=$?
+verdict() {  # pytest's code, with "collected nothing" made a failure
+  if [ "$1" -eq 5 ]; then
+    echo "run_tests: pytest collected no $2 tests — the suite is miswired" >&2
+    return 1
+  fi
+  return "$1"
+}
+UNIT_LOG=$(mktemp "${TMPDIR:-/tmp}/run_tests-unit.XXXXXX")
+trap 'rm -f "$UNIT_LOG"' EXIT
+live() { "$PY" -m pytest -m "(e2e or slurm or redis)$NOT_FULL" --durations=25 tests/e2e tests/slurm "$@"; }
+unit() { "$PY" -m pytest -m "unit$NOT_FULL" --durations=15 tests/unit "$@"; }
+if [ -n "${MXLAUNCH_TESTS_SERIAL:-}" ]; then
+  unit "$@"; rc_unit=$?
+  live "$@"; rc_live=$?
+else
+  unit "$@" > "$UNIT_LOG" 2>&1 &
+  unit_pid=$!
+  live "$@"; rc_live=$?
+  wait "$unit_pid"; rc_unit=$?
+  echo "run_tests: the unit tests (run beside the live ones):"
+  cat "$UNIT_LOG"
+fi
 df -h "${TMPDIR:-/tmp}" /dev/shm 2>/dev/null | sed 's/^/run_tests: /'
-if [ "$rc" -eq 5 ]; then
-  echo "run_tests: pytest collected no tests — the suite is miswired" >&2
-  exit 1
-fi
-exit "$rc"
+verdict "$rc_unit" unit; rc_unit=$?
+verdict "$rc_live" live; rc_live=$?
+[ "$rc_unit" -eq 0 ] && [ "$rc_live" -eq 0 ]

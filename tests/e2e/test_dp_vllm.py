@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from mxlaunch.store import MANIFEST, Store
 from tests.helpers.cli import compare_gold, run_cli
 from tests.helpers.launcher import LaunchProcess
@@ -28,6 +30,7 @@ def loaded_by_rank(launch: LaunchProcess, ranks: set[int], timeout: float = 120)
         time.sleep(0.5)
 
 
+@pytest.mark.full  # DP placement is unit-tested (local_ranks); four engine processes on 2 cores: ~4 min
 def test_dp2_captures_one_copy_per_rank_and_both_replicas_restore_it(tiny_model: Path, tmp_path: Path) -> None:
     store_root, gold = tmp_path / "store", tmp_path / "gold.json"
     first = LaunchProcess(tiny_model, store_root, "-dp", "2", launch_args=("--no-p2p",))

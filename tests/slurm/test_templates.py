@@ -2,9 +2,9 @@
 
 Each engine start costs ~30–60 s here, so the jobs share their work through fixtures: one capture
 job (the TP=1 snapshot), one verify job (default loader → gold → staged restore → compare), one
-launch job at TP=2 (captures the 2-rank snapshot while serving; TP=2 gold from it; scancel), one
-2-node job capturing a snapshot into an empty store with one rank per node, one 2-node job serving
-that snapshot, and one 2-node job cancelled while its engines start. Eight engine starts in all; the
+launch job at TP=2 (captures the 2-rank snapshot while serving; TP=2 gold from it; scancel), one 2-node
+job serving that snapshot with one rank per node, and one 2-node job cancelled while its engines start
+(a 2-node job capturing into an empty store: make test-full). Six engine jobs in all; the
 rest — a second capture, the multi-node plans, bad input — starts no engine. After every scancel
 nothing the job's processes mapped is left in /dev/shm. (A node killed during a multi-node capture is
 tested with real processes in tests/unit/test_multinode_capture.py: a live one would wait for vLLM to
@@ -258,6 +258,7 @@ def multinode_captured(slurm_cluster: Cluster, tiny_model: Path, multinode_store
     return {"job_id": job_id, "run_dir": run_dir, "text": read_out(out, job_id), "compared": compared}
 
 
+@pytest.mark.full  # two nodes capturing one snapshot also run as real processes in unit/test_multinode_capture.py
 def test_multinode_template_captures_one_snapshot_across_two_nodes(multinode_captured: dict, multinode_store: Path) -> None:
     """Both nodes write their rank into one pending capture; exactly one manifest (2 ranks, 2 nodes) is
     published, nothing pending is left, and the head served the default loader's numbers meanwhile."""
@@ -280,13 +281,13 @@ def test_multinode_template_captures_one_snapshot_across_two_nodes(multinode_cap
     assert "publishes it once every node's part is in" in text and "joins the claim of" in text
 
 
-def test_multinode_template_serves_staged_across_two_nodes(slurm_cluster: Cluster, tiny_model: Path, multinode_store: Path,
-                                                            vllm_shim: Path, tp2: dict, multinode_captured: dict,
-                                                            tmp_path: Path) -> None:
-    """The next 2-node job stages the snapshot the 2-node job captured: each node stages and loads only
-    its own rank, node 1 runs headless, and the head serves exactly what one node with TP=2 served."""
+def test_multinode_template_serves_staged_across_two_nodes(slurm_cluster: Cluster, tiny_model: Path, store_root: Path,
+                                                            vllm_shim: Path, tp2: dict, tmp_path: Path) -> None:
+    """A 2-node job stages the 2-rank snapshot (the one-node TP=2 job published it; the same source id):
+    each node stages and loads only its own rank, node 1 runs headless, and the head serves exactly what
+    one node with TP=2 served."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    job_id, url = start_multinode(slurm_cluster, tiny_model, multinode_store, vllm_shim, run_dir, out)
+    job_id, url = start_multinode(slurm_cluster, tiny_model, store_root, vllm_shim, run_dir, out)
     watch = watch_shm(job_id)
     try:
         wait_healthy(slurm_cluster, job_id, url, out)
