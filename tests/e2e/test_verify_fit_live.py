@@ -36,6 +36,7 @@ def small_vocab_gold(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
         server.stop()
 
 
+@pytest.mark.full  # the fitting runs against servers speaking the engines' /tokenize in unit/test_verify_fit.py
 def test_record_fits_the_set_and_compare_replays_it(small_vocab_gold: tuple) -> None:
     same, gold_path, recorded = small_vocab_gold
     assert recorded.returncode == 0, recorded.stderr

