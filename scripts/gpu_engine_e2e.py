@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The real engine on the GPU, through mxlaunch: every strategy checked with `mxlaunch verify`, time to ready
-measured from spawn. Run on the GPU machine once vLLM's kit is there (../shared/gpu-engines/README.md):
+measured from spawn. Run on the GPU machine once vLLM 0.26's CUDA kit is there (the development workspace's gpu-engines/README.md):
 
     source /tmp/kit/device_env.sh && python3 scripts/gpu_engine_e2e.py \
         --scenarios default,capture,staged,staged --out $OUT/gpu_engine.json
