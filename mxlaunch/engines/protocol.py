@@ -33,9 +33,6 @@ class Engine(Protocol):
         """argv → LaunchSpec (one-line UsageError on bad input); the version is read from the engine's
         interpreter when not given (None there: not installed)."""
 
-    def version(self, argv: Sequence[str]) -> Optional[str]:
-        """The installed version in the interpreter that will run argv, from package metadata only."""
-
     def explicit_fields(self, argv: Sequence[str]) -> Dict[str, Any]:
         """field → value for what the command sets itself (its command line or --config file)."""
 

@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mxlaunch.engines import sglang_argv
 from mxlaunch.engines.base import LaunchSpec
-from mxlaunch.engines.environment import engine_python
 from mxlaunch.engines.sglang import SGLangLog
 
 SNAPSHOT_FORMATS = ("sharded_state", "presharded")  # SGLang's stock dump formats, besides raw
@@ -38,9 +37,6 @@ class SGLangEngine:
 
     def matches(self, argv: Sequence[str]) -> bool:
         return sglang_argv.is_sglang_command(list(argv))
-
-    def version(self, argv: Sequence[str]) -> Optional[str]:
-        return sglang_argv.sglang_version(engine_python(list(argv)))
 
     def parse(self, argv: Sequence[str], *, engine_version: Optional[str] = None) -> LaunchSpec:
         return sglang_argv.parse_sglang_argv(list(argv), engine_version=engine_version)

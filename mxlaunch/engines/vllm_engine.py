@@ -12,7 +12,6 @@ from typing import Any, Dict, List, Optional, Sequence
 from mxlaunch.contract import LOAD_FORMAT
 from mxlaunch.engines import vllm_argv
 from mxlaunch.engines.base import LaunchSpec
-from mxlaunch.engines.environment import engine_python
 from mxlaunch.engines.vllm import VLLMLog
 from mxlaunch.errors import UsageError
 
@@ -39,9 +38,6 @@ class VLLMEngine:
 
     def matches(self, argv: Sequence[str]) -> bool:
         return vllm_argv.is_vllm_command(list(argv))
-
-    def version(self, argv: Sequence[str]) -> Optional[str]:
-        return vllm_argv.vllm_version(engine_python(list(argv)))
 
     def parse(self, argv: Sequence[str], *, engine_version: Optional[str] = None) -> LaunchSpec:
         return vllm_argv.parse_vllm_argv(list(argv), engine_version=engine_version)
