@@ -33,6 +33,10 @@ def launch(
     registry: Optional[str] = typer.Option(None, "--registry", help="P2P source registry: file (the store's folder, default) or redis://HOST:PORT/DB [env MXLAUNCH_REGISTRY]."),
     capture_id: Optional[str] = typer.Option(None, "--capture-id", help="One capture over several nodes: the same id on "
                                              "every node (in a Slurm job step: the job and step ids, set for you)."),
+    no_engine_fork: bool = typer.Option(False, "--no-engine-fork", help="Leave the engine's start method as it is (vLLM on "
+                                        "CUDA: the engine core is forked from the API server, not spawned to import vLLM again)."),
+    zygote: bool = typer.Option(False, "--zygote", help="Fork restarts from a warm interpreter that has imported the engine "
+                                "(started after this run is ready; it waits on the node until idle for 15 min)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
     as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
 ) -> None:
@@ -42,7 +46,7 @@ def launch(
     opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
                          snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache, p2p=not no_p2p,
-                         registry=registry, capture_id=capture_id)
+                         registry=registry, capture_id=capture_id, engine_fork=not no_engine_fork, zygote=zygote)
     plan = make_plan(list(command or []), opts)
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
         err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
@@ -64,6 +68,11 @@ def launch(
                 out.print(f"p2p {p.layout} layout via {escape(p.registry)}: "
                           f"{'pull from ' + escape(p.describe()) if p.can_pull else escape(str(p.why_not))}"
                           f"{'; workers serve after loading' if p.serve else ''}", highlight=False)
+            start = plan.engine_start
+            if start is not None:
+                env = " ".join(f"{k}={v}" for k, v in start.env.items())
+                out.print(f"engine start: {escape(env + ' — ' if env else '')}{escape(start.fork_reason)}; "
+                          f"zygote {'on' if start.zygote else 'off'}: {escape(start.zygote_reason)}", highlight=False)
             if plan.capture_via:
                 out.print(f"capture via [bold]{plan.capture_via}[/]: {escape(plan.capture_via_reason)}", highlight=False)
             if plan.stage_files:

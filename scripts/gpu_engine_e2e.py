@@ -15,7 +15,11 @@ the gold, the store and the runs so far, so a batch can build on the one before 
 Scenarios (each one start, vLLM `python3 -m vllm.entrypoints.openai.api_server`, bf16, `--enforce-eager`):
   default          the engine alone (the first one records the gold)
   capture          `mxlaunch launch` into an empty store: the first serve captures (waits for "published")
-  staged           `mxlaunch launch --no-p2p` from the store (the staged restore)
+  staged           `mxlaunch launch --no-p2p` from the store (the staged restore; the engine core forked)
+  staged-spawn     the same with `--no-engine-fork` (vLLM's CLI start method: the engine core spawned)
+  default-fork     the engine alone with VLLM_WORKER_MULTIPROC_METHOD=fork (the fork without mxlaunch)
+  zygote           a restart: one staged start with `--zygote` (it starts a warm interpreter once ready),
+                   then the recorded one, forked from that interpreter; the zygote is stopped after
   p2p              a staged source with P2P on, then a second server on the same GPU pulling from it over
                    NIXL (each with half the --gpu-memory-utilization); the record is the puller's
   prefetch         vLLM `--safetensors-load-strategy prefetch`
@@ -56,7 +60,13 @@ ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
 ENGINE_OPTIONS = {"prefetch": ("--safetensors-load-strategy", "prefetch"),
                   "fastsafetensors": ("--load-format", "fastsafetensors"),
                   "instanttensor": ("--load-format", "instanttensor")}
-SCENARIOS = ("default", "capture", "staged", "p2p", *ENGINE_OPTIONS)
+# the engine's start-up (issue 24): the same weight path with and without the launcher's start-up cuts
+FORK_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+SCENARIOS = ("default", "default-fork", "capture", "staged", "staged-spawn", "zygote", "p2p", *ENGINE_OPTIONS)
+LAUNCHED = ("capture", "staged", "staged-spawn", "zygote")
+MODES = {"default": "engine alone (vLLM CLI: engine core spawned)", "default-fork": "engine alone, engine core forked",
+         "staged": "mxlaunch staged, engine core forked", "staged-spawn": "mxlaunch staged, engine core spawned",
+         "zygote": "mxlaunch staged, forked from a zygote, engine core forked"}
 
 
 def evict(*folders: Path) -> int:
@@ -84,9 +94,9 @@ def engine_argv(model: Path, port: int, util: float, extra: tuple[str, ...] = ()
 class Start:
     """One process (a plain engine or `mxlaunch launch`) and the arrival times of its lines."""
 
-    def __init__(self, argv: list[str], log: Path, events: Optional[Path]) -> None:
+    def __init__(self, argv: list[str], log: Path, events: Optional[Path], env: Optional[dict] = None) -> None:
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **ENV},
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **ENV, **(env or {})},
                                      start_new_session=True, cwd=REPO, stdin=subprocess.DEVNULL)
         self.log, self.events_path = log, events
         self.first_line_s: Optional[float] = None
@@ -198,10 +208,13 @@ class Harness:
         try:
             if scenario == "p2p":
                 rec = self._p2p()
+            elif scenario == "zygote":
+                rec = self._zygote()
             else:
                 rec = self._one(scenario)
         except RuntimeError as exc:
             rec = {"name": scenario, "strategy": scenario, "error": str(exc)}
+        rec.setdefault("mode", MODES.get(scenario, scenario))
         rec.update(evicted_bytes=evicted, at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
         self.runs.append(rec)
         self.record_path.write_text(json.dumps(self.runs, indent=1))
@@ -219,14 +232,16 @@ class Harness:
                 return {"name": scenario, "strategy": scenario, "skipped": f"not installed: {why}"}
             extra = ENGINE_OPTIONS[scenario]
         argv = engine_argv(self.model, port, self.util, extra)
-        launcher = scenario in ("capture", "staged")
+        launcher = scenario in LAUNCHED
         log = self._log(scenario)
         events = log.with_suffix(".events.jsonl") if launcher else None
         if launcher:
-            argv = mx("launch", "--json", "--artifact-path", str(self.store), "--no-p2p", "--", *argv)
-        start = Start(argv, log, events)
-        rec: dict = {"name": scenario, "strategy": "default" if scenario == "default" else scenario,
-                     "command": shlex.join(argv)}
+            flags = ("--no-engine-fork",) if scenario == "staged-spawn" else ()
+            argv = mx("launch", "--json", "--artifact-path", str(self.store), "--no-p2p", *flags, "--", *argv)
+        env = FORK_ENV if scenario == "default-fork" else None
+        start = Start(argv, log, events, env)
+        rec: dict = {"name": scenario, "strategy": {"default-fork": "default", "staged-spawn": "staged"}.get(scenario, scenario),
+                     "command": ("VLLM_WORKER_MULTIPROC_METHOD=fork " if env else "") + shlex.join(argv)}
         try:
             rec["ready_s"] = start.wait_ready(port, self.timeout)
             if scenario == "capture":
@@ -250,14 +265,55 @@ class Harness:
             plan = start.event("plan") or {}
             rec["planned"] = plan.get("strategy")
             rec["kernel_cache"] = (start.event("kernel-cache") or {}).get("status")
+            rec["engine_start"] = plan.get("engine_start")
+            rec["zygote"] = (start.event("zygote") or {}).get("status")
             rec["loaded_event"] = start.event("loaded")  # p2p: the pull's phases (transfer, verify, ...)
             fallback = start.event("fallback")
             if fallback:
                 rec["fallback"] = fallback.get("reason")
             if rec.get("fallback"):
                 rec["error"] = f"fell back: {rec['fallback'][:300]}"
-            elif rec["name"] != "capture" and rec.get("planned") != rec["name"]:
+            elif rec["name"] != "capture" and rec.get("planned") != rec["strategy"]:
                 rec["error"] = f"planned {rec.get('planned')!r}, not {rec['name']!r}: {plan.get('reason')}"
+        return rec
+
+    def _zygote(self) -> dict:
+        """A restart from a warm interpreter: the first start leaves one (once ready), the second is forked."""
+        def start(name: str) -> tuple[Start, int, Path]:
+            port, log = free_port(), self._log(name)
+            argv = mx("launch", "--json", "--artifact-path", str(self.store), "--no-p2p", "--zygote", "--",
+                      *engine_argv(self.model, port, self.util))
+            return Start(argv, log, log.with_suffix(".events.jsonl")), port, log
+
+        first, port, _ = start("zygote-first")
+        sock: Optional[str] = None
+        try:
+            first.wait_ready(port, self.timeout)
+            started = first.wait_event("zygote", 30)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not (sock := next((e.get("socket") for e in first.events
+                                                                     if e.get("status") == "starting"), None)):
+                time.sleep(0.2)
+        finally:
+            first.stop(True)
+        if not sock:
+            return {"name": "zygote", "strategy": "staged", "error": f"no zygote started: {started}"}
+        deadline = time.monotonic() + 120
+        while not Path(sock).exists() and time.monotonic() < deadline:  # it publishes once it has imported vLLM
+            time.sleep(0.2)
+        evict(self.model, self.store)
+        second, port, log = start("zygote")
+        rec: dict = {"name": "zygote", "strategy": "staged", "command": shlex.join(second.proc.args)}
+        try:
+            rec["ready_s"] = second.wait_ready(port, self.timeout)
+            second.wait_event("loaded", 30)
+            rec["verify"] = verify(port, self.gold, record=False)
+        finally:
+            second.stop(True)
+            Path(sock).unlink(missing_ok=True)  # the zygote exits within 2 s of its socket's removal
+        rec = self._finish(rec, second, log, launcher=True)
+        if rec.get("zygote") != "forked" and not rec.get("error"):
+            rec["error"] = f"not forked from the zygote: {rec.get('zygote')}"
         return rec
 
     def _p2p(self) -> dict:

@@ -9,7 +9,7 @@ its multi-node flags, whether a node serves HTTP, its log format, its plugin sea
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from mxlaunch.engines.base import LaunchSpec, LogFormat
 
@@ -25,6 +25,7 @@ class Engine(Protocol):
     command_forms: str  # the launch forms it accepts, for the "cannot tell which engine" message
     shm_prefixes: Tuple[str, ...]  # /dev/shm names it may leave behind (removed after a run when orphaned)
     kernel_cache_vars: Tuple[Tuple[str, str], ...]  # (variable, sub-folder): its JIT caches (mxlaunch/kernelcache.py)
+    zygote_preload: Tuple[str, ...]  # modules a warm interpreter imports beyond the entry module (launch/zygote.py)
 
     def matches(self, argv: Sequence[str]) -> bool:
         """Is argv one of this engine's launch forms?"""
@@ -54,6 +55,9 @@ class Engine(Protocol):
 
     def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
         """The flags that change what it compiles, as the command sets them (the kernel cache key digests them)."""
+
+    def start_env(self, spec: LaunchSpec, device_type: str, environ: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
+        """Variables that cut its own start-up without changing what it serves, and why (({}, why not): none)."""
 
     def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
         """Why --snapshot-format `option` (one of snapshot_formats) cannot hold this model, or None."""

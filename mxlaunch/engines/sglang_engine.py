@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.engines import sglang_argv
 from mxlaunch.engines.base import LaunchSpec
@@ -34,6 +34,8 @@ class SGLangEngine:
                          ("FLASHINFER_WORKSPACE_BASE", "flashinfer"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
                          ("TILELANG_CACHE_DIR", "tilelang"), ("CUDA_CACHE_PATH", "cuda"), ("TVM_FFI_CACHE_DIR", "tvm_ffi"))
     command_forms = f"`python -m {sglang_argv.SERVER_MODULE} --model-path MODEL ...` or `sglang serve MODEL ...`"
+    zygote_preload = ("sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
+                      "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager")
 
     def matches(self, argv: Sequence[str]) -> bool:
         return sglang_argv.is_sglang_command(list(argv))
@@ -73,6 +75,9 @@ class SGLangEngine:
 
     def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
         return sglang_argv.compile_flags(list(argv))
+
+    def start_env(self, spec: LaunchSpec, device_type: str, environ: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
+        return {}, "SGLang sets its own start method (spawn) for its scheduler and detokenizer"
 
     def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
         return snapshot_format_refusal(spec, option)

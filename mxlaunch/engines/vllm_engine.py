@@ -7,7 +7,7 @@ the default strategy runs the command as given.
 from __future__ import annotations
 
 import importlib.metadata as md
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.contract import LOAD_FORMAT
 from mxlaunch.engines import vllm_argv
@@ -35,6 +35,11 @@ class VLLMEngine:
     kernel_cache_vars = (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                          ("DG_JIT_CACHE_DIR", "deep_gemm"), ("VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR", "flashinfer_autotune"))
     command_forms = f"`vllm serve MODEL ...` or `python -m {vllm_argv.API_SERVER_MODULE} --model MODEL ...`"
+    # what the API server and a forked engine core import after the entry module (a zygote imports them too;
+    # a CPU build's CUDA worker fails to import there, harmlessly)
+    zygote_preload = ("vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
+                      "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor",
+                      "vllm.v1.worker.gpu_worker", "vllm.model_executor.model_loader")
 
     def matches(self, argv: Sequence[str]) -> bool:
         return vllm_argv.is_vllm_command(list(argv))
@@ -91,6 +96,9 @@ class VLLMEngine:
     def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
         return vllm_argv.compile_flags(list(argv))
 
+    def start_env(self, spec: LaunchSpec, device_type: str, environ: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
+        return start_env(device_type, environ)
+
     def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
         return None  # raw only (snapshot_formats is empty)
 
@@ -120,3 +128,19 @@ def local_ranks(spec: LaunchSpec) -> List[Dict[str, int]]:
             out.append({"rank": dp_rank * world + r, "dp_rank": dp_rank, "pp_rank": r // spec.tp,
                         "tp_rank": r % spec.tp, "snapshot_rank": r})
     return out
+
+
+START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def start_env(device_type: str, environ: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
+    """Fork the engine core on CUDA. vLLM's CLI sets `spawn` when the variable is unset, so the engine core
+    imports vLLM a second time after the API server has (~15 s of a 44 s start on the H200); `fork` is vLLM's own
+    default as a library, and vLLM still spawns when CUDA is already initialised in the parent
+    (utils/system_utils.py `_maybe_force_spawn`). The CPU build forces spawn whatever the variable says."""
+    if device_type != "cuda":
+        return {}, f"vLLM on {device_type} spawns its engine core whatever {START_METHOD_VAR} says"
+    if START_METHOD_VAR in environ:
+        return {}, f"{START_METHOD_VAR}={environ[START_METHOD_VAR]} is set: kept"
+    return ({START_METHOD_VAR: "fork"},
+            "the engine core is forked from the API server, which has imported vLLM already (vLLM's CLI spawns it)")

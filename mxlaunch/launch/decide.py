@@ -26,6 +26,7 @@ from mxlaunch.kernelcache_store import KernelCacheStore
 from mxlaunch.coord.base import valid_id
 from mxlaunch.launch.capture import capture_part
 from mxlaunch.launch.capture_route import decide_capture_route
+from mxlaunch.launch.engine_start import EngineStart, plan_engine_start
 from mxlaunch.launch.kernel import plan_kernel_cache
 from mxlaunch.launch.p2p import P2PDecision, decide_p2p
 from mxlaunch.slurm import adapt_launch
@@ -51,6 +52,8 @@ class LaunchOptions:
     p2p: bool = True  # pull from a live source when one serves this source id, and serve after loading (--no-p2p)
     registry: Optional[str] = None  # the P2P registry URL (--registry; MXLAUNCH_REGISTRY; default: the store's folder)
     capture_id: Optional[str] = None  # shared by the nodes of one capture (--capture-id; in Slurm: the job step's)
+    engine_fork: bool = True  # the engine's start-up variables (launch/engine_start.py; --no-engine-fork: False)
+    zygote: bool = False  # restarts forked from a warm interpreter (--zygote)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class LaunchPlan:
     capture_via_reason: str = ""
     capture_bytes: int = 0  # a capture: this node's part, estimated from the checkpoint (launch/capture_route.py)
     runtime: Optional[EngineRuntime] = None  # what would run the command (engines/runtime.py): its problem stops a launch
+    engine_start: Optional[EngineStart] = None  # launch/engine_start.py: the engine's start-up cuts
 
     def refuse_unstartable(self) -> None:
         """A one-line UsageError (exit 2) when the engine command cannot start here."""
@@ -119,6 +123,7 @@ class LaunchPlan:
             "capture_via": self.capture_via,
             "capture_via_reason": self.capture_via_reason,
             "capture_bytes": self.capture_bytes,
+            "engine_start": self.engine_start.to_json() if self.engine_start else None,
         }
 
 
@@ -159,6 +164,8 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
         plan.capture_via, plan.capture_via_reason, plan.capture_bytes = route.via, route.reason, route.bytes
     plan.kernel_cache = plan_kernel_cache(plan.spec, source_id=plan.source_id, device_type=plan.device_type,
                                           kc_store=KernelCacheStore(store.root, store.coordinator), enabled=opts.kernel_cache)
+    plan.engine_start = plan_engine_start(plan.spec, plan.argv, plan.device_type, os.environ, plan.runtime,
+                                          fork=opts.engine_fork, zygote=opts.zygote)
     return plan
 
 

@@ -28,7 +28,7 @@ from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.fileutil import mark_used, process_start_time, write_json_atomic
-from mxlaunch.launch import process
+from mxlaunch.launch import process, zygote
 from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.cleanup import SegmentRecord, reap_stale_runs, shm_entries, shm_user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
@@ -57,7 +57,8 @@ class Launcher(Stopping):
             self.run_id = f"job{job}-{self.run_id}"
         self.shm_dir = shm_user_root() / self.run_id
         self.log_dir = Path(opts.run_dir) if opts.run_dir else default_log_root() / self.run_id
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[subprocess.Popen] = None  # or a zygote.ZygoteChild (--zygote), driven the same way
+        self._zygote_next: Optional[tuple] = None  # (key, entry, env): the zygote to start once ready
         self.stage_job = None
         self.capture: Optional[CaptureSession] = None
         self.stop_reason: Optional[str] = None
@@ -136,6 +137,9 @@ class Launcher(Stopping):
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env[PLAN_ENV] = str(self.shm_dir / "plan.json")
+        start = self.plan.engine_start
+        for key, value in (start.env if start else {}).items():  # the engine's start-up cuts (launch/engine_start.py)
+            env.setdefault(key, value)
         allowlist = spec_engine(self.plan.spec).plugin_allowlist
         if env.get(allowlist):  # an allowlist that leaves mxlaunch out would silently disable the plugin
             names = env[allowlist].split(",")
@@ -212,7 +216,7 @@ class Launcher(Stopping):
             # (tens of seconds later), while the stage's reader threads, started first, held the GIL against
             # the kernel-cache restore and the spawn (0.7-0.8 s before the engine's first line on the 2-core VM).
             try:
-                self.proc = process.start(argv, env)
+                self.proc = self._fork_from_zygote(argv, env) or process.start(argv, env)
             except OSError as exc:  # checked in the plan already; a PATH changed since, or a race
                 raise UsageError(f"cannot start the engine command {argv[0]}: {exc.strerror or exc}",
                                  "check the command after --, or activate the environment that has the engine")
@@ -229,6 +233,42 @@ class Launcher(Stopping):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._cleanup()
+
+    def _fork_from_zygote(self, argv: list[str], env: dict[str, str]) -> Optional[zygote.ZygoteChild]:
+        """With --zygote: the engine forked from a warm interpreter for this command, or None (spawn it; the
+        zygote for the next start is started once this one is ready)."""
+        start = self.plan.engine_start
+        if start is None or start.zygote is None:
+            return None
+        entry, why = zygote.entry_for(argv, start.zygote.python, self.plan.runtime.executable if self.plan.runtime else None,
+                                      start.zygote.preload)
+        if entry is None:
+            self.emit("zygote", status="off", reason=why)
+            return None
+        key = zygote.zygote_key(entry, self.plan.spec.engine_version, env, os.getcwd())
+        child = zygote.fork_from(key, entry, env, os.getcwd())
+        if child is None:
+            self._zygote_next = (key, entry, {k: v for k, v in env.items() if k != PLAN_ENV})
+            self.emit("zygote", status="miss", key=key, reason="no warm interpreter for this command yet: spawned; "
+                      "one starts once the engine is ready")
+            return None
+        self.emit("zygote", status="forked", key=key, pid=child.pid, reason="forked from a warm interpreter")
+        return child
+
+    def _start_next_zygote(self) -> None:
+        if self._zygote_next is None:
+            return
+        key, entry, env = self._zygote_next
+        self._zygote_next = None
+        try:
+            pid = zygote.start_zygote(key, entry, env, os.getcwd(), self.log_dir)
+        except OSError as exc:
+            self.emit("zygote", status="off", key=key, reason=f"cannot start one: {exc.strerror or exc}")
+            return
+        if pid is not None:
+            self.emit("zygote", status="starting", key=key, pid=pid, socket=str(zygote.socket_path(key)),
+                      log=str(self.log_dir / "zygote.log"),
+                      reason="a warm interpreter for the next start (it exits after 15 min with nothing to start)")
 
     def _feed_profile(self, line: str, arrival: Optional[float] = None) -> None:
         with self._profile_lock:
@@ -339,6 +379,7 @@ class Launcher(Stopping):
         phases = {p.name: round(p.seconds, 3) for p in timeline.phases}
         self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases, kernel_cache=self.kernel.status)
         self.kernel.start_capture()
+        self._start_next_zygote()
         if self.capture is not None:  # a capture through /dev/shm uploads into the store from now on
             self.capture.engine_ready()
         self.timeline = timeline

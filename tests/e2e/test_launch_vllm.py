@@ -9,6 +9,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import psutil
 import pytest
@@ -29,6 +30,28 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 compare = compare_gold
 
 
+@pytest.fixture(scope="module")
+def zygotes() -> Iterator[list[dict]]:
+    """The zygote events of this module's launches; the zygotes are stopped at the end as a user would stop
+    one (its socket removed), and must then be gone."""
+    seen: list[dict] = []
+    yield seen
+    for event in seen:
+        Path(event["socket"]).unlink(missing_ok=True)
+    for event in seen:
+        try:
+            psutil.Process(event["pid"]).wait(timeout=30)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
 def assert_gone(launch: LaunchProcess, run_dir: str, procs: list[psutil.Process]) -> None:
     assert not Path(run_dir).exists(), f"{run_dir} left behind"
     deadline = time.monotonic() + 20
@@ -37,8 +60,9 @@ def assert_gone(launch: LaunchProcess, run_dir: str, procs: list[psutil.Process]
         time.sleep(0.2)
 
 
-def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: Path, store_root: Path) -> None:
-    launch = LaunchProcess(tiny_model, store_root)
+def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: Path, store_root: Path,
+                                                  zygotes: list[dict]) -> None:
+    launch = LaunchProcess(tiny_model, store_root, launch_args=("--zygote",))
     try:
         plan = launch.wait_event("plan", 120)
         assert plan["strategy"] == "capture", plan
@@ -53,7 +77,9 @@ def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: P
         assert captured["prepared"]["wait_seconds"] >= 0 and captured["bytes"] > 0, captured
         report = compare(launch.url, gold_file)
         assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
-        procs = launch.engine_processes()
+        assert launch.event("zygote")["status"] == "miss"  # spawned; a warm interpreter starts once ready
+        zygotes.append(launch.wait_event_where("zygote", lambda e: e["status"] == "starting", 60))
+        procs = [p for p in launch.engine_processes() if p.pid != zygotes[-1]["pid"]]
     finally:
         code = launch.stop()
     assert code == launch.wait_event("exit", 5)["code"] or code == 128 + signal.SIGTERM
@@ -63,12 +89,19 @@ def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: P
     assert Store(store_root).verify(plan["source_id"]).ok
 
 
-def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, store_root: Path) -> None:
+def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, store_root: Path,
+                                         zygotes: list[dict]) -> None:
+    """The restart is also forked from the zygote the capture run left (--zygote): vLLM imported already."""
     rendezvous_before = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
-    launch = LaunchProcess(tiny_model, store_root)
+    assert zygotes, "the capture run started no zygote"
+    wait_for(lambda: Path(zygotes[0]["socket"]).exists(), READY_S, "the zygote's socket (it publishes once imported)")
+    launch = LaunchProcess(tiny_model, store_root, launch_args=("--zygote",))
     try:
         plan = launch.wait_event("plan", 120)
         assert plan["strategy"] == "staged", plan
+        forked = launch.wait_event("zygote", 60)
+        assert forked["status"] == "forked" and forked["key"] == zygotes[0]["key"], forked
+        assert psutil.Process(forked["pid"]).ppid() == zygotes[0]["pid"]
         staged = launch.wait_event("staged", READY_S)
         assert staged["bytes"] > 0
         loaded = launch.wait_event("loaded", READY_S)
@@ -77,10 +110,12 @@ def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, stor
         assert any("mxlaunch: rank 0 loaded" in line for line in launch.stderr_lines)
         assert not (Path(plan["run_dir"]) / "stage" / "0").exists()  # freed once loaded
         compare(launch.url, gold_file)
-        procs = launch.engine_processes()
+        engine = psutil.Process(forked["pid"])
+        procs = [engine, *engine.children(recursive=True)]
     finally:
         launch.stop()
     assert_gone(launch, plan["run_dir"], procs)
+    assert psutil.Process(zygotes[0]["pid"]).is_running()  # the zygote waits for the next restart
     assert (store_root / plan["source_id"] / ".last-used").is_file()  # stamped for `store prune`
     # vLLM's workers met through a FileStore file in $TMPDIR that vLLM never removes; the launcher did
     assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) - rendezvous_before == set()

@@ -11,11 +11,18 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
 from tests.helpers.cli import REPO
 from tests.helpers.vllm_server import VLLM_ENV, free_port, vllm_argv
+
+
+def _environ() -> dict[str, str]:
+    """This process's environment without pytest's per-test variable: two launches of one module see the same
+    environment, as two restarts in one shell do (a zygote's key digests it)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
 class LaunchProcess:
@@ -36,7 +43,7 @@ class LaunchProcess:
         self.argv = [sys.executable, "-m", "mxlaunch.cli", "launch", "--json", "--artifact-path", str(store),
                      *launch_args, "--", *command]
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     cwd=REPO, env={**os.environ, **engine_env, **(env or {})})
+                                     cwd=REPO, env={**_environ(), **engine_env, **(env or {})})
         self.events: list[dict] = []
         self.stderr_lines: list[str] = []
         self._queue: "queue.Queue[dict]" = queue.Queue()
@@ -64,8 +71,12 @@ class LaunchProcess:
 
     def wait_event(self, name: str, timeout: float = 300.0) -> dict:
         """The first event called `name` (already seen or still to come)."""
+        return self.wait_event_where(name, lambda _: True, timeout)
+
+    def wait_event_where(self, name: str, match: Callable[[dict], bool], timeout: float = 300.0) -> dict:
+        """The first event called `name` for which match(event) holds (already seen or still to come)."""
         for event in self.events:
-            if event.get("event") == name:
+            if event.get("event") == name and match(event):
                 return event
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -77,7 +88,7 @@ class LaunchProcess:
                     if self._queue.empty():
                         break
                 continue
-            if event.get("event") == name:
+            if event.get("event") == name and match(event):
                 return event
         tail = "\n".join(self.stderr_lines[-30:])
         raise AssertionError(f"no {name!r} event; events: {[e.get('event') for e in self.events]}\n{tail}")

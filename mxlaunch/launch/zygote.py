@@ -1,0 +1,195 @@
+"""The launcher's side of the warm interpreter (`mxlaunch launch --zygote`; the server: plugin/zygote.py).
+
+A restart on a node where a zygote for the same engine, interpreter, folder and environment waits is forked
+from it: the engine's imports are done already. Otherwise the engine is spawned as always, and once it is
+ready a zygote is started for the next start (after ready, so it never competes with this one's imports).
+
+The key is a digest of everything a child inherits from the zygote's imports rather than from its request:
+the interpreter, the engine's version, the entry, the folder, and the environment without the variables that
+only say which run this is (the plan file's path, Slurm's step and task ids). A start that differs in
+anything else gets its own zygote. Sockets live in /dev/shm/mxlaunch-zygote-<uid>/ (0700), one per key.
+
+`ZygoteChild` stands in for subprocess.Popen where the launcher uses one: pid (its own process group),
+stdout, poll(), wait(), returncode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+from mxlaunch.engines.environment import PYTHON_EXE
+from mxlaunch.plan import PLAN_ENV
+
+SHM_ROOT = Path("/dev/shm")
+IDLE_S = 900.0  # a zygote with no engine and no request for this long exits
+RUN_ONLY_VARS = (PLAN_ENV, "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_TASK_PID",
+                 "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "OLDPWD", "_")
+
+
+@dataclass(frozen=True)
+class ZygoteEntry:
+    """What a zygote imports and how a child runs it: `python -m MODULE ARGS` or `SCRIPT ARGS`."""
+
+    python: str
+    kind: str  # "module" | "path"
+    target: str  # the module name, or the console script's absolute path
+    args: Tuple[str, ...]  # the command's arguments after the entry
+    preload: Tuple[str, ...]
+
+    def child_argv(self) -> list[str]:
+        """sys.argv for the child (runpy puts the module's file in argv[0] itself)."""
+        return [self.target, *self.args]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if k != "args"}
+
+
+def entry_for(argv: Sequence[str], python: Optional[str], executable: Optional[str],
+              preload: Sequence[str]) -> Tuple[Optional[ZygoteEntry], str]:
+    """(entry, "") for a command a zygote can run, else (None, why not)."""
+    if not argv or python is None or executable is None:
+        return None, "cannot tell which Python runs the command"
+    if PYTHON_EXE.match(os.path.basename(argv[0])):
+        if len(argv) >= 3 and argv[1] == "-m":
+            return ZygoteEntry(python, "module", argv[2], tuple(argv[3:]), tuple(preload)), ""
+        return None, "only `python -m MODULE ...` (no interpreter options) runs from a zygote"
+    if executable != python:  # a console script (its shebang names python)
+        return ZygoteEntry(python, "path", executable, tuple(argv[1:]), tuple(preload)), ""
+    return None, "the command is not a Python module or console script"
+
+
+def zygote_root() -> Path:
+    return SHM_ROOT / f"mxlaunch-zygote-{os.getuid()}"
+
+
+def zygote_key(entry: ZygoteEntry, engine_version: Optional[str], env: Mapping[str, str], cwd: str) -> str:
+    kept = {k: v for k, v in env.items() if k not in RUN_ONLY_VARS}
+    blob = json.dumps({"entry": entry.to_json(), "version": engine_version, "cwd": cwd, "env": sorted(kept.items())},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def socket_path(key: str) -> Path:
+    return zygote_root() / f"{key}.sock"
+
+
+class ZygoteChild:
+    """An engine forked by a zygote, driven like the Popen of a spawned one."""
+
+    def __init__(self, pid: int, conn: socket.socket, stdout_fd: int, lifeline_fd: int) -> None:
+        self.pid = pid
+        self.stdout = os.fdopen(stdout_fd, "rb", buffering=0)
+        self.returncode: Optional[int] = None
+        self._conn = conn
+        self._lifeline = lifeline_fd  # held open for the child's life: closing it (or dying) stops the engine
+        self._buf = b""
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self._read(block=False)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"zygote child {self.pid}", timeout or 0)
+            self._read(block=True, timeout=min(0.5, left) if left is not None else 0.5)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _read(self, *, block: bool, timeout: float = 0.0) -> None:
+        self._conn.settimeout(timeout if block else 0.0)
+        try:
+            chunk = self._conn.recv(4096)
+        except (BlockingIOError, socket.timeout):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the zygote is gone: the child's status can no longer be told, only whether it lives
+            if not _alive(self.pid):
+                self._finish(-1)
+            return
+        self._buf += chunk
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            msg = json.loads(line)
+            if "exit" in msg:
+                self._finish(int(msg["exit"]))
+
+    def _finish(self, code: int) -> None:
+        self.returncode = code
+        self._conn.close()
+        try:
+            os.close(self._lifeline)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def fork_from(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str) -> Optional[ZygoteChild]:
+    """The engine, forked by the zygote for `key`; None when none serves it (then spawn as always). A socket
+    nobody answers is removed."""
+    path = socket_path(key)
+    if not path.exists():
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    out_r, out_w = os.pipe()
+    life_r, life_w = os.pipe()
+    try:
+        conn.settimeout(10.0)
+        conn.connect(str(path))
+        socket.send_fds(conn, [b"\0"], [out_w, life_r])
+        conn.sendall(json.dumps({"argv": entry.child_argv(), "env": dict(env), "cwd": cwd}).encode() + b"\n")
+        with conn.makefile("rb") as f:
+            reply = json.loads(f.readline() or b"{}")
+        pid = int(reply["pid"])
+    except (OSError, ValueError, KeyError):
+        conn.close()
+        for fd in (out_r, life_w):
+            os.close(fd)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        return None
+    finally:
+        for fd in (out_w, life_r):
+            os.close(fd)
+    return ZygoteChild(pid, conn, out_r, life_w)
+
+
+def start_zygote(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str,
+                 log_dir: Path, idle_s: float = IDLE_S) -> Optional[int]:
+    """Start a zygote for `key` in the background (its own session; it outlives this launcher until idle);
+    its pid, or None when one is already there."""
+    root = zygote_root()
+    root.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(root, 0o700)
+    path = socket_path(key)
+    if path.exists():
+        return None
+    cmd = [entry.python, "-m", "mxlaunch.plugin.zygote", "--socket", str(path),
+           "--module" if entry.kind == "module" else "--path", entry.target,
+           "--preload", ",".join(entry.preload), "--idle-s", str(idle_s)]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "zygote.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(env), cwd=cwd, start_new_session=True)
+    return proc.pid

@@ -1,0 +1,289 @@
+"""A warm interpreter for engine restarts: it imports the engine once, then forks one engine per request.
+
+Two Python interpreters importing vLLM are most of a restart once the weights take 0.16 s (issue 24); a child
+forked from an interpreter that has done the imports starts where they end. Runs in the engine's own Python:
+
+    python -m mxlaunch.plugin.zygote --socket PATH (--module MOD | --path SCRIPT) [--preload a,b] [--idle-s N]
+
+It imports the entry (a module, or what a console script imports), then the preload list, refuses to serve if
+that initialised CUDA (a forked child could not use it), and only then publishes its socket (bound under a
+temporary name, renamed into place: a socket that exists is one that is ready). One Unix connection per start:
+
+    client → zygote: a 1-byte message carrying two fds [output, lifeline], then one JSON line
+                     {"argv": [...], "env": {...}, "cwd": "..."}
+    zygote → client: {"pid": N}, and once that child has exited {"exit": code} (a Popen returncode)
+
+The child becomes what `launch/process.start` makes of a spawned engine: its own session, output on fds 1 and
+2, stdin /dev/null, the request's environment, folder and argv, the default signal handlers, fresh random
+seeds; when the lifeline's other end closes (the launcher died) it sends its group SIGTERM, as
+PR_SET_PDEATHSIG does. The zygote is single-threaded (select on the socket and on one pidfd per child), so
+forking it is safe, and it exits after --idle-s seconds with no child and no request, or when its socket is
+removed or replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+READY_LINE = "mxlaunch zygote: ready"
+
+
+def script_imports(path: str) -> List[str]:
+    """The modules a console script imports at its top level (`from vllm.entrypoints.cli.main import main`)."""
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), filename=path)
+    mods: List[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods.append(node.module)
+        elif isinstance(node, ast.Import):
+            mods.extend(alias.name for alias in node.names)
+    return mods
+
+
+def warm(modules: List[str]) -> Tuple[List[str], Dict[str, str]]:
+    """Import each module; (imported, failed name → why). A failure is the child's to meet, as it would be."""
+    done, failed = [], {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except Exception as exc:  # noqa: BLE001 — an optional module of the engine (a CPU build's CUDA worker)
+            failed[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return done, failed
+
+
+def cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 — a torch without CUDA
+        return False
+
+
+def _lifeline(fd: int) -> None:
+    """Block until the launcher's end closes, then stop this engine's group (the launcher is gone)."""
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    try:
+        os.killpg(os.getpid(), signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _reseed() -> None:
+    """A fresh start seeds its generators from the OS; children of one zygote must not share a sequence."""
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        try:
+            numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def become_engine(req: dict, out_fd: int, life_fd: int, entry: Tuple[str, str]) -> int:
+    """In the forked child: turn into the requested engine process and run its __main__; its exit code."""
+    os.setsid()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    for fd in (null, out_fd):
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    if os.environ.get("PYTHONUNBUFFERED"):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.reconfigure(write_through=True)  # type: ignore[attr-defined]
+            except (AttributeError, ValueError):
+                pass
+    _reseed()
+    threading.Thread(target=_lifeline, args=(life_fd,), name="mx-lifeline", daemon=True).start()
+    sys.argv = list(req["argv"])
+    kind, target = entry
+    try:
+        if kind == "module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 — printed as the interpreter would, then a failure code
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+class Zygote:
+    """The serving loop: one fork per request, one pidfd per live child, exit when idle or unlinked."""
+
+    def __init__(self, socket_path: str, entry: Tuple[str, str], idle_s: float) -> None:
+        self.path = socket_path
+        self.entry = entry
+        self.idle_s = idle_s
+        self.children: Dict[int, Tuple[int, socket.socket]] = {}  # pidfd → (pid, the client's connection)
+        self.listener: Optional[socket.socket] = None
+        self.inode: Optional[int] = None
+
+    def publish(self) -> None:
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(tmp)
+        finally:
+            os.umask(old)
+        sock.listen(16)
+        os.replace(tmp, self.path)
+        self.inode = os.stat(self.path).st_ino
+        self.listener = sock
+
+    def still_ours(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except OSError:
+            return False
+
+    def serve(self) -> None:
+        assert self.listener is not None
+        last = time.monotonic()
+        while True:
+            ready, _, _ = select.select([self.listener, *self.children], [], [], 2.0)
+            for r in ready:
+                if r is self.listener:
+                    self._accept()
+                    last = time.monotonic()
+                else:
+                    self._reap(r)
+                    last = time.monotonic()
+            if not self.still_ours():
+                return
+            if not self.children and time.monotonic() - last > self.idle_s:
+                return
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        conn, _ = self.listener.accept()
+        try:
+            conn.settimeout(10.0)
+            _, fds, _, _ = socket.recv_fds(conn, 1, 2)
+            if len(fds) != 2:
+                raise ValueError("the request carries no output and lifeline")
+            with conn.makefile("rb") as f:
+                req = json.loads(f.readline())
+            conn.settimeout(None)
+        except (OSError, ValueError) as exc:
+            print(f"mxlaunch zygote: a bad request ({exc})", flush=True)
+            conn.close()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into the loop
+            code = 1
+            try:
+                assert self.listener is not None
+                self.listener.close()
+                conn.close()
+                for pidfd, (_, other) in self.children.items():
+                    os.close(pidfd)
+                    other.close()
+                code = become_engine(req, fds[0], fds[1], self.entry)
+            finally:
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        try:
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except OSError:
+            pass
+        self.children[os.pidfd_open(pid)] = (pid, conn)
+
+    def _reap(self, pidfd: int) -> None:
+        pid, conn = self.children.pop(pidfd)
+        _, status = os.waitpid(pid, 0)
+        os.close(pidfd)
+        try:
+            conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+        except OSError:
+            pass
+        conn.close()
+
+    def close(self) -> None:
+        if self.still_ours():
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+def main(args: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mxlaunch.plugin.zygote")
+    p.add_argument("--socket", required=True)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--module")
+    g.add_argument("--path")
+    p.add_argument("--preload", default="")
+    p.add_argument("--idle-s", type=float, default=900.0)
+    ns = p.parse_args(args)
+    t0 = time.monotonic()
+    entry = ("module", ns.module) if ns.module else ("path", os.path.abspath(ns.path))
+    first = [ns.module] if ns.module else script_imports(entry[1])
+    done, failed = warm(first + [m for m in ns.preload.split(",") if m])
+    if cuda_initialised():
+        print("mxlaunch zygote: importing the engine initialised CUDA; a forked engine could not use it — not serving",
+              flush=True)
+        return 3
+    if threading.active_count() > 1:
+        print(f"mxlaunch zygote: {threading.active_count() - 1} thread(s) started by the imports; forking "
+              "beside them is unsafe — not serving", flush=True)
+        return 3
+    zygote = Zygote(ns.socket, entry, ns.idle_s)
+    signal.signal(signal.SIGTERM, lambda *_: (zygote.close(), os._exit(0)))
+    zygote.publish()
+    print(f"{READY_LINE} imported={len(done)} failed={json.dumps(failed)} modules={len(sys.modules)} "
+          f"seconds={time.monotonic() - t0:.2f} pid={os.getpid()}", flush=True)
+    try:
+        zygote.serve()
+    finally:
+        zygote.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

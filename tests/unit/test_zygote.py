@@ -1,0 +1,178 @@
+"""The warm interpreter (plugin/zygote.py) and the launcher's side of it (launch/zygote.py), with real
+processes: a zygote of this Python forks children that run a small module written here, and the handle the
+launcher gets drives them like a Popen (output, exit codes, signals, the lifeline)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from mxlaunch.launch import zygote
+from mxlaunch.launch.engine_start import plan_engine_start
+from mxlaunch.engines.registry import parse_command
+from mxlaunch.plan import PLAN_ENV
+from mxlaunch.plugin.zygote import script_imports
+
+CHILD = '''
+import os, sys, time
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "marker", os.environ.get("MX_MARKER"), "pgid", os.getpgid(0) == os.getpid(), flush=True)
+if sys.argv[1] == "sleep":
+    time.sleep(120)
+sys.exit(int(sys.argv[1]))
+'''
+
+
+@pytest.fixture()
+def module_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="mxz", dir="/tmp"))  # a Unix socket's path has 107 bytes at most
+    (root / "mxz_child.py").write_text(CHILD)
+    monkeypatch.setattr(zygote, "SHM_ROOT", root / "shm")
+    (root / "shm").mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _env(module_dir: Path, **more: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(module_dir), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONUNBUFFERED": "1", **more}
+
+
+def _entry(args: tuple[str, ...] = ()) -> zygote.ZygoteEntry:
+    return zygote.ZygoteEntry(sys.executable, "module", "mxz_child", args, ("json",))
+
+
+def _start(module_dir: Path, env: dict[str, str], idle_s: float = 60.0) -> tuple[str, int]:
+    key = zygote.zygote_key(_entry(), "1", env, str(module_dir))
+    pid = zygote.start_zygote(key, _entry(), env, str(module_dir), module_dir / "logs", idle_s=idle_s)
+    assert pid is not None
+    deadline = time.monotonic() + 60
+    while not zygote.socket_path(key).exists():  # published only once its imports are done
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        assert done == 0 and time.monotonic() < deadline, (module_dir / "logs" / "zygote.log").read_text()
+        time.sleep(0.05)
+    return key, pid
+
+
+def _output(child: zygote.ZygoteChild) -> str:
+    return child.stdout.read().decode()
+
+
+def _stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def test_a_forked_child_gets_the_request_s_argv_env_folder_and_group_and_its_exit_code_comes_back(module_dir: Path) -> None:
+    env = _env(module_dir)
+    key, pid = _start(module_dir, env)
+    try:
+        work = module_dir / "work"
+        work.mkdir()
+        child = zygote.fork_from(key, _entry(("7",)), {**env, "MX_MARKER": "req"}, str(work))
+        assert child is not None
+        assert child.wait(timeout=30) == 7
+        out = _output(child)
+        assert f"argv ['7'] cwd {work} marker req pgid True" in out, out
+        again = zygote.fork_from(key, _entry(("0",)), env, str(work))  # the zygote serves more than one start
+        assert again is not None and again.wait(timeout=30) == 0
+    finally:
+        _stop(pid)
+    assert not zygote.socket_path(key).exists()  # a stopped zygote removes its socket
+
+
+def test_a_signal_to_the_child_s_group_and_a_dead_launcher_both_end_it(module_dir: Path) -> None:
+    env = _env(module_dir)
+    key, pid = _start(module_dir, env)
+    try:
+        child = zygote.fork_from(key, _entry(("sleep",)), env, str(module_dir))
+        assert child is not None
+        assert child.stdout.readline().startswith(b"argv ['sleep']")
+        assert child.poll() is None
+        os.killpg(child.pid, signal.SIGKILL)  # what process.stop_group does in the end
+        assert child.wait(timeout=30) == -signal.SIGKILL
+
+        orphan = zygote.fork_from(key, _entry(("sleep",)), env, str(module_dir))
+        assert orphan is not None
+        assert orphan.stdout.readline().startswith(b"argv")
+        os.close(orphan._lifeline)  # as when the launcher dies: the child's lifeline reads EOF
+        assert orphan.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        _stop(pid)
+
+
+def test_no_zygote_or_a_dead_socket_means_spawn_and_the_dead_socket_goes(module_dir: Path) -> None:
+    env = _env(module_dir)
+    assert zygote.fork_from("nokey", _entry(), env, str(module_dir)) is None
+    root = zygote.zygote_root()
+    root.mkdir(mode=0o700)
+    dead = zygote.socket_path("deadkey")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(dead))
+    s.close()  # bound, never listening: a zygote that was killed -9
+    assert zygote.fork_from("deadkey", _entry(), env, str(module_dir)) is None
+    assert not dead.exists()
+
+
+def test_an_idle_zygote_exits_and_so_does_one_whose_socket_is_removed(module_dir: Path) -> None:
+    env = _env(module_dir)
+    key, pid = _start(module_dir, env, idle_s=0.5)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and not zygote.socket_path(key).exists()
+    key, pid = _start(module_dir, env)
+    zygote.socket_path(key).unlink()  # how to stop one by hand
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_key_ignores_which_run_this_is_and_nothing_else(tmp_path: Path) -> None:
+    entry = _entry(("--port", "1"))
+    base = {"PATH": "/bin", "VLLM_X": "1"}
+    key = zygote.zygote_key(entry, "0.26.0", base, "/w")
+    assert key == zygote.zygote_key(_entry(("--port", "2")), "0.26.0", {**base, PLAN_ENV: "/dev/shm/x/plan.json",
+                                                                         "SLURM_STEP_ID": "3"}, "/w")
+    for other in (zygote.zygote_key(entry, "0.27.0", base, "/w"), zygote.zygote_key(entry, "0.26.0", base, "/v"),
+                  zygote.zygote_key(entry, "0.26.0", {**base, "VLLM_X": "2"}, "/w")):
+        assert other != key
+
+
+def test_which_commands_a_zygote_can_run(tmp_path: Path) -> None:
+    py = sys.executable
+    entry, _ = zygote.entry_for([py, "-m", "vllm.entrypoints.openai.api_server", "--model", "m"], py, py, ("a",))
+    assert entry is not None and (entry.kind, entry.target, entry.args, entry.preload) == (
+        "module", "vllm.entrypoints.openai.api_server", ("--model", "m"), ("a",))
+    assert entry.child_argv() == ["vllm.entrypoints.openai.api_server", "--model", "m"]
+    script = tmp_path / "vllm"
+    script.write_text(f"#!{py}\nimport re\nimport sys\nfrom vllm.entrypoints.cli.main import main\n"
+                      "if __name__ == '__main__':\n    sys.exit(main())\n")
+    entry, _ = zygote.entry_for([str(script), "serve", "m"], py, str(script), ())
+    assert entry is not None and (entry.kind, entry.target, entry.args) == ("path", str(script), ("serve", "m"))
+    assert script_imports(str(script)) == ["re", "sys", "vllm.entrypoints.cli.main"]
+    for argv in ([py, "-X", "importtime", "-m", "x"], [py, "script.py"]):
+        entry, why = zygote.entry_for(argv, py, py, ())
+        assert entry is None and why
+    assert zygote.entry_for(["vllm", "serve"], None, None, ())[0] is None
+
+
+def test_the_plan_forks_vllm_s_engine_core_on_cuda_only_and_keeps_a_user_s_choice() -> None:
+    spec = parse_command(["vllm", "serve", "m"])
+    assert plan_engine_start(spec, spec.argv, "cuda", {}, None).env == {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    kept = plan_engine_start(spec, spec.argv, "cuda", {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}, None)
+    assert kept.env == {} and "kept" in kept.fork_reason
+    assert plan_engine_start(spec, spec.argv, "cpu", {}, None).env == {}
+    assert plan_engine_start(spec, spec.argv, "cuda", {}, None, fork=False).env == {}
+    off = plan_engine_start(spec, spec.argv, "cuda", {}, None)
+    assert off.zygote is None and "--zygote" in off.zygote_reason
+    sg = parse_command(["python", "-m", "sglang.launch_server", "--model-path", "m"])
+    assert plan_engine_start(sg, sg.argv, "cuda", {}, None).env == {}
