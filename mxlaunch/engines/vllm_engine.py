@@ -35,11 +35,11 @@ class VLLMEngine:
     kernel_cache_vars = (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                          ("DG_JIT_CACHE_DIR", "deep_gemm"), ("VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR", "flashinfer_autotune"))
     command_forms = f"`vllm serve MODEL ...` or `python -m {vllm_argv.API_SERVER_MODULE} --model MODEL ...`"
-    # what the API server and a forked engine core import after the entry module (a zygote imports them too;
-    # a CPU build's CUDA worker fails to import there, harmlessly)
+    # what the API server imports after the entry module (a zygote imports them too). Not the GPU worker: on the
+    # H200 its import starts two threads (a kernel package's background-build reapers), and a zygote with
+    # threads refuses to fork; the forked engine core imports it itself (~0.5 s)
     zygote_preload = ("vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
-                      "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor",
-                      "vllm.v1.worker.gpu_worker", "vllm.model_executor.model_loader")
+                      "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor")
 
     def matches(self, argv: Sequence[str]) -> bool:
         return vllm_argv.is_vllm_command(list(argv))

@@ -205,7 +205,8 @@ class Launcher(Stopping):
             argv = self.plan.argv
             self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
                       snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"),
-                      capture_via=self.plan.capture_via, capture_via_reason=self.plan.capture_via_reason)
+                      capture_via=self.plan.capture_via, capture_via_reason=self.plan.capture_via_reason,
+                      engine_start=self.plan.engine_start.to_json() if self.plan.engine_start else None)
             self._shm_before = shm_entries()
             self.segments = SegmentRecord(self.shm_dir, self._shm_before)
             if self.signals:  # stopped before the engine started
@@ -248,6 +249,10 @@ class Launcher(Stopping):
         key = zygote.zygote_key(entry, self.plan.spec.engine_version, env, os.getcwd())
         child = zygote.fork_from(key, entry, env, os.getcwd())
         if child is None:
+            refused = zygote.refusal(key)
+            if refused:  # a zygote for this key would not serve: say why, and do not start another
+                self.emit("zygote", status="refused", key=key, reason=refused)
+                return None
             self._zygote_next = (key, entry, {k: v for k, v in env.items() if k != PLAN_ENV})
             self.emit("zygote", status="miss", key=key, reason="no warm interpreter for this command yet: spawned; "
                       "one starts once the engine is ready")

@@ -81,6 +81,19 @@ def socket_path(key: str) -> Path:
     return zygote_root() / f"{key}.sock"
 
 
+def refusal_path(key: str) -> Path:
+    """Written by a zygote that would not serve (its imports initialised CUDA or started threads)."""
+    return zygote_root() / f"{key}.refused"
+
+
+def refusal(key: str) -> Optional[str]:
+    """Why the zygote for `key` would not serve, or None. Remove the file to let a new one try."""
+    try:
+        return refusal_path(key).read_text(encoding="utf-8").strip() or "refused"
+    except OSError:
+        return None
+
+
 class ZygoteChild:
     """An engine forked by a zygote, driven like the Popen of a spawned one."""
 
@@ -178,12 +191,14 @@ def fork_from(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str) ->
 def start_zygote(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str,
                  log_dir: Path, idle_s: float = IDLE_S) -> Optional[int]:
     """Start a zygote for `key` in the background (its own session; it outlives this launcher until idle);
-    its pid, or None when one is already there."""
+    its pid, or None when one is already there or one refused."""
     root = zygote_root()
     root.mkdir(mode=0o700, exist_ok=True)
     os.chmod(root, 0o700)
     path = socket_path(key)
     if path.exists():
+        return None
+    if refusal(key):
         return None
     cmd = [entry.python, "-m", "mxlaunch.plugin.zygote", "--socket", str(path),
            "--module" if entry.kind == "module" else "--path", entry.target,

@@ -73,6 +73,28 @@ def cuda_initialised() -> bool:
         return False
 
 
+def refusal_reason() -> Optional[str]:
+    """Why this interpreter must not fork engines, or None."""
+    if cuda_initialised():
+        return "importing the engine initialised CUDA: a forked engine could not use it"
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        return f"the imports started {len(others)} thread(s) ({', '.join(others)}): forking beside them is unsafe"
+    return None
+
+
+def refuse(socket_path: str, why: str) -> None:
+    """Say why in the log and beside the socket (`<key>.refused`): launches say so and start no other."""
+    print(f"mxlaunch zygote: not serving — {why}", flush=True)
+    tmp = f"{socket_path[:-len('.sock')]}.refused.{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(why + "\n")
+        os.replace(tmp, socket_path[:-len(".sock")] + ".refused")
+    except OSError:
+        pass
+
+
 def _lifeline(fd: int) -> None:
     """Block until the launcher's end closes, then stop this engine's group (the launcher is gone)."""
     try:
@@ -265,13 +287,9 @@ def main(args: Optional[List[str]] = None) -> int:
     entry = ("module", ns.module) if ns.module else ("path", os.path.abspath(ns.path))
     first = [ns.module] if ns.module else script_imports(entry[1])
     done, failed = warm(first + [m for m in ns.preload.split(",") if m])
-    if cuda_initialised():
-        print("mxlaunch zygote: importing the engine initialised CUDA; a forked engine could not use it — not serving",
-              flush=True)
-        return 3
-    if threading.active_count() > 1:
-        print(f"mxlaunch zygote: {threading.active_count() - 1} thread(s) started by the imports; forking "
-              "beside them is unsafe — not serving", flush=True)
+    why = refusal_reason()
+    if why:
+        refuse(ns.socket, why)
         return 3
     zygote = Zygote(ns.socket, entry, ns.idle_s)
     signal.signal(signal.SIGTERM, lambda *_: (zygote.close(), os._exit(0)))

@@ -176,3 +176,20 @@ def test_the_plan_forks_vllm_s_engine_core_on_cuda_only_and_keeps_a_user_s_choic
     assert off.zygote is None and "--zygote" in off.zygote_reason
     sg = parse_command(["python", "-m", "sglang.launch_server", "--model-path", "m"])
     assert plan_engine_start(sg, sg.argv, "cuda", {}, None).env == {}
+
+
+def test_a_zygote_whose_imports_start_a_thread_refuses_says_why_and_is_not_started_again(module_dir: Path) -> None:
+    (module_dir / "mxz_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True, name='busy').start()\n")
+    env = _env(module_dir)
+    entry = zygote.ZygoteEntry(sys.executable, "module", "mxz_child", (), ("mxz_thread",))
+    key = zygote.zygote_key(entry, "1", env, str(module_dir))
+    pid = zygote.start_zygote(key, entry, env, str(module_dir), module_dir / "logs")
+    assert pid is not None
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3
+    assert not zygote.socket_path(key).exists()
+    why = zygote.refusal(key)
+    assert why is not None and "busy" in why and "thread" in why
+    assert zygote.start_zygote(key, entry, env, str(module_dir), module_dir / "logs") is None
+    assert zygote.fork_from(key, entry, env, str(module_dir)) is None
