@@ -18,6 +18,7 @@ from mxlaunch.cli_launch import CONTEXT as launch_context
 from mxlaunch.cli_launch import launch
 from mxlaunch.cli_cache import cache_app
 from mxlaunch.cli_peers import peers as peers_command
+from mxlaunch.cli_zygotes import zygotes as zygotes_command
 from mxlaunch.cli_store import store_app
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
@@ -343,6 +344,7 @@ app.add_typer(cache_app, name="cache")  # JIT kernel caches (mxlaunch/cli_cache.
 # ---- peers: the P2P source registry (mxlaunch/cli_peers.py) ----
 
 app.command("peers")(peers_command)
+app.command("zygotes")(zygotes_command)
 
 # ---- launch (mxlaunch/cli_launch.py) ----
 

@@ -156,6 +156,59 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class ZygoteInfo:
+    """One zygote of this user's on this node, as `mxlaunch zygotes` lists it."""
+
+    key: str
+    status: str  # "waiting" (socket and process there) | "starting" (no socket yet) | "gone" | "refused"
+    pid: Optional[int]
+    entry: Optional[str]
+    age_s: Optional[float]
+    reason: str = ""
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def list_zygotes() -> list[ZygoteInfo]:
+    """Every zygote file under zygote_root(): waiting ones, refusals, and leftovers of dead ones."""
+    root = zygote_root()
+    keys = sorted({p.name.split(".")[0] for p in root.iterdir()} if root.is_dir() else set())
+    found = []
+    for key in keys:
+        why = refusal(key)
+        if why:
+            found.append(ZygoteInfo(key, "refused", None, None, None, why))
+            continue
+        try:
+            info = json.loads((root / f"{key}.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            info = {}
+        pid = info.get("pid")
+        entry = " ".join(info.get("entry") or []) or None
+        age = round(time.time() - info["started"], 1) if info.get("started") else None
+        alive = isinstance(pid, int) and _alive(pid)
+        status = "waiting" if alive and socket_path(key).exists() else "gone"
+        found.append(ZygoteInfo(key, status, pid, entry, age))
+    return found
+
+
+def stop_zygotes() -> list[str]:
+    """Remove every socket, info and refusal file of this user's: each zygote exits within 2 s of its socket's
+    removal. The keys stopped."""
+    root = zygote_root()
+    keys = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if path.suffix == ".sock":
+            keys.append(path.stem)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    return keys
+
+
 def fork_from(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str) -> Optional[ZygoteChild]:
     """The engine, forked by the zygote for `key`; None when none serves it (then spawn as always). A socket
     nobody answers is removed."""

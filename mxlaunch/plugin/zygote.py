@@ -191,9 +191,18 @@ class Zygote:
         finally:
             os.umask(old)
         sock.listen(16)
+        info = {"pid": os.getpid(), "python": sys.executable, "entry": list(self.entry), "started": time.time(),
+                "idle_s": self.idle_s, "modules": len(sys.modules)}
+        with open(f"{tmp}.json", "w", encoding="utf-8") as f:
+            json.dump(info, f)
+        os.replace(f"{tmp}.json", self.info_path)
         os.replace(tmp, self.path)
         self.inode = os.stat(self.path).st_ino
         self.listener = sock
+
+    @property
+    def info_path(self) -> str:
+        return self.path[:-len(".sock")] + ".json" if self.path.endswith(".sock") else self.path + ".json"
 
     def still_ours(self) -> bool:
         try:
@@ -268,10 +277,22 @@ class Zygote:
 
     def close(self) -> None:
         if self.still_ours():
+            for path in (self.path, self.info_path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        else:  # replaced or removed: the info file is ours only if it still names this process
             try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+                with open(self.info_path, encoding="utf-8") as f:
+                    mine = json.load(f).get("pid") == os.getpid()
+            except (OSError, ValueError):
+                mine = False
+            if mine:
+                try:
+                    os.unlink(self.info_path)
+                except OSError:
+                    pass
 
 
 def main(args: Optional[List[str]] = None) -> int:

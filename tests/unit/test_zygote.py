@@ -87,6 +87,8 @@ def test_a_forked_child_gets_the_request_s_argv_env_folder_and_group_and_its_exi
         assert f"argv ['7'] cwd {work} marker req pgid True" in out, out
         again = zygote.fork_from(key, _entry(("0",)), env, str(work))  # the zygote serves more than one start
         assert again is not None and again.wait(timeout=30) == 0
+        (listed,) = zygote.list_zygotes()  # what `mxlaunch zygotes` shows
+        assert (listed.key, listed.status, listed.pid, listed.entry) == (key, "waiting", pid, "module mxz_child")
     finally:
         _stop(pid)
     assert not zygote.socket_path(key).exists()  # a stopped zygote removes its socket
@@ -130,10 +132,12 @@ def test_an_idle_zygote_exits_and_so_does_one_whose_socket_is_removed(module_dir
     key, pid = _start(module_dir, env, idle_s=0.5)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and not zygote.socket_path(key).exists()
+    assert zygote.list_zygotes() == []  # its info file went with it
     key, pid = _start(module_dir, env)
-    zygote.socket_path(key).unlink()  # how to stop one by hand
+    assert zygote.stop_zygotes() == [key]  # `mxlaunch zygotes --stop`: its socket goes, and so does it
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+    assert zygote.list_zygotes() == []
 
 
 def test_the_key_ignores_which_run_this_is_and_nothing_else(tmp_path: Path) -> None:
@@ -193,3 +197,4 @@ def test_a_zygote_whose_imports_start_a_thread_refuses_says_why_and_is_not_start
     assert why is not None and "busy" in why and "thread" in why
     assert zygote.start_zygote(key, entry, env, str(module_dir), module_dir / "logs") is None
     assert zygote.fork_from(key, entry, env, str(module_dir)) is None
+    assert [(z.key, z.status) for z in zygote.list_zygotes()] == [(key, "refused")]
