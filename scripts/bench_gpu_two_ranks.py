@@ -120,7 +120,7 @@ def worker(rank: int, layers: int, barrier, out, numa: str = "default", span_mib
     if numa == "local" and node >= 0:
         os.sched_setaffinity(0, node_cpus(node))  # threads, the stage child and tmpfs pages follow
 
-    from bench_gpu_load import rank_tensors
+    from gpu_shapes import rank_tensors
     from mxlaunch.plugin import gpu_restore
     from mxlaunch.plugin.loader import capture_tensors, restore_tensors
 

@@ -32,7 +32,7 @@ def worker(rank: int, barrier, out) -> None:
 
     import torch
 
-    from bench_gpu_load import rank_tensors
+    from gpu_shapes import rank_tensors
     from bench_gpu_two_ranks import prepare_restore
     from mxlaunch.plugin import capture_prepare, gpu_restore
     from mxlaunch.plugin.capture_prepare import PreparedCapture

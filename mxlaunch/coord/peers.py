@@ -80,7 +80,7 @@ def open_registry(url: str | None, store_root: Path | None) -> PeerRegistry:
     url = url if url else settings.registry()
     if not url or url == "file":
         from mxlaunch.coord.peers_file import FileRegistry
-        from mxlaunch.store_snapshot import default_root
+        from mxlaunch.store.snapshot import default_root
 
         return FileRegistry(Path(store_root).expanduser() if store_root is not None else default_root())
     if url.startswith("file:"):

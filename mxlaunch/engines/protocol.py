@@ -24,7 +24,7 @@ class Engine(Protocol):
     snapshot_formats: Tuple[str, ...]  # --snapshot-format choices besides raw (its stock dump formats)
     command_forms: str  # the launch forms it accepts, for the "cannot tell which engine" message
     shm_prefixes: Tuple[str, ...]  # /dev/shm names it may leave behind (removed after a run when orphaned)
-    kernel_cache_vars: Tuple[Tuple[str, str], ...]  # (variable, sub-folder): its JIT caches (mxlaunch/kernelcache.py)
+    kernel_cache_vars: Tuple[Tuple[str, str], ...]  # (variable, sub-folder): its JIT caches (mxlaunch/kernelcache/caches.py)
     zygote_preload: Tuple[str, ...]  # modules a warm interpreter imports beyond the entry module (launch/zygote.py)
 
     def matches(self, argv: Sequence[str]) -> bool:

@@ -336,7 +336,7 @@ def explicit_fields(argv: List[str]) -> Dict[str, Any]:
 
 
 # Flags that change what SGLang compiles or captures (torch.compile, CUDA graphs, kernels): the kernel
-# cache key digests their values as written (mxlaunch/kernelcache.py).
+# cache key digests their values as written (mxlaunch/kernelcache/caches.py).
 COMPILE_FLAGS = ("--dtype", "--quantization", "--kv-cache-dtype", "--tp-size", "--pp-size", "--dp-size", "--ep-size",
                  "--disable-cuda-graph", "--cuda-graph-max-bs", "--cuda-graph-bs", "--enable-torch-compile",
                  "--torch-compile-max-bs", "--attention-backend", "--max-running-requests", "--chunked-prefill-size",

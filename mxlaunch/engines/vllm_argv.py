@@ -247,7 +247,7 @@ def explicit_fields(argv: List[str]) -> Dict[str, Any]:
     return A.explicit(scan.opts, dest, values_of(scan, _bad))
 
 
-# Flags that change what vLLM compiles (graphs, kernels): the kernel cache key digests them (mxlaunch/kernelcache.py).
+# Flags that change what vLLM compiles (graphs, kernels): the kernel cache key digests them (mxlaunch/kernelcache/caches.py).
 COMPILE_FLAGS = ("--compilation-config", "--optimization-level", "--max-num-batched-tokens", "--max-num-seqs",
                  "--max-model-len", "--enforce-eager", "--dtype", "--quantization", "--kv-cache-dtype", "--block-size",
                  "--tensor-parallel-size", "--pipeline-parallel-size", "--enable-expert-parallel", "--attention-backend",

@@ -44,9 +44,9 @@ from mxlaunch.errors import MxlaunchError
 from mxlaunch.fileutil import ensure_dir
 from mxlaunch.staging.capacity import format_bytes
 from mxlaunch.staging.upload import UploadItem, UploadJob, copy_file
-from mxlaunch.store import SnapshotMeta, Store
-from mxlaunch.store_capture import new_capture_id
-from mxlaunch.store_snapshot import check_relpath
+from mxlaunch.store.core import SnapshotMeta, Store
+from mxlaunch.store.capture import new_capture_id
+from mxlaunch.store.snapshot import check_relpath
 
 if TYPE_CHECKING:
     from mxlaunch.launch.decide import LaunchPlan

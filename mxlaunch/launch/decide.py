@@ -22,7 +22,7 @@ from mxlaunch.engines.registry import ENGINES, all_snapshot_formats, detect, ins
 from mxlaunch.engines.runtime import EngineRuntime
 from mxlaunch.errors import UsageError
 from mxlaunch.identity import identity_fields, source_id
-from mxlaunch.kernelcache_store import KernelCacheStore
+from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.coord.base import valid_id
 from mxlaunch.launch.capture import capture_part
 from mxlaunch.launch.capture_route import decide_capture_route
@@ -30,7 +30,7 @@ from mxlaunch.launch.engine_start import EngineStart, plan_engine_start
 from mxlaunch.launch.kernel import plan_kernel_cache
 from mxlaunch.launch.p2p import P2PDecision, decide_p2p
 from mxlaunch.slurm import adapt_launch
-from mxlaunch.store import SnapshotFile, Store
+from mxlaunch.store.core import SnapshotFile, Store
 
 STRATEGIES = LAUNCH_STRATEGIES
 SNAPSHOT_FORMAT = RAW

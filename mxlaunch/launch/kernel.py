@@ -14,9 +14,9 @@ from typing import Any, Callable, Dict, Optional
 from mxlaunch import settings
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
-from mxlaunch.kernelcache import (FolderState, cache_key, cache_vars, changed, folder_state, key_fields, local_dir,
+from mxlaunch.kernelcache.caches import (FolderState, cache_key, cache_vars, changed, folder_state, key_fields, local_dir,
                                   side_dirs, sync_tree)
-from mxlaunch.kernelcache_store import KernelCacheStore
+from mxlaunch.kernelcache.archive import KernelCacheStore
 
 SETTLE_S = 3.0  # the folders must stay unchanged this long after ready before they are captured
 SETTLE_MAX_S = 120.0  # give up waiting for them to settle after this long

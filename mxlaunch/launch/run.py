@@ -33,12 +33,12 @@ from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.cleanup import SegmentRecord, reap_stale_runs, shm_entries, shm_user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
 from mxlaunch.launch.kernel import KernelCacheRun
-from mxlaunch.kernelcache_store import KernelCacheStore
+from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.launch.process import default_log_root
 from mxlaunch.launch.shutdown import BudgetReader, Stopping
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
 from mxlaunch.slurm import default_readers
-from mxlaunch.store import Store
+from mxlaunch.store.core import Store
 
 
 class Launcher(Stopping):
@@ -78,7 +78,7 @@ class Launcher(Stopping):
         kc = store or Store(opts.artifact_path)  # JIT kernel caches: restored before the engine, captured after ready
         self.kernel = KernelCacheRun(plan.kernel_cache, KernelCacheStore(kc.root, kc.coordinator), emit, model=plan.spec.model)
         self.store_root = kc.root
-        from mxlaunch.profile import StartupProfiler
+        from mxlaunch.profile.profiler import StartupProfiler
 
         self.profiler = StartupProfiler(engine=plan.spec.engine, source="engine.log", live=True)
 

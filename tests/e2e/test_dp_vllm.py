@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.store import MANIFEST, Store
+from mxlaunch.store.core import MANIFEST, Store
 from tests.helpers.cli import compare_gold, run_cli
 from tests.helpers.launcher import LaunchProcess
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from mxlaunch.coord.peers import open_registry
-from mxlaunch.store import MANIFEST
+from mxlaunch.store.core import MANIFEST
 from tests.helpers.cli import compare_gold, run_cli
 from tests.helpers.launcher import LaunchProcess
 from tests.helpers.sglang_server import sglang_python, start_sglang

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import psutil
 import pytest
 
-from mxlaunch.store import MANIFEST, Store
+from mxlaunch.store.core import MANIFEST, Store
 from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess
 from tests.helpers.shm import ShmWatch

@@ -83,7 +83,7 @@ def _wait_for(path: str | None) -> None:
 def session_main(a: argparse.Namespace) -> int:
     from mxlaunch.launch import LaunchOptions, make_plan
     from mxlaunch.launch.capture import CaptureSession
-    from mxlaunch.store import Store
+    from mxlaunch.store.core import Store
 
     store = Store(a.store)
     plan = make_plan(engine_argv(Path(a.model), a.node, a.nnodes, a.tp), LaunchOptions(
@@ -116,7 +116,7 @@ def session_main(a: argparse.Namespace) -> int:
 def launch_main(a: argparse.Namespace) -> int:
     from mxlaunch.launch import LaunchOptions, Launcher, make_plan
     from mxlaunch.launch import cleanup
-    from mxlaunch.store import Store
+    from mxlaunch.store.core import Store
 
     cleanup.SHM_ROOT = Path(a.shm)  # this test's own /dev/shm stand-in
     store = Store(a.store)

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from mxlaunch.slurm import expand_hostlist
-from mxlaunch.store import Store
+from mxlaunch.store.core import Store
 from tests.helpers.cli import run_cli
 from tests.helpers.shm import ShmWatch, job_pids, run_folders
 from tests.helpers.vllm_server import free_port, vllm_argv

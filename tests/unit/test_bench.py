@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mxlaunch import bench, bench_http  # noqa: E402
+from mxlaunch.bench import client as bench_http  # noqa: E402
+from mxlaunch.bench import run as bench  # noqa: E402
 from mxlaunch.errors import UsageError  # noqa: E402
 from tests.helpers.cli import one_line_error, run_cli  # noqa: E402
 from tests.helpers.fake_servers import FakeEngine  # noqa: E402

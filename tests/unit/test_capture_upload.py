@@ -33,8 +33,8 @@ from mxlaunch.launch.capture_route import decide_capture_route, estimate_node_by
 from mxlaunch.plan import Plan
 from mxlaunch.staging.capacity import capacity_of
 from mxlaunch.staging.upload import UploadItem, UploadJob, copy_file
-from mxlaunch.store import MANIFEST, Store
-from mxlaunch.store_snapshot import xxh3_file
+from mxlaunch.store.core import MANIFEST, Store
+from mxlaunch.store.snapshot import xxh3_file
 from tests.helpers.capture_nodes import engine_argv, rank_bytes
 from tests.helpers.cli import run_cli
 from tests.helpers.vllm_server import free_port

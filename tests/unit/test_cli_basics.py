@@ -27,7 +27,7 @@ def test_unknown_option_is_usage_error_without_traceback() -> None:
 
 def test_event_lines_for_people_hold_plain_values_only() -> None:
     """Nested detail is JSON's (--json); a person's line never shows a Python repr."""
-    from mxlaunch.cli_common import plain_fields
+    from mxlaunch.cli.common import plain_fields
 
     fields = {"rank": 0, "bytes": 327680, "seconds": 0.16, "gpu": {"mode": "auto", "pin_wait_seconds": 0.0},
               "prepared": {"prepare_seconds": 1.05}, "ranks": [0, 1], "new": [{"path": "a"}], "published": False,

@@ -54,7 +54,7 @@ def test_every_variable_is_documented() -> None:
 def test_a_p2p_loaded_line_gives_the_profile_a_p2p_phase_inside_weight_loading() -> None:
     from pathlib import Path
 
-    from mxlaunch.profile import profile_text
+    from mxlaunch.profile.profiler import profile_text
 
     line = contract.loaded_line(0, 1 << 30, 0.42, strategy="p2p")
     events = mxlaunch_events(line)

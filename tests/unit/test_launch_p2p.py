@@ -13,7 +13,7 @@ from mxlaunch.coord.peers import local_record, open_registry
 from mxlaunch.launch import LaunchOptions, make_plan
 from mxlaunch.launch.p2p import unpublish_run
 from mxlaunch.plan import load_plan
-from mxlaunch.store import Store
+from mxlaunch.store.core import Store
 from tests.helpers.cli import run_cli
 from tests.unit.test_launch_plan import serve, write_checkpoint
 

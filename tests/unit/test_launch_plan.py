@@ -14,7 +14,7 @@ import pytest
 from mxlaunch.engines.vllm_argv import parse_vllm_argv
 from mxlaunch.engines.vllm_engine import local_ranks as local_ranks_for
 from mxlaunch.launch import LaunchOptions, make_plan, remove_stale_runs
-from mxlaunch.store import SnapshotMeta, Store
+from mxlaunch.store.core import SnapshotMeta, Store
 
 from tests.helpers.cli import run_cli
 

@@ -30,7 +30,7 @@ from mxlaunch.engines.vllm_engine import local_ranks as vllm_local_ranks
 from mxlaunch.errors import UsageError
 from mxlaunch.launch import LaunchOptions, make_plan
 from mxlaunch.launch.capture import CaptureSession, capture_part
-from mxlaunch.store import MANIFEST, SnapshotMeta, Store
+from mxlaunch.store.core import MANIFEST, SnapshotMeta, Store
 from mxlaunch.slurm import job_capture_id
 from tests.helpers.capture_nodes import engine_argv, rank_bytes
 from tests.helpers.cli import REPO

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.errors import UsageError
-from mxlaunch.profile import (
+from mxlaunch.profile.profiler import (
     PHASES,
     StartupProfiler,
     compute_stats,

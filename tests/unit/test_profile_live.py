@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from mxlaunch.profile_live import run_live
+from mxlaunch.profile.live import run_live
 
 FAKE = Path(__file__).resolve().parent / "fixtures_logs" / "fake_vllm_engine.py"
 

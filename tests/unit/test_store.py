@@ -16,7 +16,7 @@ import pytest
 from mxlaunch.coord import FileCoordinator
 from mxlaunch.coord.file import write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
-from mxlaunch.store import MANIFEST, SnapshotMeta, Store, default_root, xxh3_file
+from mxlaunch.store.core import MANIFEST, SnapshotMeta, Store, default_root, xxh3_file
 
 from tests.helpers.cli import REPO, one_line_error, run_cli
 
@@ -280,7 +280,7 @@ os.link, os.replace, os.rename = _slow(_link), _slow(_replace), _slow(_rename)
 
 NODE = WIDEN + r"""
 import json, os, sys
-from mxlaunch.store import SnapshotMeta, Store
+from mxlaunch.store.core import SnapshotMeta, Store
 root, node, nnodes, rounds, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 store = Store(root)
 meta = SnapshotMeta(engine="vllm", spec={"tp": nnodes})
@@ -427,7 +427,7 @@ def test_cli_list_verify_rm(tmp_path: Path) -> None:
 
 
 def test_cli_list_is_readable_at_80_columns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mxlaunch.store import model_name
+    from mxlaunch.store.core import model_name
 
     capture(Store(tmp_path))
     monkeypatch.setenv("COLUMNS", "80")

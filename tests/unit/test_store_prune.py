@@ -12,10 +12,10 @@ import pytest
 
 from mxlaunch.coord import FileCoordinator
 from mxlaunch.fileutil import LAST_USED, last_used, mark_used
-from mxlaunch.kernelcache import cache_key
-from mxlaunch.kernelcache_store import KernelCacheStore
-from mxlaunch.store import MANIFEST, Store
-from mxlaunch.store_prune import TRASH_AGE_S, parse_duration, prune
+from mxlaunch.kernelcache.caches import cache_key
+from mxlaunch.kernelcache.archive import KernelCacheStore
+from mxlaunch.store.core import MANIFEST, Store
+from mxlaunch.store.prune import TRASH_AGE_S, parse_duration, prune
 from tests.helpers.cli import one_line_error, run_cli
 from tests.unit.test_store import META, capture, write_rank
 

@@ -14,9 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mxlaunch import verify  # noqa: E402
+from mxlaunch.verify import run as verify  # noqa: E402
 from mxlaunch.errors import CheckFailed, UsageError  # noqa: E402
-from mxlaunch.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
+from mxlaunch.verify.prompts import BUILTIN_PROMPTS, load_prompts  # noqa: E402
 from tests.helpers.cli import one_line_error, run_cli  # noqa: E402
 from tests.helpers.fake_servers import FakeEngine, toy_tokenize  # noqa: E402
 from tests.helpers.vllm_server import free_port  # noqa: E402

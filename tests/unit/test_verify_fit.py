@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch import verify
+from mxlaunch.verify import run as verify
 from mxlaunch.errors import UsageError
-from mxlaunch.prompts import load_prompts
+from mxlaunch.verify.prompts import load_prompts
 from tests.helpers.cli import one_line_error, run_cli
 from tests.helpers.fake_servers import FakeEngine, toy_detokenize, toy_tokenize
 

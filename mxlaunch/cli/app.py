@@ -13,13 +13,13 @@ import typer
 from rich.markup import escape
 
 from mxlaunch import __version__
-from mxlaunch.cli_common import err, json_option, out, print_json
-from mxlaunch.cli_launch import CONTEXT as launch_context
-from mxlaunch.cli_launch import launch
-from mxlaunch.cli_cache import cache_app
-from mxlaunch.cli_peers import peers as peers_command
-from mxlaunch.cli_zygotes import zygotes as zygotes_command
-from mxlaunch.cli_store import store_app
+from mxlaunch.cli.common import err, json_option, out, print_json
+from mxlaunch.cli.launch import CONTEXT as launch_context
+from mxlaunch.cli.launch import launch
+from mxlaunch.cli.cache import cache_app
+from mxlaunch.cli.peers import peers as peers_command
+from mxlaunch.cli.zygotes import zygotes as zygotes_command
+from mxlaunch.cli.store import store_app
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
 
 app = typer.Typer(
@@ -68,9 +68,9 @@ def verify_command(
     as_json: bool = json_option("Print the result as JSON on stdout."),
 ) -> None:
     """Record a gold file of prompt/greedy logprobs, or compare a server against one (exit 1 on mismatch)."""
-    from mxlaunch import verify as _verify
+    from mxlaunch.verify import run as _verify
     from mxlaunch.errors import UsageError
-    from mxlaunch.prompts import load_prompts
+    from mxlaunch.verify.prompts import load_prompts
 
     if (record_path is None) == (compare_path is None):
         raise UsageError("pass exactly one of --record FILE or --compare FILE", "see `mxlaunch verify --help`")
@@ -164,7 +164,7 @@ def bench_command(
     as_json: bool = json_option("Print the result as JSON on stdout."),
 ) -> None:
     """Streaming benchmark: TTFT, inter-token latency, end-to-end latency, tokens/s, per concurrency level."""
-    from mxlaunch import bench as _bench
+    from mxlaunch.bench import run as _bench
     from mxlaunch.errors import UsageError
 
     if concurrency is not None and sweep is not None:
@@ -213,8 +213,8 @@ def profile_command(
     explain: bool = typer.Option(False, "--explain", help="List timed lines no pattern reads (their time is in unknown)."),
 ) -> None:
     """Cold-start phases from SGLang/vLLM logs or live runs, with statistics over runs."""
-    from mxlaunch import profile as prof
-    from mxlaunch.profile_live import check_startable, run_live
+    from mxlaunch.profile import profiler as prof
+    from mxlaunch.profile.live import check_startable, run_live
     from mxlaunch.errors import CheckFailed, UsageError
 
     if engine not in prof.ENGINES:
@@ -236,7 +236,7 @@ def profile_command(
     else:
         raise UsageError("nothing to profile", fix="pass --log FILE or -- CMD...")
     if chart is not None:
-        from mxlaunch.chart import write_chart
+        from mxlaunch.profile.chart import write_chart
 
         write_chart(results, chart)
         err.print(f"chart written to {chart}", highlight=False)
@@ -274,7 +274,7 @@ def stage(
 ) -> None:
     """Copy files into DEST with parallel O_DIRECT reads; each file appears (by rename) when complete."""
     from mxlaunch.errors import UsageError
-    from mxlaunch.progress import byte_progress
+    from mxlaunch.cli.progress import byte_progress
     from mxlaunch.stage import StageRequest, default_readers, plan_items, run_stage
     from mxlaunch.staging.capacity import format_bytes, parse_size
 
@@ -336,17 +336,17 @@ def doctor(
     out.print(table)
 
 
-# ---- store: list / verify / rm snapshots in the artifact store (mxlaunch/cli_store.py) ----
+# ---- store: list / verify / rm snapshots in the artifact store (mxlaunch/cli/store.py) ----
 
 app.add_typer(store_app, name="store")
-app.add_typer(cache_app, name="cache")  # JIT kernel caches (mxlaunch/cli_cache.py)
+app.add_typer(cache_app, name="cache")  # JIT kernel caches (mxlaunch/cli/cache.py)
 
-# ---- peers: the P2P source registry (mxlaunch/cli_peers.py) ----
+# ---- peers: the P2P source registry (mxlaunch/cli/peers.py) ----
 
 app.command("peers")(peers_command)
 app.command("zygotes")(zygotes_command)
 
-# ---- launch (mxlaunch/cli_launch.py) ----
+# ---- launch (mxlaunch/cli/launch.py) ----
 
 app.command(context_settings=launch_context)(launch)
 

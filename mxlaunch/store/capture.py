@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from mxlaunch.fileutil import ensure_dir, read_json, secure, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
-from mxlaunch.store_snapshot import _HEX32, SCHEMA, SnapshotFile, SnapshotMeta, check_relpath, xxh3_file
+from mxlaunch.store.snapshot import _HEX32, SCHEMA, SnapshotFile, SnapshotMeta, check_relpath, xxh3_file
 
 if TYPE_CHECKING:  # the Store hands itself to the writer it creates
-    from mxlaunch.store import Store
+    from mxlaunch.store.core import Store
 
 
 class CaptureWriter:

@@ -26,8 +26,8 @@ from mxlaunch.engines import LOG_FORMATS, LogFormat, LogLine, PhaseEvent
 from mxlaunch.engines.base import mxlaunch_events
 from mxlaunch.engines.registry import ENGINES as _REGISTRY
 from mxlaunch.errors import UsageError
-from mxlaunch.profile_model import NOT_SUMMED, PHASES, Phase, RunProfile, merge_nodes
-from mxlaunch.profile_report import compute_stats, not_ready_message, render, report, unmatched_lines
+from mxlaunch.profile.model import NOT_SUMMED, PHASES, Phase, RunProfile, merge_nodes
+from mxlaunch.profile.report import compute_stats, not_ready_message, render, report, unmatched_lines
 
 __all__ = [
     "ENGINES", "NOT_SUMMED", "PHASES", "Phase", "RunProfile", "StartupProfiler", "compute_stats", "merge_nodes",

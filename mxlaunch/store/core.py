@@ -34,9 +34,9 @@ from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
 from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.fileutil import ensure_dir, last_used, read_json, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
-from mxlaunch.store_capture import (
+from mxlaunch.store.capture import (
     CaptureWriter, PendingCapture, _du, _user, discard_capture, new_capture_id, node_markers, reap_captures, write_failed)
-from mxlaunch.store_snapshot import (  # noqa: F401 — the store's records and checks, importable from here
+from mxlaunch.store.snapshot import (  # noqa: F401 — the store's records and checks, importable from here
     ALLOWED_SUFFIXES, MANIFEST, SCHEMA, LookupResult, Snapshot, SnapshotFile, SnapshotMeta, StoreEntry, VerifyReport,
     _check_file, _utc_now, _validate_manifest, check_relpath, default_root, model_name, xxh3_file)
 

@@ -26,8 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from mxlaunch import __version__
 from mxlaunch.coord.base import Coordinator, valid_id
 from mxlaunch.fileutil import ensure_dir, last_used, mark_used, read_json, secure, unique_name, write_json_atomic
-from mxlaunch.kernelcache import cache_key
-from mxlaunch.store_snapshot import _utc_now
+from mxlaunch.kernelcache.caches import cache_key
+from mxlaunch.store.snapshot import _utc_now
 
 KC_DIR = "kernel-cache"
 KEY_JSON = "key.json"

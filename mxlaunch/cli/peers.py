@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from mxlaunch import settings
-from mxlaunch.cli_common import artifact_path_option, json_option, out, print_json
+from mxlaunch.cli.common import artifact_path_option, json_option, out, print_json
 
 _REGISTRY_HELP = "Peer registry: file (the artifact store's .peers folder; the default), file:/dir or redis://host:port/db."
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from mxlaunch import __version__
 from mxlaunch.errors import UsageError
 from mxlaunch.http import WAIT_FIX, probe
-from mxlaunch.verify_compare import (
+from mxlaunch.verify.compare import (
     INFO_FIELDS,
     check,
     compare_prompt,
@@ -36,9 +36,9 @@ from mxlaunch.verify_compare import (
     info_differences,
     worst_of,
 )
-from mxlaunch.verify_fit import fit_note, fit_prompts
-from mxlaunch.verify_gold import GOLD_FORMAT, GOLD_VERSION, dumps_gold, read_gold, write_gold
-from mxlaunch.verify_scorer import (
+from mxlaunch.verify.fit import fit_note, fit_prompts
+from mxlaunch.verify.gold import GOLD_FORMAT, GOLD_VERSION, dumps_gold, read_gold, write_gold
+from mxlaunch.verify.scorer import (
     Scored,
     Scorer,
     ServerGone,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
-from mxlaunch.cli_common import json_option, out, print_json
+from mxlaunch.cli.common import json_option, out, print_json
 
 
 def zygotes(

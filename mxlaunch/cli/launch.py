@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from mxlaunch.cli_common import artifact_path_option, err, json_option, out, plain_fields, print_json
+from mxlaunch.cli.common import artifact_path_option, err, json_option, out, plain_fields, print_json
 from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
 from mxlaunch.engines.registry import ENGINES
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from mxlaunch.errors import UsageError
-from mxlaunch.profile_model import NOT_SUMMED, PHASES, RunProfile
+from mxlaunch.profile.model import NOT_SUMMED, PHASES, RunProfile
 
 
 def write_chart(runs: Sequence[RunProfile], path: Path) -> Path:

@@ -17,7 +17,7 @@ from mxlaunch.engines.registry import ENGINES, detect
 from mxlaunch.engines.runtime import locate
 from mxlaunch.errors import UsageError
 from mxlaunch.launch import process
-from mxlaunch.profile import RunProfile, StartupProfiler
+from mxlaunch.profile.profiler import RunProfile, StartupProfiler
 
 
 # ---- live runs -----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 from mxlaunch.errors import CheckFailed
 from mxlaunch.http import ServerInfo
-from mxlaunch.verify_scorer import Scored
+from mxlaunch.verify.scorer import Scored
 
 # Server-info fields whose difference is reported (never decisive).
 INFO_FIELDS = ("api", "model", "engine_version", "max_model_len")

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from mxlaunch.cli_common import artifact_path_option, err, json_option, out, print_json
+from mxlaunch.cli.common import artifact_path_option, err, json_option, out, print_json
 
 # ---- store: list / verify / rm snapshots in the artifact store (issue 3) ----
 
@@ -31,7 +31,7 @@ def store_list(
     from rich.table import Table
 
     from mxlaunch.staging.capacity import format_bytes
-    from mxlaunch.store import Store
+    from mxlaunch.store.core import Store
 
     store = Store(artifact_path)
     entries = store.list()
@@ -70,7 +70,7 @@ def store_verify(
     """Check a snapshot: manifest, ranks, paths inside the store, sizes and xxh3_128 checksums (exit 1 on failure)."""
     from mxlaunch.errors import CheckFailed, UsageError
     from mxlaunch.staging.capacity import format_bytes
-    from mxlaunch.store import Store
+    from mxlaunch.store.core import Store
 
     store = Store(artifact_path)
     if not store.folder(source_id).is_dir():
@@ -99,7 +99,7 @@ def store_rm(
     as_json: bool = json_option("Print the result as JSON."),
 ) -> None:
     """Remove a snapshot (refused while a capture holds its claim, unless --force)."""
-    from mxlaunch.store import Store
+    from mxlaunch.store.core import Store
 
     store = Store(artifact_path)
     store.remove(source_id, force=force)
@@ -128,8 +128,8 @@ def store_prune(
 
     from mxlaunch.errors import UsageError
     from mxlaunch.staging.capacity import format_bytes, parse_size
-    from mxlaunch.store import Store
-    from mxlaunch.store_prune import parse_duration, prune
+    from mxlaunch.store.core import Store
+    from mxlaunch.store.prune import parse_duration, prune
 
     try:
         age = parse_duration(unused_for) if unused_for is not None else None

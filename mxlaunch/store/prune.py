@@ -34,10 +34,10 @@ from mxlaunch.coord.peers_file import PEERS_DIR, FileRegistry
 from mxlaunch.coord.peers_record import reapable
 from mxlaunch.errors import MxlaunchError
 from mxlaunch.fileutil import LAST_USED, last_used
-from mxlaunch.kernelcache_store import KEY_JSON, KernelCacheStore
-from mxlaunch.store import Store
-from mxlaunch.store_capture import _du, capture_ids
-from mxlaunch.store_snapshot import MANIFEST
+from mxlaunch.kernelcache.archive import KEY_JSON, KernelCacheStore
+from mxlaunch.store.core import Store
+from mxlaunch.store.capture import _du, capture_ids
+from mxlaunch.store.snapshot import MANIFEST
 
 TRASH_AGE_S = 600.0  # a `.trash-*` younger than this may still be being deleted by its `store rm`
 PEER_GRACE_S = 300.0  # a P2P record stale this long is gone for good (a gone process's at once)

@@ -1,4 +1,4 @@
-"""The load generator's HTTP client: a lean HTTP/1.1 client on an asyncio Protocol (mxlaunch/bench.py runs it).
+"""The load generator's HTTP client: a lean HTTP/1.1 client on an asyncio Protocol (mxlaunch/bench/run.py runs it).
 
 One keep-alive connection per in-flight request; TTFT counts from sending the request, connection
 set-up excluded; timestamps are time.perf_counter() taken in data_received(), as the bytes arrive.

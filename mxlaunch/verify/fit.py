@@ -11,7 +11,7 @@ from typing import Any
 
 from mxlaunch.errors import UsageError
 from mxlaunch.http import WAIT_FIX
-from mxlaunch.verify_scorer import Scorer, ServerGone, ServerRequestError
+from mxlaunch.verify.scorer import Scorer, ServerGone, ServerRequestError
 
 
 def fit_prompts(

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from mxlaunch.cli_common import artifact_path_option, json_option, out, print_json
+from mxlaunch.cli.common import artifact_path_option, json_option, out, print_json
 
 cache_app = typer.Typer(
     rich_markup_mode=None,  # help texts are plain: "[default: ...]" is text, not a markup tag
@@ -19,8 +19,8 @@ cache_app = typer.Typer(
 
 
 def _caches(artifact_path: Optional[Path]):  # noqa: ANN202 — a KernelCacheStore (imported lazily)
-    from mxlaunch.kernelcache_store import KernelCacheStore
-    from mxlaunch.store import Store
+    from mxlaunch.kernelcache.archive import KernelCacheStore
+    from mxlaunch.store.core import Store
 
     store = Store(artifact_path)
     return KernelCacheStore(store.root, store.coordinator)
@@ -35,7 +35,7 @@ def cache_list(
     from rich.table import Table
 
     from mxlaunch.staging.capacity import format_bytes
-    from mxlaunch.store_snapshot import model_name
+    from mxlaunch.store.snapshot import model_name
 
     caches = _caches(artifact_path)
     entries = caches.list()
@@ -68,7 +68,7 @@ def cache_rm(
 ) -> None:
     """Remove one kernel cache (KEY) or all of them (--all); the next launch compiles and captures again."""
     from mxlaunch.errors import UsageError
-    from mxlaunch.kernelcache_store import ArchiveRefused
+    from mxlaunch.kernelcache.archive import ArchiveRefused
 
     if (key is None) == (not remove_all):
         raise UsageError("pass exactly one of KEY or --all", "see `mxlaunch cache list` for the keys")

@@ -5,7 +5,7 @@ end-to-end latency; per concurrency level: p50/p90/p99 of each, output tokens/s,
 One warm-up request first (not counted). Errors are counted, never fatal. A run is bounded by the number
 of requests and by --max-duration (requests still running then are cancelled and counted as errors).
 
-The hot path is a lean HTTP/1.1 client on an asyncio Protocol (mxlaunch/bench_http.py: one keep-alive
+The hot path is a lean HTTP/1.1 client on an asyncio Protocol (mxlaunch/bench/client.py: one keep-alive
 connection per in-flight request; TTFT counts from sending the request, connection set-up excluded;
 timestamps are time.perf_counter() taken in data_received(), as the bytes arrive). scripts/bench_client.py
 measures the client's own overhead against a trivial local streaming server.
@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 import httpx
 
-from mxlaunch.bench_http import Conn, RequestResult, Target, run_level, timed_request  # noqa: F401 — RequestResult: callers import it from here
+from mxlaunch.bench.client import Conn, RequestResult, Target, run_level, timed_request  # noqa: F401 — RequestResult: callers import it from here
 from mxlaunch.errors import UsageError
 from mxlaunch.http import ServerInfo, probe
-from mxlaunch.prompts import BUILTIN_PROMPTS, load_prompts
+from mxlaunch.verify.prompts import BUILTIN_PROMPTS, load_prompts
 
 MAX_ERROR_SAMPLES = 5
 
@@ -113,7 +113,7 @@ def make_prompts(
 ) -> tuple[list[Any], dict[str, Any]]:
     """n prompts. 'random': windows of exactly input_len token ids taken at random offsets from the
     server-tokenized built-in text (exact lengths, no shared prefixes); a server without /tokenize gets
-    text of input_len random words instead. Otherwise a prompts file (see mxlaunch.prompts), cycled."""
+    text of input_len random words instead. Otherwise a prompts file (see mxlaunch.verify.prompts), cycled."""
     rng = random.Random(seed)
     if dataset != "random":
         items = [p["text"] for p in load_prompts(Path(dataset))]

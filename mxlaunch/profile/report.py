@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from mxlaunch.profile_model import PHASES, RunProfile
+from mxlaunch.profile.model import PHASES, RunProfile
 
 
 # ---- statistics ----------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ An engine compiles kernels at start-up (torch.compile/Inductor, Triton, FlashInf
 vLLM's compile cache root) into folders its variables name; `Engine.kernel_cache_vars` lists them. mxlaunch
 points every variable the user did not set at a sub-folder of one node-local folder per **key**, restores
 that folder from the artifact store before the engine starts and captures it back once the server is ready
-(store side: mxlaunch/kernelcache_store.py; the launch side: mxlaunch/launch/kernel.py).
+(store side: mxlaunch/kernelcache/archive.py; the launch side: mxlaunch/launch/kernel.py).
 
 The key is sha256 over what decides whether compiled code can be reused: the source id (model, layout,
 dtype, parallelism), the accelerator (GPU compute capability, or the CPU's ISA flags), the engine, torch,

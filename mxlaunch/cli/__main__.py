@@ -1,0 +1,5 @@
+"""`python -m mxlaunch.cli`."""
+
+from mxlaunch.cli.app import main
+
+main()
