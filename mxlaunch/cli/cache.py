@@ -1,4 +1,4 @@
-"""`mxlaunch cache list/rm`: the JIT kernel caches in the artifact store (registered by cli.py)."""
+"""`mxlaunch cache list/rm`: the JIT kernel caches in the artifact store (registered by cli/app.py)."""
 
 from __future__ import annotations
 

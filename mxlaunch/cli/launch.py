@@ -1,4 +1,4 @@
-"""`mxlaunch launch -- CMD`: plan, then run the engine with the fastest correct weight path (registered by cli.py)."""
+"""`mxlaunch launch -- CMD`: plan, then run the engine with the fastest correct weight path (registered by cli/app.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`mxlaunch peers`: the P2P sources in the registry, live and stale (registered by cli.py)."""
+"""`mxlaunch peers`: the P2P sources in the registry, live and stale (registered by cli/app.py)."""
 
 from __future__ import annotations
 

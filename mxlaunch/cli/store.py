@@ -1,4 +1,4 @@
-"""`mxlaunch store list/verify/rm/prune`: the artifact store's snapshots (registered by cli.py)."""
+"""`mxlaunch store list/verify/rm/prune`: the artifact store's snapshots (registered by cli/app.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`mxlaunch zygotes`: the warm interpreters `launch --zygote` left on this node (registered by cli.py)."""
+"""`mxlaunch zygotes`: the warm interpreters `launch --zygote` left on this node (registered by cli/app.py)."""
 
 from __future__ import annotations
 

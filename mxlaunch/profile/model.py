@@ -1,7 +1,7 @@
 """What a start-up profile is: the fixed phase names, one run's phases, and several nodes merged into one run.
 
-Why its own module: the parser (profile.py), the statistics and tables (profile_report.py), live runs
-(profile_live.py) and the chart (chart.py) all speak these types; keeping them apart from the parser lets
+Why its own module: the parser (profiler.py), the statistics and tables (report.py), live runs
+(live.py) and the chart (chart.py) all speak these types; keeping them apart from the parser lets
 each of those import the vocabulary without the log machinery, and with no import circle.
 """
 

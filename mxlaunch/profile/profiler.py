@@ -1,4 +1,4 @@
-"""Engine start-up log → timeline of fixed phases (statistics over runs: profile_report; live runs: profile_live).
+"""Engine start-up log → timeline of fixed phases (statistics over runs: report.py; live runs: live.py).
 
 Why fixed phase names: a report from SGLang 0.5.10 and one from vLLM 0.33 must line up in one
 table. The engine modules (engines/sglang.py, engines/vllm.py) turn lines into events; this module
@@ -10,9 +10,9 @@ turns events into phase durations, the same way for every engine:
 - `stage` overlaps start-up: reported, never summed.
 
 `StartupProfiler` is incremental (feed lines with arrival times) so the launcher can feed it the
-engine's live output; `profile_file` and `profile_live.run_live` are the two ways `mxlaunch profile` uses it.
+engine's live output; `profile_file` and `live.run_live` are the two ways `mxlaunch profile` uses it.
 
-The phase vocabulary and `RunProfile` are in profile_model.py, statistics and tables in profile_report.py;
+The phase vocabulary and `RunProfile` are in model.py, statistics and tables in report.py;
 their public names are importable from here too.
 """
 

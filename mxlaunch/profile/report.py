@@ -1,6 +1,6 @@
 """Runs → statistics, the `--json` document and the tables `mxlaunch profile` prints.
 
-Why its own module: profile.py turns log lines into one run's phases; what is done with finished runs
+Why its own module: profiler.py turns log lines into one run's phases; what is done with finished runs
 (mean/stddev per phase, the JSON report, rich tables, the `--explain` listing) is separate and needs no parser.
 """
 

@@ -1,4 +1,4 @@
-"""Writing a snapshot: a node's capture folder, its ranks, its completion marker, the publish (see store.py),
+"""Writing a snapshot: a node's capture folder, its ranks, its completion marker, the publish (see core.py),
 and the bookkeeping of a capture spread over nodes: what they reported, and removing one that failed."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Layout under the store root (`--artifact-path`, else $MXLAUNCH_ARTIFACT_PATH, el
     <root>/<source_id>/.nodes-<capture_id>/<node_rank>.json  a node's completion marker (its files, checksums)
     <root>/<source_id>/.nodes-<capture_id>/<node_rank>.failed.json  a node that will not deliver its part
     <root>/.claims/<source_id>.claim                          the capture claim (coord/file.py)
-    <root>/kernel-cache/<key>/                                JIT kernel caches (kernelcache_store.py)
+    <root>/kernel-cache/<key>/                                JIT kernel caches (kernelcache/archive.py)
 
 A node writes its ranks into its temp folder, moves each finished rank folder into `data-<capture_id>/`
 by rename, then writes its marker. A node that sees every rank covered builds the manifest and

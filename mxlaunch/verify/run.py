@@ -13,8 +13,8 @@ fit:     before recording, a prompt longer than the server's context leaves room
          both engines); the gold file keeps the cut prompt's token ids (``input_ids``) and compare sends exactly
          those ids, so a cut prompt replays token for token.
 
-This module runs the two (record, compare) against a server; the parts live beside it: verify_scorer (the
-engines' dialects), verify_gold (the file), verify_fit (cutting prompts), verify_compare (the verdict). Their
+This module runs the two (record, compare) against a server; the parts live beside it: scorer.py (the
+engines' dialects), gold.py (the file), fit.py (cutting prompts), compare.py (the verdict). Their
 public names are importable from here too.
 """
 
