@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -209,11 +210,21 @@ def stop_zygotes() -> list[str]:
     return keys
 
 
+def private_root() -> bool:
+    """Is zygote_root() a real folder of this user's that nobody else can enter? A request carries the engine's
+    whole environment (tokens included): it goes only to a socket in such a folder."""
+    try:
+        st = os.lstat(zygote_root())
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
 def fork_from(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str) -> Optional[ZygoteChild]:
     """The engine, forked by the zygote for `key`; None when none serves it (then spawn as always). A socket
-    nobody answers is removed."""
+    nobody answers is removed; one in a folder that is not this user's alone is never used."""
     path = socket_path(key)
-    if not path.exists():
+    if not path.exists() or not private_root() or path.lstat().st_uid != os.getuid():
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     out_r, out_w = os.pipe()
@@ -223,7 +234,7 @@ def fork_from(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str) ->
         conn.connect(str(path))
         socket.send_fds(conn, [b"\0"], [out_w, life_r])
         conn.sendall(json.dumps({"argv": entry.child_argv(), "env": dict(env), "cwd": cwd}).encode() + b"\n")
-        with conn.makefile("rb") as f:
+        with conn.makefile("rb", buffering=0) as f:  # unbuffered: the exit line that may follow stays in the socket
             reply = json.loads(f.readline() or b"{}")
         pid = int(reply["pid"])
     except (OSError, ValueError, KeyError):
@@ -247,7 +258,8 @@ def start_zygote(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str,
     its pid, or None when one is already there or one refused."""
     root = zygote_root()
     root.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(root, 0o700)
+    if not private_root():
+        raise OSError(f"{root} is not a folder of this user's alone (mode 0700): remove it")
     path = socket_path(key)
     if path.exists():
         return None

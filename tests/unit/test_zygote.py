@@ -198,3 +198,20 @@ def test_a_zygote_whose_imports_start_a_thread_refuses_says_why_and_is_not_start
     assert zygote.start_zygote(key, entry, env, str(module_dir), module_dir / "logs") is None
     assert zygote.fork_from(key, entry, env, str(module_dir)) is None
     assert [(z.key, z.status) for z in zygote.list_zygotes()] == [(key, "refused")]
+
+
+def test_a_zygote_folder_others_can_enter_is_never_used(module_dir: Path) -> None:
+    """A request carries the engine's environment (tokens too): never to a socket in a folder others can reach."""
+    env = _env(module_dir)
+    key, pid = _start(module_dir, env)
+    try:
+        os.chmod(zygote.zygote_root(), 0o755)
+        assert zygote.fork_from(key, _entry(("0",)), env, str(module_dir)) is None
+        assert zygote.socket_path(key).exists()  # not ours to judge: left alone
+        with pytest.raises(OSError, match="0700"):
+            zygote.start_zygote("other", _entry(), env, str(module_dir), module_dir / "logs")
+        os.chmod(zygote.zygote_root(), 0o700)
+        child = zygote.fork_from(key, _entry(("0",)), env, str(module_dir))
+        assert child is not None and child.wait(timeout=30) == 0
+    finally:
+        _stop(pid)
