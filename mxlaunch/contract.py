@@ -17,6 +17,8 @@ RAW = "mxlaunch-raw"  # mxlaunch's own snapshot: each rank's tensors before post
 SHARDED_STATE = "sglang-sharded_state"  # SGLang's own sharded_state dump, one folder per rank
 PRESHARDED = "sglang-presharded"  # SGLang's presharded dump: one folder every rank reads (kept as rank 0)
 SHARED_FOLDER_FORMATS = (PRESHARDED,)  # formats whose one folder serves every rank (single node only)
+# a zygote's files in its folder, one set per key (launch/zygote.py starts and uses it; plugin/zygote.py serves)
+ZYGOTE_SOCKET, ZYGOTE_INFO, ZYGOTE_REFUSED = ".sock", ".json", ".refused"
 SNAPSHOT_VERSION = 1  # bump when the raw snapshot's layout changes: old snapshots stop matching
 
 

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+from mxlaunch.contract import ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_SOCKET
 from mxlaunch.engines.environment import PYTHON_EXE
+from mxlaunch.fileutil import pid_alive
 from mxlaunch.plan import PLAN_ENV
 
 SHM_ROOT = Path("/dev/shm")
@@ -79,12 +81,12 @@ def zygote_key(entry: ZygoteEntry, engine_version: Optional[str], env: Mapping[s
 
 
 def socket_path(key: str) -> Path:
-    return zygote_root() / f"{key}.sock"
+    return zygote_root() / f"{key}{ZYGOTE_SOCKET}"
 
 
 def refusal_path(key: str) -> Path:
     """Written by a zygote that would not serve (its imports initialised CUDA or started threads)."""
-    return zygote_root() / f"{key}.refused"
+    return zygote_root() / f"{key}{ZYGOTE_REFUSED}"
 
 
 def refusal(key: str) -> Optional[str]:
@@ -130,7 +132,7 @@ class ZygoteChild:
         except OSError:
             chunk = b""
         if not chunk:  # the zygote is gone: the child's status can no longer be told, only whether it lives
-            if not _alive(self.pid):
+            if not pid_alive(self.pid):
                 self._finish(-1)
             return
         self._buf += chunk
@@ -147,14 +149,6 @@ class ZygoteChild:
             os.close(self._lifeline)
         except OSError:
             pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 @dataclass(frozen=True)
@@ -183,13 +177,13 @@ def list_zygotes() -> list[ZygoteInfo]:
             found.append(ZygoteInfo(key, "refused", None, None, None, why))
             continue
         try:
-            info = json.loads((root / f"{key}.json").read_text(encoding="utf-8"))
+            info = json.loads((root / f"{key}{ZYGOTE_INFO}").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             info = {}
         pid = info.get("pid")
         entry = " ".join(info.get("entry") or []) or None
         age = round(time.time() - info["started"], 1) if info.get("started") else None
-        alive = isinstance(pid, int) and _alive(pid)
+        alive = isinstance(pid, int) and pid_alive(pid)
         status = "waiting" if alive and socket_path(key).exists() else "gone"
         found.append(ZygoteInfo(key, status, pid, entry, age))
     return found
@@ -201,7 +195,7 @@ def stop_zygotes() -> list[str]:
     root = zygote_root()
     keys = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if path.suffix == ".sock":
+        if path.suffix == ZYGOTE_SOCKET:
             keys.append(path.stem)
         try:
             path.unlink()

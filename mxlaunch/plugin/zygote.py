@@ -37,7 +37,14 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+from mxlaunch.contract import ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_SOCKET
+
 READY_LINE = "mxlaunch zygote: ready"
+
+
+def beside(socket_path: str, suffix: str) -> str:
+    """The key's other file next to its socket: `<key>.json` (who serves), `<key>.refused` (why not)."""
+    return socket_path.removesuffix(ZYGOTE_SOCKET) + suffix
 
 
 def script_imports(path: str) -> List[str]:
@@ -86,11 +93,12 @@ def refusal_reason() -> Optional[str]:
 def refuse(socket_path: str, why: str) -> None:
     """Say why in the log and beside the socket (`<key>.refused`): launches say so and start no other."""
     print(f"mxlaunch zygote: not serving — {why}", flush=True)
-    tmp = f"{socket_path[:-len('.sock')]}.refused.{os.getpid()}"
+    final = beside(socket_path, ZYGOTE_REFUSED)
+    tmp = f"{final}.{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(why + "\n")
-        os.replace(tmp, socket_path[:-len(".sock")] + ".refused")
+        os.replace(tmp, final)
     except OSError:
         pass
 
@@ -202,7 +210,7 @@ class Zygote:
 
     @property
     def info_path(self) -> str:
-        return self.path[:-len(".sock")] + ".json" if self.path.endswith(".sock") else self.path + ".json"
+        return beside(self.path, ZYGOTE_INFO)
 
     def still_ours(self) -> bool:
         try:
