@@ -36,6 +36,7 @@ from mxlaunch.launch.kernel import KernelCacheRun
 from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.launch.process import default_log_root
 from mxlaunch.launch.shutdown import BudgetReader, Stopping
+from mxlaunch.launch.stop_watchdog import StopWatchdog
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
 from mxlaunch.slurm import default_readers
 from mxlaunch.store.core import Store
@@ -200,6 +201,8 @@ class Launcher(Stopping):
     def run(self) -> int:
         code = 1
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        watchdog = StopWatchdog(self._watchdog_deadline, self._rescue)
+        watchdog.start()
         try:
             self._prepare()
             argv = self.plan.argv
@@ -234,6 +237,7 @@ class Launcher(Stopping):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._cleanup()
+            watchdog.finished()
 
     def _fork_from_zygote(self, argv: list[str], env: dict[str, str]) -> Optional[zygote.ZygoteChild]:
         """With --zygote: the engine forked from a warm interpreter for this command, or None (spawn it; the

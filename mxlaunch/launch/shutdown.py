@@ -28,6 +28,7 @@ from mxlaunch.launch.cleanup import (
     SegmentRecord, free_staged, remove_orphaned_engine_shm, remove_rendezvous_files, remove_run,
     rendezvous_files)
 from mxlaunch.launch.process import Step
+from mxlaunch.launch.stop_watchdog import deadline_after_signal
 from mxlaunch.slurm import kill_wait as scontrol_kill_wait
 
 SLURM_DEFAULT_KILL_WAIT = 30  # slurm.conf's default, assumed when scontrol cannot tell
@@ -146,6 +147,23 @@ class Stopping:
             self.forwarded = True
         except ProcessLookupError:
             pass
+
+    def _watchdog_deadline(self) -> float:
+        """Seconds after a stop signal before launch/stop_watchdog.py rescues a stuck stop."""
+        budget = self.budget.get()
+        usual = sum(wait for _, wait in USUAL_STEPS)
+        return deadline_after_signal(budget.seconds, budget.kill_wait, usual,
+                                     margin(budget.kill_wait) if budget.kill_wait is not None else 0.0)
+
+    def _rescue(self) -> None:
+        """The watchdog's cleanup when the main thread cannot do it: the engine's group, then /dev/shm."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        free_staged(self.shm_dir)
+        remove_run(self.shm_dir)
 
     def _kernel_capture_budget(self, hurry: bool) -> float:
         """Seconds the kernel-cache capture may still take once the engine is gone: 30 s after the launcher's

@@ -154,10 +154,11 @@ def cancel(cluster: Cluster, job_id: str) -> None:
     assert cluster.wait_state(job_id, ("CANCELLED", "COMPLETED", "FAILED"), timeout=180) == "CANCELLED"
 
 
-def wait_for(check, timeout: float, what: str) -> None:
+def wait_for(check, timeout: float, what) -> None:
+    """`what`: the failure's message, or a function that makes it (read when the wait fails)."""
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.5)
 
 
@@ -204,7 +205,8 @@ def tp2(slurm_cluster: Cluster, tiny_model: Path, store_root: Path, vllm_shim: P
                              for e in Store(store_root).list()), 120, "the TP=2 snapshot was never published")
     finally:
         cancel(slurm_cluster, job_id)
-    wait_for(lambda: (run_dir / "profile.json").exists(), 60, "launch.sbatch wrote no profile after scancel")
+    wait_for(lambda: (run_dir / "profile.json").exists(), 60,
+             lambda: "launch.sbatch wrote no profile after scancel:\n" + read_out(out, job_id)[-6000:])
     return {"job_id": job_id, "gold": gold, "run_dir": run_dir, "text": read_out(out, job_id), "port": port,
             "shm": shm_after(job_id, watch)}
 
