@@ -37,6 +37,8 @@ def launch(
                                         "CUDA: the engine core is forked from the API server, not spawned to import vLLM again)."),
     zygote: bool = typer.Option(False, "--zygote", help="Fork restarts from a warm interpreter that has imported the engine "
                                 "(started after this run is ready; it waits on the node until idle for 15 min)."),
+    no_download: bool = typer.Option(False, "--no-download", help="Leave a hub id that is not in the hub cache to the "
+                                     "engine's own download (by default mxlaunch downloads it once per artifact store first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
     as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
 ) -> None:
@@ -47,6 +49,27 @@ def launch(
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
                          snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache, p2p=not no_p2p,
                          registry=registry, capture_id=capture_id, engine_fork=not no_engine_fork, zygote=zygote)
+
+    def emit(event: str, **fields: object) -> None:
+        if as_json:
+            print_json({"event": event, **fields})
+        elif event == "ready":
+            phases = fields.get("phases") or {}
+            shown = " · ".join(f"{name} {sec:.2f}s" for name, sec in phases.items() if sec)  # type: ignore[union-attr]
+            err.print(f"[bold green]mxlaunch ready[/] in {fields['seconds']:.1f} s (strategy {fields['strategy']}, "
+                      f"kernel cache {fields.get('kernel_cache', 'off')}): "
+                      f"{escape(shown)}", highlight=False)
+        else:
+            detail = plain_fields(fields, skip=("argv", "log_tail"))
+            err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)
+            if fields.get("log_tail"):
+                err.print(escape(str(fields["log_tail"])), highlight=False)
+
+    if not dry_run and not no_download and strategy != "default":  # a new hub id: downloaded once per store, then planned
+        from mxlaunch.remote.fetch import download_for_command
+        from mxlaunch.store.core import Store
+
+        download_for_command(list(command or []), Store(artifact_path), emit)
     plan = make_plan(list(command or []), opts)
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
         err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
@@ -83,21 +106,6 @@ def launch(
         from mxlaunch.errors import UsageError
 
         raise UsageError(f"--capture-only: nothing to capture ({plan.reason})", "drop --capture-only to serve")
-
-    def emit(event: str, **fields: object) -> None:
-        if as_json:
-            print_json({"event": event, **fields})
-        elif event == "ready":
-            phases = fields.get("phases") or {}
-            shown = " · ".join(f"{name} {sec:.2f}s" for name, sec in phases.items() if sec)  # type: ignore[union-attr]
-            err.print(f"[bold green]mxlaunch ready[/] in {fields['seconds']:.1f} s (strategy {fields['strategy']}, "
-                      f"kernel cache {fields.get('kernel_cache', 'off')}): "
-                      f"{escape(shown)}", highlight=False)
-        else:
-            detail = plain_fields(fields, skip=("argv", "log_tail"))
-            err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(detail)}", highlight=False)
-            if fields.get("log_tail"):
-                err.print(escape(str(fields["log_tail"])), highlight=False)
 
     def echo(line: str) -> None:
         (sys.stderr if as_json else sys.stdout).write(line + "\n")

@@ -32,6 +32,11 @@ def hub_cache_dir() -> Path:
     return Path(xdg) / "huggingface" / "hub"
 
 
+def is_hub_id(model: str) -> bool:
+    """org/name (or name): not a path. A hub id names a repo; a path never parses as one."""
+    return bool(_REPO_ID.match(model)) and not model.startswith((".", "/", "~")) and not Path(model).expanduser().exists()
+
+
 def resolve_model_path(model: str, revision: Optional[str] = None) -> Tuple[Optional[str], Optional[str]]:
     """(local directory, None) for a model directory or a hub id found in the local hub cache;
     (None, reason) otherwise. Never touches the network."""
@@ -53,7 +58,8 @@ def resolve_model_path(model: str, revision: Optional[str] = None) -> Tuple[Opti
     snap = repo / "snapshots" / commit if commit else None
     if snap is None or not snap.is_dir():
         where = f"revision {revision}" if revision else "refs/main"
-        return None, f"model {model} is not in the local hub cache ({repo}, {where}); download it first to use a snapshot"
+        return None, (f"model {model} is not in the local hub cache ({repo}, {where}); `mxlaunch launch` downloads it once "
+                      f"per artifact store before it plans (or run `mxlaunch pull {model}`)")
     return str(snap.resolve()), None
 
 

