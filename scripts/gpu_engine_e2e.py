@@ -33,6 +33,14 @@ weight phase from the engine's log: vLLM's "Loading weights took", mxlaunch's "r
 `engine_core_s` (spawn → the engine core process's first line), the launcher's or the log's phases, and
 `verify` ("exact", or what differed). VLLM_USE_FLASHINFER_SAMPLER=0 for every start (the same for all):
 a fresh node would otherwise spend ~117 s in a silent FlashInfer JIT build in the first one.
+
+`--compile` drops `--enforce-eager` (vLLM's default: torch.compile and CUDA graphs); `--fresh-node` removes
+this machine's JIT kernel caches before every start (vLLM's, Inductor's, Triton's, FlashInfer's, and the
+launcher's local copies), keeping the store: every start is a node that never ran the model, and only
+mxlaunch's kernel cache (captured into the store by `capture`) can bring the compiled kernels back:
+
+    source /tmp/kit/device_env.sh && python3 scripts/gpu_engine_e2e.py --compile --fresh-node \
+        --scenarios default,capture,staged,staged --work /tmp/gpu-e2e-compile --out $OUT/gpu_compile.json
 """
 
 from __future__ import annotations
@@ -43,8 +51,10 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -85,8 +95,29 @@ def evict(*folders: Path) -> int:
     return total
 
 
+COMPILE = {"on": False}  # --compile: vLLM's default torch.compile + CUDA graphs (no --enforce-eager)
+
+
+def jit_cache_dirs() -> list[Path]:
+    """This machine's JIT kernel caches (vLLM's torch.compile cache, Inductor, Triton, FlashInfer) and the
+    launcher's local copies of the store's kernel caches: what a node that never ran the model lacks."""
+    home, user = Path.home(), os.environ.get("USER") or str(os.getuid())
+    return [home / ".cache" / "vllm", home / ".cache" / "mxlaunch" / "kernel-cache", home / ".triton",
+            home / ".cache" / "flashinfer", Path(tempfile.gettempdir()) / f"torchinductor_{user}",
+            Path(tempfile.gettempdir()) / "torchinductor_root"]
+
+
+def wipe_jit_caches() -> list[str]:
+    """--fresh-node: every start as on a node that never ran the model (the store stays)."""
+    gone = [str(d) for d in jit_cache_dirs() if d.exists()]
+    for d in jit_cache_dirs():
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
+
+
 def engine_argv(model: Path, port: int, util: float, extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", API, "--model", str(model), "--dtype", "bfloat16", "--enforce-eager",
+    eager = () if COMPILE["on"] else ("--enforce-eager",)
+    return [sys.executable, "-m", API, "--model", str(model), "--dtype", "bfloat16", *eager,
             "--max-model-len", "2048", "--gpu-memory-utilization", f"{util:g}", "--host", "127.0.0.1",
             "--port", str(port), *extra]
 
@@ -198,12 +229,14 @@ class Harness:
         self.store, self.gold, self.logs = work / "store", work / "gold.json", work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.record_path = work / "runs.json"
+        self.fresh_node = False
         self.runs: list[dict] = json.loads(self.record_path.read_text()) if self.record_path.exists() else []
 
     def _log(self, name: str) -> Path:
         return self.logs / f"{len(self.runs):02d}-{name}.log"
 
     def run(self, scenario: str) -> dict:
+        wiped = wipe_jit_caches() if self.fresh_node else None
         evicted = evict(self.model, self.store)
         try:
             if scenario == "p2p":
@@ -215,7 +248,8 @@ class Harness:
         except RuntimeError as exc:
             rec = {"name": scenario, "strategy": scenario, "error": str(exc)}
         rec.setdefault("mode", MODES.get(scenario, scenario))
-        rec.update(evicted_bytes=evicted, at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+        rec.update(evicted_bytes=evicted, at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                   compile=COMPILE["on"], **({"wiped_jit_caches": wiped} if wiped is not None else {}))
         self.runs.append(rec)
         self.record_path.write_text(json.dumps(self.runs, indent=1))
         shown = {k: rec.get(k) for k in ("ready_s", "weight_s", "first_line_s", "engine_core_s", "verify", "error")}
@@ -369,6 +403,9 @@ def main() -> int:
     ap.add_argument("--util", type=float, default=0.7, help="--gpu-memory-utilization (p2p: half each)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds to ready, per start")
     ap.add_argument("--out", type=Path, required=True, help="the JSON record (every run so far in the work folder)")
+    ap.add_argument("--compile", action="store_true", help="vLLM's default compile and CUDA graphs (no --enforce-eager)")
+    ap.add_argument("--fresh-node", action="store_true", help="remove this machine's JIT kernel caches before every "
+                    "start (the store stays): each start as on a node that never ran the model")
     args = ap.parse_args()
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = [s for s in scenarios if s not in SCENARIOS]
@@ -379,7 +416,9 @@ def main() -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model),
                         "--size", args.size], check=True)
+    COMPILE["on"] = args.compile
     harness = Harness(args.work, model, args.util, args.timeout)
+    harness.fresh_node = args.fresh_node
     for scenario in scenarios:
         harness.run(scenario)
     import vllm  # noqa: PLC0415 — only for its version, in the engine's environment
