@@ -112,5 +112,5 @@ def launch(
 
     if plan.slurm and as_json:
         emit("slurm", **plan.slurm)
-    code = Launcher(plan, opts, emit=emit, echo=echo).run()
+    code = Launcher(plan, opts, emit=emit, echo=echo, watchdog=True).run()
     raise typer.Exit(code)

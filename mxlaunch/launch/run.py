@@ -46,8 +46,11 @@ class Launcher(Stopping):
     """Runs one LaunchPlan in the foreground. `emit(event, **fields)` reports progress."""
 
     def __init__(self, plan: LaunchPlan, opts: LaunchOptions, emit: Callable[..., None],
-                 echo: Callable[[str], None], store: Optional[Store] = None) -> None:
+                 echo: Callable[[str], None], store: Optional[Store] = None, *, watchdog: bool = False) -> None:
+        """watchdog: rescue a stuck stop by exiting this process (launch/stop_watchdog.py) — for the CLI,
+        where the launcher is the process; never for a Launcher embedded in another program."""
         self.plan = plan
+        self.watchdog = watchdog
         self.opts = opts
         self.emit = emit
         self.echo = echo
@@ -201,8 +204,9 @@ class Launcher(Stopping):
     def run(self) -> int:
         code = 1
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        watchdog = StopWatchdog(self._watchdog_deadline, self._rescue)
-        watchdog.start()
+        watchdog = StopWatchdog(self._watchdog_deadline, self._rescue) if self.watchdog else None
+        if watchdog is not None:
+            watchdog.start()
         try:
             self._prepare()
             argv = self.plan.argv
@@ -237,7 +241,8 @@ class Launcher(Stopping):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._cleanup()
-            watchdog.finished()
+            if watchdog is not None:
+                watchdog.finished()
 
     def _fork_from_zygote(self, argv: list[str], env: dict[str, str]) -> Optional[zygote.ZygoteChild]:
         """With --zygote: the engine forked from a warm interpreter for this command, or None (spawn it; the

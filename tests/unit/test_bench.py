@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -86,9 +85,13 @@ def test_run_against_a_fake_stream_with_known_delays() -> None:
     for lv in result["levels"]:
         assert lv["completed"] == 4 and lv["errors"] == 0
         assert lv["output_tokens_per_request"] == {"min": 6, "max": 6}
-        assert 28 <= lv["ttft_ms"]["p50"] < 200
-        assert 8 <= lv["itl_ms"]["p50"] < 60 and lv["itl_ms"]["n"] == 4 * 5
+        # lower bounds only: the server's delays (a loaded machine can make any of them longer, never shorter)
+        assert 28 <= lv["ttft_ms"]["p50"]
+        assert 8 <= lv["itl_ms"]["p50"] and lv["itl_ms"]["n"] == 4 * 5
         assert lv["e2e_ms"]["p50"] >= 30 + 5 * 9 and lv["e2e_ms"]["p50"] > lv["ttft_ms"]["p50"]
+        # each request's e2e runs at least to its last token (ttft + its gaps): so do the means
+        gaps_per_request = lv["itl_ms"]["mean"] * lv["itl_ms"]["n"] / lv["completed"]
+        assert lv["e2e_ms"]["mean"] >= lv["ttft_ms"]["mean"] + gaps_per_request - 1e-6
         assert 0 <= lv["client_cpu_share"] < 1
 
 
@@ -101,10 +104,8 @@ def test_errors_are_counted_not_fatal() -> None:
 
 def test_the_run_is_bounded_in_time() -> None:
     with FakeEngine(api="vllm", token_delay_s=0.5) as engine:
-        t0 = time.monotonic()
         result = bench.run_bench(engine.url, requests=4, concurrencies=[2], output_len=20, max_duration=1.0,
-                                 warmup=False)
-        assert time.monotonic() - t0 < 6
+                                 warmup=False)  # 20 tokens × 0.5 s each: only the cut ends it within 1 s
     lv = result["levels"][0]
     assert lv["errors"] == 4 and "--max-duration" in lv["error_samples"][0]
     with FakeEngine(api="vllm", token_delay_s=0.5) as engine:

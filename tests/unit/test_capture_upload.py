@@ -32,7 +32,7 @@ from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.capture_route import decide_capture_route, estimate_node_bytes
 from mxlaunch.plan import Plan
 from mxlaunch.staging.capacity import capacity_of
-from mxlaunch.staging.upload import UploadItem, UploadJob, copy_file
+from mxlaunch.staging.upload import UploadCancelled, UploadItem, UploadJob, copy_file
 from mxlaunch.store.core import MANIFEST, Store
 from mxlaunch.store.snapshot import xxh3_file
 from tests.helpers.capture_nodes import engine_argv, rank_bytes
@@ -276,30 +276,55 @@ def test_a_failed_upload_publishes_nothing_cleans_dev_shm_and_says_what_to_fix(t
     assert node.session.failed and len(messages(node.events, "error")) == 1
 
 
-def slow_copy(src: Path, dst: Path, *, chunk: int, progress, cancelled) -> tuple[int, str]:
-    """The real copy, 1 KiB at a time with a pause: an upload that is still running a second later."""
-    def slow(n: int) -> None:
+def wait_for_gate_or_cancel(gate: threading.Event, cancelled) -> None:
+    """Block until the test opens `gate` (then return) or the upload is cancelled (then raise, as copy_file
+    does); 600 s at most, so that a broken cancel fails the test instead of hanging the thread for ever."""
+    deadline = time.monotonic() + 600
+    while not gate.wait(0.01):
+        if cancelled():
+            raise UploadCancelled("cancelled while held")
+        if time.monotonic() > deadline:
+            raise OSError("the test never opened the gate")
+
+
+def gated_copy(gate: threading.Event):
+    """The real copy, but held before its first byte until the test opens `gate`: an upload that is still
+    running for as long as the test needs it to (a cancel ends the wait)."""
+    def copy(src: Path, dst: Path, *, chunk: int, progress, cancelled) -> tuple[int, str]:
+        wait_for_gate_or_cancel(gate, cancelled)
+        return copy_file(src, dst, chunk=chunk, progress=progress, cancelled=cancelled)
+    return copy
+
+
+def copy_one_chunk_then_hold(src: Path, dst: Path, *, chunk: int, progress, cancelled) -> tuple[int, str]:
+    """The real copy, 1 KiB at a time, that stops after its first chunk until it is cancelled: some bytes
+    done, never all of them."""
+    never = threading.Event()
+
+    def hold(n: int) -> None:
         progress(n)
-        time.sleep(0.2)
-    return copy_file(src, dst, chunk=1024, progress=slow, cancelled=cancelled)
+        wait_for_gate_or_cancel(never, cancelled)
+    return copy_file(src, dst, chunk=1024, progress=hold, cancelled=cancelled)
 
 
 def test_closing_during_the_upload_cancels_it_and_leaves_nothing(tmp_path: Path, shm_dir: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(capture_mod, "PROGRESS_S", 0.1)
-    node = Session(tmp_path, shm_dir, serve(write_checkpoint(tmp_path / "model")), copy=slow_copy)
+    node = Session(tmp_path, shm_dir, serve(write_checkpoint(tmp_path / "model")), copy=copy_one_chunk_then_hold)
     node.plugin_writes(tmp_path / "run")
     node.session.engine_ready()
     job = node.session.upload
     assert job is not None and job.running
-    time.sleep(0.5)
-    node.session.poll()  # a progress line while it runs
-    progress = [f for e, f in node.events if e == "upload" and "done" in f]
-    assert progress and 0 < progress[0]["done"] < progress[0]["bytes"]
+    deadline = time.monotonic() + 30
+    while not (progress := [f for e, f in node.events if e == "upload" and f.get("done", 0) > 0]):
+        assert time.monotonic() < deadline, node.events  # a progress line while it runs, once a chunk is in
+        node.session.poll()
+        time.sleep(0.05)
+    assert 0 < progress[0]["done"] < progress[0]["bytes"]
     assert progress[0]["message"].startswith("uploaded ") and "GiB/s" in progress[0]["message"]
-    started = time.monotonic()
+    assert job.running  # the copy holds until it is cancelled: only close() can end it
     node.session.close()  # the launcher's exit path: the engine stopped
-    assert time.monotonic() - started < 2 and not job.running
+    assert job.join(60) and job.cancelled and not job.running  # ended by the cancel (its copy never ends otherwise)
     assert node.session.failed and "stopped before its upload from /dev/shm into the store was done" in messages(node.events, "error")[0]
     assert not (node.folder / MANIFEST).exists() and pending_parts(node.folder) == []
     assert not node.local.exists() and files_under(shm_dir) == []
@@ -310,16 +335,22 @@ def test_each_node_of_a_multinode_capture_uploads_its_own_ranks_before_its_part_
     """Over several nodes the upload starts as soon as a node's ranks are written (the holder's wait runs
     from its own part); a node's marker is written only after its upload, and the holder publishes once."""
     model = write_checkpoint(tmp_path / "model")
-    holder = Session(tmp_path, shm_dir, engine_argv(model, 0, 2, 2), capture_id="job1", copy=slow_copy)
+    gate = threading.Event()  # the holder's upload copies nothing until the test opens it
+    holder = Session(tmp_path, shm_dir, engine_argv(model, 0, 2, 2), capture_id="job1", copy=gated_copy(gate))
     member = Session(tmp_path, shm_dir, engine_argv(model, 1, 2, 2), capture_id="job1")
-    assert holder.session.holder and not member.session.holder
-    holder.plugin_writes(tmp_path / "run0")
-    member.plugin_writes(tmp_path / "run1")
-    assert holder.session.upload is not None and member.session.upload is not None  # no engine_ready needed
-    markers = holder.folder / ".nodes-job1"
-    assert holder.session.upload.running and not (markers / "0.json").exists()  # the holder still uploads
-    member.poll_until("waiting")
-    assert (markers / "1.json").exists() and not member.local.exists()
+    try:
+        assert holder.session.holder and not member.session.holder
+        holder.plugin_writes(tmp_path / "run0")
+        member.plugin_writes(tmp_path / "run1")
+        assert holder.session.upload is not None and member.session.upload is not None  # no engine_ready needed
+        markers = holder.folder / ".nodes-job1"
+        assert holder.session.upload.running and not (markers / "0.json").exists()  # the holder still uploads
+        member.poll_until("waiting")
+        assert (markers / "1.json").exists() and not member.local.exists()
+        holder.session.poll()
+        assert holder.session.state == "uploading" and not (markers / "0.json").exists()  # held: no marker yet
+    finally:
+        gate.set()
     holder.poll_until("published", timeout=60)
     member.poll_until("published")
     found = holder.store.lookup(holder.plan.source_id).snapshot
@@ -431,18 +462,24 @@ def test_a_failed_upload_keeps_the_engine_serving_and_publishes_nothing(tmp_path
 
 def test_a_stop_signal_during_the_upload_gives_the_capture_up_quickly(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capture_mod, "copy_file", slow_copy)
-    stopped: list[float] = []
+    gate = threading.Event()  # never opened while the launcher runs: only a cancel ends the upload's copies
+    monkeypatch.setattr(capture_mod, "copy_file", gated_copy(gate))
+    stopped: list[bool] = []
 
     def on_event(runner: Launcher, event: str, fields: dict) -> None:
         if event == "upload" and not stopped:
-            stopped.append(time.monotonic())
+            stopped.append(True)
             threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
 
-    runner, code, events = run_launcher(tmp_path, write_checkpoint(tmp_path / "model"), capture_only=False,
-                                        on_event=on_event)
+    try:
+        runner, code, events = run_launcher(tmp_path, write_checkpoint(tmp_path / "model"), capture_only=False,
+                                            on_event=on_event)
+        assert runner.capture is not None and runner.capture.upload is not None
+        assert runner.capture.upload.join(60) and runner.capture.upload.cancelled  # it was cancelled, not waited for
+    finally:
+        gate.set()
     names = [e for e, _ in events]
-    assert stopped and time.monotonic() - stopped[0] < 10, events  # not the 35 s stop budget, let alone the copy
+    assert stopped, events
     assert "stopping" in names and "uploaded" not in names and "published" not in names
     errors = [f["message"] for e, f in events if e == "error"]
     assert len(errors) == 1 and "stopped before its upload from /dev/shm into the store was done" in errors[0]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import mxlaunch.coord.file as coord_file
 from mxlaunch.coord import Claim, ClaimInfo, Coordinator, FileCoordinator
 from mxlaunch.coord.file import ensure_dir, pid_alive, write_json_atomic
 from mxlaunch.errors import UsageError
@@ -66,7 +67,26 @@ def finish(procs: list[subprocess.Popen[str]]) -> None:
         if p.poll() is None:
             p.stdin.close()
     for p in procs:
-        p.wait(timeout=10)
+        p.wait(timeout=120)
+
+
+class FakeClock:
+    """Stands in for the `time` module mxlaunch/coord/file.py reads: time() is whatever the test set."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):  # anything else the module might read: the real one
+        return getattr(time, name)
+
+
+def fake_clock(monkeypatch: pytest.MonkeyPatch, now: float) -> FakeClock:
+    clock = FakeClock(now)
+    monkeypatch.setattr(coord_file, "time", clock)
+    return clock
 
 
 def no_temp_files(root: Path) -> bool:
@@ -78,7 +98,7 @@ def test_generations_probe(tmp_path: Path) -> None:
     coord = FileCoordinator(tmp_path, host="node-a", grace_s=0.0)
     assert coord.newest_gen(SID) == 0
     for expected in range(1, 40):
-        claim = coord.try_claim(SID, ttl_s=5)
+        claim = coord.try_claim(SID)
         assert claim is not None and claim.gen == expected == coord.newest_gen(SID)
         assert coord.try_claim(SID) is None
         claim.release()
@@ -125,8 +145,8 @@ def test_sigkilled_holder_same_host_is_taken_over_at_once(tmp_path: Path) -> Non
     claim.release()
 
 
-def test_sigkilled_holder_elsewhere_expires_after_ttl(tmp_path: Path) -> None:
-    procs, results = race(tmp_path, 1, host="node-a", ttl=1.0)
+def test_sigkilled_holder_elsewhere_expires_after_ttl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    procs, results = race(tmp_path, 1, host="node-a", ttl=60.0)  # long: every real-clock read is well inside it
     assert results == [[0]]
     procs[0].send_signal(signal.SIGKILL)
     procs[0].wait()
@@ -134,25 +154,35 @@ def test_sigkilled_holder_elsewhere_expires_after_ttl(tmp_path: Path) -> None:
     assert coord.try_claim(SID) is None  # another host: only the lease can say it died
     held = coord.holder(SID)
     assert held is not None and held.host == "node-a"
-    time.sleep(1.0 + 0.5 + 0.2)
+    clock = fake_clock(monkeypatch, held.expires_at + 0.5 - 0.1)  # lease over, still inside the grace
+    assert coord.holder(SID) is not None and coord.try_claim(SID) is None
+    clock.now = held.expires_at + 0.5 + 0.1  # past expires_at + grace
     assert coord.holder(SID) is None
-    claim = coord.try_claim(SID, ttl_s=5)
-    assert claim is not None
+    claim = coord.try_claim(SID)
+    assert claim is not None and claim.gen == 2
     claim.release()
 
 
-def test_heartbeat_keeps_the_claim_past_its_ttl(tmp_path: Path) -> None:
-    procs, results = race(tmp_path, 1, host="node-a", ttl=0.6, beat=0.15)
+def test_heartbeat_keeps_the_claim_past_its_ttl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    procs, results = race(tmp_path, 1, host="node-a", ttl=60.0, beat=0.05)  # long ttl, fast beats
     coord = FileCoordinator(tmp_path, grace_s=0.3)
     try:
         assert results == [[0]]
-        deadline = time.monotonic() + 2.5  # > 2 × (ttl + grace)
-        while time.monotonic() < deadline:
+        first = coord.holder(SID)
+        assert first is not None and first.host == "node-a"
+        deadline = time.monotonic() + 60
+        while (later := coord.holder(SID)).expires_at <= first.expires_at:  # the beat moves the lease on
+            assert time.monotonic() < deadline, "the heartbeat never extended the lease"
             assert coord.try_claim(SID) is None
-            time.sleep(0.1)
+            time.sleep(0.05)
+        assert coord.try_claim(SID) is None
         procs[0].send_signal(signal.SIGKILL)  # heartbeats stop: the lease runs out
         procs[0].wait()
-        time.sleep(0.6 + 0.3 + 0.2)
+        last = coord.holder(SID)
+        assert last is not None and last.expires_at >= later.expires_at
+        clock = fake_clock(monkeypatch, (first.expires_at + last.expires_at) / 2 + 0.3)
+        assert coord.try_claim(SID) is None  # past the first lease + grace: only the heartbeat keeps it held
+        clock.now = last.expires_at + 0.3 + 0.1  # past the last beat's lease + grace
         claim = coord.try_claim(SID)
         assert claim is not None
         claim.release()
@@ -180,8 +210,8 @@ def test_heartbeat_after_takeover_reports_lost(tmp_path: Path) -> None:
     a = FileCoordinator(tmp_path, host="node-a", grace_s=0.1)
     b = FileCoordinator(tmp_path, host="node-b", grace_s=0.1)
     claim = a.try_claim(SID, ttl_s=0.3)
-    assert claim is not None and claim.heartbeat()
-    time.sleep(0.5)
+    assert claim is not None
+    time.sleep(0.5)  # past the ttl however loaded the machine is
     assert claim.heartbeat() is False and claim.lost  # never writes after its own expiry
     other = b.try_claim(SID, ttl_s=30)
     assert other is not None
@@ -193,9 +223,13 @@ def test_heartbeat_after_takeover_reports_lost(tmp_path: Path) -> None:
 
 def test_keep_alive_thread_and_release(tmp_path: Path) -> None:
     coord = FileCoordinator(tmp_path, host="node-a", grace_s=0.1)
-    with coord.try_claim(SID, ttl_s=0.3, extra={"capture_id": "c1"}) as claim:
+    with coord.try_claim(SID, ttl_s=60, extra={"capture_id": "c1"}) as claim:  # long: a starved thread is not the question
+        first = FileCoordinator(tmp_path, host="node-b").holder(SID)
         claim.keep_alive(0.05)
-        time.sleep(0.8)
+        deadline = time.monotonic() + 30
+        while FileCoordinator(tmp_path, host="node-b").holder(SID).expires_at <= first.expires_at:  # the thread beats
+            assert time.monotonic() < deadline, "the keep-alive thread never extended the lease"
+            time.sleep(0.05)
         assert not claim.lost
         holder = FileCoordinator(tmp_path, host="node-b").holder(SID)
         assert holder is not None and holder.extra == {"capture_id": "c1"}
@@ -228,7 +262,9 @@ def test_bad_ids_and_ttl_are_usage_errors(tmp_path: Path) -> None:
 def test_pid_alive_sees_dead_zombie_and_reused(tmp_path: Path) -> None:
     assert pid_alive(os.getpid())
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    time.sleep(0.3)  # exited, not yet reaped: a zombie counts as dead
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # wait until it exited, but leave it unreaped
+    stat_text = Path(f"/proc/{proc.pid}/stat").read_text()
+    assert stat_text[stat_text.rindex(")") + 2] == "Z"  # still there as a zombie, which counts as dead
     assert not pid_alive(proc.pid)
     proc.wait()
     assert not pid_alive(proc.pid)

@@ -344,7 +344,8 @@ def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path:
             pch.mkdir(parents=True, exist_ok=True)
             (pch / "c0ffee.h.gch").write_bytes(b"pch" * 1000)
         run.start_capture()
-        run._thread.join(10)
+        run._thread.join(120)
+        assert not run._thread.is_alive(), "the capture thread did not finish"
         run.stop()
         return events
 
@@ -374,7 +375,8 @@ def test_precompiled_headers_other_runs_left_are_not_captured(tmp_path: Path, mo
     Path(env["TRITON_CACHE_DIR"], "k.bin").write_bytes(b"kernel")
     (pch / "new.h.gch").write_bytes(b"fresh" * 1000)  # built by this run
     run.start_capture()
-    run._thread.join(10)
+    run._thread.join(120)
+    assert not run._thread.is_alive(), "the capture thread did not finish"
     run.stop()
     assert events[-1][0] == "kernel-cache-capture" and events[-1][1]["published"], events
     assert sorted(events[-1][1]["new"]) == ["inductor_pch/new.h.gch", "triton/k.bin"]

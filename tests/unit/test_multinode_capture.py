@@ -369,12 +369,20 @@ def test_launchers_of_a_job_capture_once_after_a_job_whose_node_was_killed(tmp_p
     store = Store(tmp_path / "store")
     env = {"MXLAUNCH_CAPTURE_TIMEOUT": "3"}
     head = launcher(tmp_path, 0, "job1", env=env)
-    head_events = events_until(head, "plan")
-    worker = launcher(tmp_path, 1, "job1", "--mode", "hang", env=env)
-    worker_events = events_until(worker, "plan")
-    assert head_events[-1]["strategy"] == worker_events[-1]["strategy"] == "capture"
-    time.sleep(1)
-    kill_tree(worker)
+    head_events = events_until(head, "plan")  # it holds the claim (taken before its plan event)
+    # The head's 3 s run from when its launcher sees its own part; the worker must have joined by then,
+    # however long it takes to start. So the head's launcher is held (SIGSTOP) until the worker has joined
+    # (its plan event comes after its join) and is gone; its claim (60 s lease, a live pid) stays held.
+    os.kill(head.pid, signal.SIGSTOP)
+    try:
+        worker = launcher(tmp_path, 1, "job1", "--mode", "hang", env=env)
+        worker_events = events_until(worker, "plan")
+        assert head_events[-1]["strategy"] == worker_events[-1]["strategy"] == "capture"
+        assert any(e["event"] == "capture" and "joins the claim" in e["message"] for e in worker_events), worker_events
+        time.sleep(1)  # its engine starts (and its run folder is made, for the next job's start to remove)
+        kill_tree(worker)
+    finally:
+        os.kill(head.pid, signal.SIGCONT)
     assert head.wait(timeout=120) == 1
     head_events += [json.loads(line) for line in head.stdout]
     assert any(e["event"] == "error" and "never reported" in e["message"] for e in head_events), head_events

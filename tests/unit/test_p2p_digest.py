@@ -165,8 +165,9 @@ def test_peers_verify_asks_a_live_source_to_prove_its_bytes_and_a_written_one_st
                                                                                            layout) -> None:
     from tests.helpers.cli import run_cli
 
-    source = sources("--layout", layout, "--ttl", "3")  # a heartbeat (and so an answer) every second
-    args = ("peers", "--registry", f"file:{tmp_path / 'reg'}", "--verify", "--timeout", "30", "--json")
+    # a long ttl: the source stays live however starved it is; it answers at its heartbeat (every ttl/3 = 10 s)
+    source = sources("--layout", layout, "--ttl", "30")
+    args = ("peers", "--registry", f"file:{tmp_path / 'reg'}", "--verify", "--timeout", "120", "--json")
     good = run_cli(*args)
     assert good.returncode == 0, good.stderr
     (v,) = json.loads(good.stdout)["verified"]
@@ -176,7 +177,13 @@ def test_peers_verify_asks_a_live_source_to_prove_its_bytes_and_a_written_one_st
     assert bad.returncode == 1, bad.stderr
     (v,) = json.loads(bad.stdout)["verified"]
     assert v["ok"] is False and "embed.weight" in v["bad"]
-    assert registry(tmp_path).sources(SOURCE_ID, 0) == []  # it stopped offering its changed bytes
+    # it stopped offering its changed bytes: the record is removed (unpublished), not merely stale. It
+    # unpublishes right after it answers, so give its thread time to get there.
+    deadline = time.monotonic() + 60
+    while registry(tmp_path).sources(SOURCE_ID, 0, include_stale=True) != []:
+        assert time.monotonic() < deadline, "the source whose bytes changed never unpublished"
+        time.sleep(0.1)
+    assert source.proc.poll() is None  # still running: it withdrew itself, it did not die
 
 
 def test_peers_verify_reports_a_source_that_does_not_answer(tmp_path) -> None:

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,10 +160,18 @@ def test_reader_failure_midway_removes_everything(sources, dest, monkeypatch: py
 def test_source_shrinking_during_the_stage_fails_and_cleans_up(tmp_path: Path, dest: Path, mode: str) -> None:
     src = tmp_path / "shrinks.bin"
     write_pattern_file(src, 8 * MiB)
-    job = StageJob(expand_sources([str(src)]), dest, readers=1, chunk_size=MiB, rate_limit=8 * MiB,
-                   write_mode=mode).start()
-    time.sleep(0.2)
+    one_chunk_in, shrunk = threading.Event(), threading.Event()
+
+    def hold_after_the_first_chunk(n: int) -> None:  # the one reader, right after a chunk is in
+        if not one_chunk_in.is_set():
+            one_chunk_in.set()
+            assert shrunk.wait(120)
+
+    job = StageJob(expand_sources([str(src)]), dest, readers=1, chunk_size=MiB, write_mode=mode,
+                   on_progress=hold_after_the_first_chunk).start()
+    assert one_chunk_in.wait(120)  # 1 of its 8 MiB copied, the rest not yet: it shrinks mid-stage
     os.truncate(src, 2 * MiB)
+    shrunk.set()
     with pytest.raises(CheckFailed, match="did it change while staging"):
         job.wait()
     assert not dest.exists()
@@ -170,13 +179,23 @@ def test_source_shrinking_during_the_stage_fails_and_cleans_up(tmp_path: Path, d
 
 def test_cancel_removes_partial_and_finished_files(tmp_path: Path, dest: Path) -> None:
     paths = [tmp_path / "one.bin", tmp_path / "two.bin"]
-    for n, p in enumerate(paths):
-        write_pattern_file(p, 2 * MiB, seed=n)
+    for n, (p, size) in enumerate(zip(paths, (MiB, 4 * MiB))):  # one chunk, then four
+        write_pattern_file(p, size, seed=n)
+    holding, cancelled = threading.Event(), threading.Event()
+
+    def hold_inside_the_second_file(n: int) -> None:  # the one reader, right after a chunk is in
+        if (dest / "one.bin").exists() and not holding.is_set():  # one.bin done: this was two.bin's 1st chunk
+            holding.set()
+            assert cancelled.wait(120)
+
     job = StageJob(expand_sources([str(p) for p in paths]), dest, readers=1, chunk_size=MiB,
-                   rate_limit=8 * MiB).start()
+                   on_progress=hold_inside_the_second_file).start()
     first = next(job.completed())
-    assert first.dest.exists()
+    assert first.rel == "one.bin" and first.dest.exists()
+    assert holding.wait(120)  # two.bin has 1 of its 4 MiB: the cancel lands mid-copy
+    assert (dest / "two.bin.partial").exists() and not (dest / "two.bin").exists()
     job.cancel()
+    cancelled.set()
     with pytest.raises(StageCancelled):
         job.wait()
     assert not dest.exists()
@@ -186,18 +205,18 @@ def test_sigint_to_a_real_stage_process_cleans_up(tmp_path: Path, dest: Path) ->
     src = tmp_path / "slow.bin"
     write_pattern_file(src, 64 * MiB)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mxlaunch.cli", "stage", str(src), "--dest", str(dest), "--rate-limit", "16MiB",
-         "--chunk-size", "1MiB", "--readers", "2"],
+        [sys.executable, "-m", "mxlaunch.cli", "stage", str(src), "--dest", str(dest), "--rate-limit", "1MiB",
+         "--chunk-size", "1MiB", "--readers", "2"],  # 64 s of copying: the SIGINT lands long before its end
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120
     while not (dest / "slow.bin.partial").exists():
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.02)
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=20)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, stderr
     assert "interrupted by SIGINT" in stderr
     assert "Traceback" not in stderr

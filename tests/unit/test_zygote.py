@@ -20,7 +20,7 @@ from mxlaunch.launch import zygote
 from mxlaunch.launch.engine_start import plan_engine_start
 from mxlaunch.engines.registry import parse_command
 from mxlaunch.plan import PLAN_ENV
-from mxlaunch.plugin.zygote import script_imports
+from mxlaunch.plugin.zygote import READY_LINE, script_imports
 
 CHILD = '''
 import os, sys, time
@@ -129,9 +129,17 @@ def test_no_zygote_or_a_dead_socket_means_spawn_and_the_dead_socket_goes(module_
 
 def test_an_idle_zygote_exits_and_so_does_one_whose_socket_is_removed(module_dir: Path) -> None:
     env = _env(module_dir)
-    key, pid = _start(module_dir, env, idle_s=0.5)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0 and not zygote.socket_path(key).exists()
+    key = zygote.zygote_key(_entry(), "1", env, str(module_dir))
+    started = time.monotonic()
+    pid = zygote.start_zygote(key, _entry(), env, str(module_dir), module_dir / "logs", idle_s=0.5)
+    assert pid is not None
+    _, status = os.waitpid(pid, 0)  # not whether we catch it serving: what it did, from its exit and its log
+    log = (module_dir / "logs" / "zygote.log").read_text()
+    assert os.waitstatus_to_exitcode(status) == 0, log  # ended on its own: nobody stopped it or removed its socket
+    assert f"{READY_LINE} imported=" in log and f"pid={pid}" in log, log  # it published its socket ...
+    assert "not serving" not in log and "bad request" not in log, log
+    assert time.monotonic() - started >= 0.5  # ... and served no one for its idle_s before it went
+    assert not zygote.socket_path(key).exists()
     assert zygote.list_zygotes() == []  # its info file went with it
     key, pid = _start(module_dir, env)
     assert zygote.stop_zygotes() == [key]  # `mxlaunch zygotes --stop`: its socket goes, and so does it
