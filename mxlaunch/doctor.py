@@ -13,6 +13,7 @@ import importlib.util
 import json
 import mmap
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -127,6 +128,40 @@ def check_lustre() -> Check:
     except (OSError, subprocess.TimeoutExpired):
         out = lfs
     return Check("lfs (Lustre)", OK, out or lfs)
+
+
+_STRIPE_COUNT = re.compile(r"(?:lmm_)?stripe_count:\s*(-?\d+)")
+
+
+def striping_advice(path: Path, text: str) -> Check:
+    """What `lfs getstripe -d PATH` (the folder's default layout for new files) means for staging: files on
+    one OST read at that OST's ceiling whatever the readers (servekit: 0.72 GB/s at 32 streams; restriped
+    over 8 OSTs 3.49 GB/s; the OST model here: docs/stage.md "Lustre")."""
+    name = "store striping (Lustre)"
+    fix = f"lfs setstripe -c 8 -S 4M {path} before the first capture (new files only; a copy restripes old ones)"
+    if "lcm_entry_count" in text or "lcme_id" in text:
+        return Check(name, INFO, "a composite (PFL) default layout", "its last component should stripe over several OSTs")
+    m = _STRIPE_COUNT.search(text)
+    if m is None:
+        return Check(name, INFO, "no default layout read", "")
+    count = int(m.group(1))
+    if count == -1 or count >= 4:
+        return Check(name, OK, f"new files striped over {'every OST' if count == -1 else f'{count} OSTs'}")
+    return Check(name, WARN, f"new files go to {count} OST{'s' if count > 1 else ''}: each file reads at most at "
+                             f"{'that OST' if count == 1 else 'those OSTs'}' speed", fix)
+
+
+def check_store_striping(path: Path) -> list[Check]:
+    from mxlaunch.staging.lustre import is_on_lustre
+
+    lfs = shutil.which("lfs")
+    if not lfs or not is_on_lustre(path):
+        return []
+    try:
+        out = subprocess.run([lfs, "getstripe", "-d", str(path)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return [Check("store striping (Lustre)", WARN, "lfs getstripe -d did not answer", "check the mount")]
+    return [striping_advice(path, out)]
 
 
 _TORCH_PROBE = (
@@ -251,6 +286,7 @@ def run_checks(path: Path, probe_torch: bool = True) -> list[Check]:
     rows += check_memory()
     rows += check_cpus()
     rows.append(check_lustre())
+    rows += check_store_striping(path)
     rows += check_gpus() if probe_torch else []
     rows.append(check_nixl())
     rows += check_registry(path)

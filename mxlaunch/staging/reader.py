@@ -27,6 +27,7 @@ from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
 from mxlaunch.staging.capacity import MEMORY_BACKED_FS, capacity_of, format_bytes, fs_type_of
 from mxlaunch.staging.hugepages import HUGE, FileMapping, HugePager
 from mxlaunch.staging.lustre import Layout
+from mxlaunch.staging.ost_model import OstModel
 from mxlaunch.staging.schedule import Chunk, ChunkScheduler, cut_chunks
 from mxlaunch.staging.chunk_io import ChunkReader
 from mxlaunch.staging.records import (  # noqa: F401 — callers import these from here
@@ -63,6 +64,7 @@ class StageJob(ChunkReader):
         per_file: int | None = None,
         huge_pages: bool = True,
         on_progress: Callable[[int], None] | None = None,
+        ost_model: OstModel | None = None,
     ) -> None:
         if readers < 1:
             raise UsageError(f"--readers must be ≥ 1, got {readers}", "pass a positive reader count")
@@ -90,6 +92,7 @@ class StageJob(ChunkReader):
         self.huge_pages = huge_pages
         self._pager = HugePager(enabled=False)
         self.on_progress = on_progress
+        self.ost_model = ost_model  # tests and benchmarks only (staging/ost_model.py): each chunk held to its OSTs
         self._cancel = threading.Event()
         self._limiter = _RateLimiter(rate_limit, self._cancel) if rate_limit else None
         self._events: queue.Queue[StagedFile | None] = queue.Queue()
@@ -210,6 +213,8 @@ class StageJob(ChunkReader):
             try:
                 if self._limiter:
                     self._limiter.acquire(chunk.length)
+                if self.ost_model is not None:
+                    self.ost_model.serve(chunk.file_index, chunk.offset, chunk.length)
                 if self._cancel.is_set():
                     return
                 read(chunk)

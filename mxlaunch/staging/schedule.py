@@ -4,6 +4,9 @@ Without Lustre every chunk targets one local device and goes out in file order â
 completes first, so a consumer (the engine's loader) can start on it while later files arrive.
 With Lustre layouts, chunks are cut at stripe boundaries so each touches one OST, and the next chunk
 goes to the OST with the fewest requests in flight, under a per-OST depth bound, earliest file first.
+The bound is the readers shared by the OSTs that still have chunks to hand out: an OST needs many
+requests in flight to reach its ceiling (scripts/bench_ost_model.py), so when the last files' OSTs are
+all that is left, they get every reader.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class ChunkScheduler:
         for chunk in chunks:
             self._pending.setdefault(chunk.target, {}).setdefault(chunk.file_index, deque()).append(chunk)
         targets = max(1, len(self._pending))
+        self.readers = readers
+        self.fixed_depth = depth_per_target  # None: the readers are shared by the targets that still have work
         self.depth = depth_per_target or max(1, math.ceil(readers / targets))
         self.per_file = per_file or readers
         self._inflight: dict[str, int] = {t: 0 for t in self._pending}
@@ -72,7 +77,12 @@ class ChunkScheduler:
     def _pick(self) -> tuple[str, int] | None:
         best: tuple[int, int, int] | None = None
         choice = None
+        if self.fixed_depth is None:  # an OST whose chunks are all taken frees its share for the others
+            with_work = sum(1 for files in self._pending.values() if files)
+            self.depth = max(1, math.ceil(self.readers / max(1, with_work)))
         for target, files in self._pending.items():
+            if not files:
+                continue
             if self._inflight[target] >= self.depth:
                 continue
             for file_index, queue in files.items():

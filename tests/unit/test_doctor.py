@@ -87,3 +87,20 @@ def test_the_registry_rows_say_an_unauthenticated_redis_is_refused_and_a_wide_pe
     os.chmod(tmp_path / ".peers", 0o700)
     assert doctor.check_registry(tmp_path)[0].status == "ok"
     assert "READ and WRITE" in doctor.check_registry(tmp_path)[1].detail
+
+
+# `lfs getstripe -d DIR` as Lustre prints a folder's default layout (lfs-getstripe(1)); no Lustre here.
+@pytest.mark.parametrize("text, status, says", [
+    ("stripe_count:  1 stripe_size:   1048576 pattern:       raid0 stripe_offset: -1\n", "warn", "1 OST"),
+    ("stripe_count:  2 stripe_size:   4194304 pattern:       raid0 stripe_offset: -1\n", "warn", "2 OSTs"),
+    ("stripe_count:  8 stripe_size:   4194304 pattern:       raid0 stripe_offset: -1\n", "ok", "8 OSTs"),
+    ("stripe_count:  -1 stripe_size:   4194304 pattern:       raid0 stripe_offset: -1\n", "ok", "every OST"),
+    ("  lcm_layout_gen:    0\n  lcm_mirror_count:  1\n  lcm_entry_count:   3\n    lcme_id:             N/A\n", "info", "PFL"),
+])
+def test_the_stores_default_striping_is_judged(tmp_path: Path, text: str, status: str, says: str) -> None:
+    from mxlaunch.doctor import striping_advice
+
+    row = striping_advice(tmp_path, text)
+    assert row.status == status and says in row.detail, row
+    if status == "warn":
+        assert f"lfs setstripe -c 8 -S 4M {tmp_path}" in row.fix

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mxlaunch.staging.lustre import EOF_END, parse_getstripe
+from mxlaunch.staging.lustre import EOF_END, Component, Layout, parse_getstripe
 from mxlaunch.staging.schedule import LOCAL_TARGET, ChunkScheduler, cut_chunks
 
 MiB = 1 << 20
@@ -223,3 +223,20 @@ def test_lustre_order_is_fair_across_osts_and_keeps_file_order_within_each() -> 
     assert all(offsets == sorted(offsets) for offsets in per_target.values())
     # The first 7 requests cover all 7 OSTs instead of queueing on OST 0's 4 chunks first.
     assert {c.target for c in order[:7]} == set(per_target)
+
+
+def test_readers_move_to_the_osts_that_still_have_work() -> None:
+    """8 readers over 2 OSTs: 4 each while both have chunks; once OST 1's are all taken, OST 0 may have
+    all 8 in flight (an OST needs many requests in flight to reach its ceiling)."""
+    one = Layout([Component(0, 1 << 63, MiB, 1, [0])])
+    other = Layout([Component(0, 1 << 63, MiB, 1, [1])])
+    chunks = cut_chunks([16 * MiB, 2 * MiB], MiB, [one, other])
+    sched = ChunkScheduler(chunks, readers=8)
+    first = [sched.take() for _ in range(6)]
+    assert sorted(c.target for c in first) == ["ost0"] * 4 + ["ost1"] * 2  # OST 1 has only 2 chunks
+    more = []
+    for _ in range(4):  # OST 1 has nothing left to hand out: its share goes to OST 0
+        assert sched._pick() is not None, sched._inflight  # (take() would wait for a done())
+        more.append(sched.take())
+    assert {c.target for c in more} == {"ost0"} and sched._inflight["ost0"] == 8
+    assert sched._pick() is None  # and no further: 8 readers in all

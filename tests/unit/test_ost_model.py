@@ -1,0 +1,77 @@
+"""The OST model (staging/ost_model.py): where each byte lives by real `lfs getstripe` layouts, the curve,
+processor sharing under the link's cap — checked on its own arithmetic, never on how long a run took —
+and a real StageJob through it: byte-exact copies, and every byte counted on the OST its layout names."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.staging.lustre import Component, Layout, parse_getstripe
+from mxlaunch.staging.ost_model import MDT, OstCurve, OstModel, _Part
+from mxlaunch.staging.reader import StageJob
+from mxlaunch.staging.sources import CopyItem
+from tests.unit.test_lustre import PFL_PLAIN, PLAIN_MULTI, PLAIN_SINGLE
+
+pytestmark = pytest.mark.unit
+MiB = 1 << 20
+
+
+def test_the_curve_grows_with_requests_in_flight_up_to_the_ceiling() -> None:
+    curve = OstCurve(ceiling_bps=800e6, n_half=4)
+    assert curve.bandwidth(0) == 0 and curve.bandwidth(4) == pytest.approx(400e6)
+    values = [curve.bandwidth(n) for n in (1, 2, 4, 8, 32, 64)]
+    assert values == sorted(values) and values[-1] < 800e6 and values[-1] > 0.99 * 800e6
+
+
+def test_bytes_are_placed_by_the_real_layouts() -> None:
+    multi, pfl = parse_getstripe(PLAIN_MULTI), parse_getstripe(PFL_PLAIN)  # 4 MiB stripes on OSTs 5, 6, 7, 0
+    model = OstModel([multi, pfl, None], OstCurve(1e9), link_bps=1e10)
+    assert model.split(0, 0, 10 * MiB) == [("ost5", 4 * MiB), ("ost6", 4 * MiB), ("ost7", 2 * MiB)]
+    assert model.split(0, 15 * MiB, 2 * MiB) == [("ost0", MiB), ("ost5", MiB)]  # across a stripe boundary
+    comp = pfl.component_at(0)
+    assert model.split(1, 0, MiB) == [(f"ost{comp.ost_for(0)}", MiB)]
+    assert model.split(2, 0, MiB) == [("ost0", MiB)]  # no layout: one server
+    dom = Layout([Component(0, MiB, MiB, 0, []), Component(MiB, 1 << 63, MiB, 1, [3])])  # Data-on-MDT, then OST 3
+    over = Layout([Component(0, 1 << 63, MiB, 4, [2, 2, 5, 5])])  # overstriped: two stripes per OST
+    model = OstModel([dom, over], OstCurve(1e9), link_bps=1e10)
+    assert model.split(0, 0, 2 * MiB) == [(MDT, MiB), ("ost3", MiB)]
+    assert model.split(1, 0, 4 * MiB) == [("ost2", 2 * MiB), ("ost5", 2 * MiB)]
+    assert model.servers() == {MDT, "ost3", "ost2", "ost5"}
+
+
+def test_processor_sharing_under_the_links_cap() -> None:
+    curve = OstCurve(ceiling_bps=100.0, n_half=1)  # B(1) = 50, B(2) = 75
+    model = OstModel([None], curve, link_bps=1000.0)
+    model._parts = [_Part("ost0", 10), _Part("ost0", 10), _Part("ost1", 10)]
+    model._rates()
+    assert [p.rate for p in model._parts] == pytest.approx([37.5, 37.5, 50.0])  # B(2)/2 each, B(1)
+    model.link_bps = 62.5  # the link gives half of what the OSTs could (125)
+    model._rates()
+    assert [p.rate for p in model._parts] == pytest.approx([18.75, 18.75, 25.0])
+    assert model.ceiling_bps({"ost0", "ost1"}) == 62.5 and OstModel([None], curve, 1e9).ceiling_bps({"a", "b"}) == 200.0
+
+
+def test_a_stage_through_the_model_is_exact_and_counts_every_byte_on_its_ost(tmp_path: Path) -> None:
+    layouts = [parse_getstripe(PLAIN_MULTI), parse_getstripe(PLAIN_SINGLE)]
+    sizes = [9 * MiB + 4096, 3 * MiB]
+    items = []
+    for i, size in enumerate(sizes):
+        src = tmp_path / "src" / f"f{i}.bin"
+        src.parent.mkdir(exist_ok=True)
+        src.write_bytes(os.urandom(size))
+        items.append(CopyItem(src=src, rel=src.name, size=size))
+    model = OstModel(layouts, OstCurve(ceiling_bps=400 * MiB, n_half=2), link_bps=2000 * MiB)
+    result = StageJob(items, tmp_path / "dst", readers=8, chunk_size=4 * MiB, layouts=layouts, ost_model=model,
+                      use_o_direct=False).start().wait()
+    assert result.bytes == sum(sizes)
+    for item in items:
+        assert (tmp_path / "dst" / item.rel).read_bytes() == item.src.read_bytes()
+    expected: dict[str, int] = {}
+    for index, size in enumerate(sizes):
+        for server, n in model.split(index, 0, size):
+            expected[server] = expected.get(server, 0) + n
+    got = {server: st.bytes for server, st in model.stats.items()}
+    assert got.keys() == expected.keys() and all(abs(got[s] - expected[s]) < 1 for s in expected), (got, expected)
