@@ -87,9 +87,13 @@ def test_restore_run_is_staged_and_exact_then_a_second_server_pulls_it_over_p2p(
         tiny_model: Path, sglang_gold: Path, store_root: Path) -> None:
     """The staged run serves its raw tensors over NIXL once loaded; a second SGLang server launched beside
     it plans `p2p`, pulls them (UCX, host memory), post-processes them itself and serves SGLang's own
-    numbers exactly. Stopping both leaves no record in the file registry."""
+    numbers exactly. Stopping both with SIGTERM leaves no record in the file registry, no run folder, no
+    engine process and nothing of SGLang's in /dev/shm."""
+    shm_before = set(os.listdir("/dev/shm"))
     launch = LaunchProcess(tiny_model, store_root, engine="sglang")
     target = None
+    procs: list = []
+    codes: list = []
     try:
         plan = launch.wait_event("plan", 120)
         assert plan["strategy"] == "staged", plan
@@ -112,12 +116,22 @@ def test_restore_run_is_staged_and_exact_then_a_second_server_pulls_it_over_p2p(
         compare(target.url, sglang_gold)
         assert target.event("fallback") is None
         assert len(registry.sources(plan["source_id"], 0)) == 2  # the target became a source too
+        procs = launch.engine_processes() + target.engine_processes()
+        codes = [target.stop(signal.SIGTERM), launch.stop(signal.SIGTERM)]
     finally:
         if target is not None:
             target.stop()
         launch.stop()
-    assert not Path(plan["run_dir"]).exists()
+    assert codes == [target.proc.returncode, launch.proc.returncode] and launch.event("exit") and target.event("exit")
+    assert not Path(plan["run_dir"]).exists() and not Path(tplan["run_dir"]).exists()
     assert registry.sources(plan["source_id"], 0, include_stale=True) == []
+    deadline = time.monotonic() + 30
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+        assert time.monotonic() < deadline, [p.pid for p in procs if p.is_running()]
+        time.sleep(0.2)
+    # SGLang leaves its load-report segment (and multiprocessing semaphores) behind; the launcher removes them
+    leaked = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(("sglang_", "psm_", "sem.mp-")))
+    assert leaked == [], leaked
 
 
 @pytest.mark.full  # the same fallback runs live on vLLM in the default run (test_launch_vllm.py)
@@ -142,6 +156,7 @@ def test_a_flipped_byte_fails_staging_and_sglang_falls_back(tiny_model: Path, sg
         launch.stop()
 
 
+@pytest.mark.full  # the same SIGTERM stop ends the staged + P2P test above in the default run
 def test_sigterm_to_the_launcher_leaves_no_files_and_no_schedulers(tiny_model: Path, store_root: Path) -> None:
     shm_before = set(os.listdir("/dev/shm"))
     launch = LaunchProcess(tiny_model, store_root, engine="sglang")
