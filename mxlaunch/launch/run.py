@@ -166,8 +166,11 @@ class Launcher(Stopping):
             expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
         readers = self.opts.readers or default_readers()
+        from mxlaunch.staging.lustre import layouts_of
+
+        layouts = layouts_of([i.src for i in items])  # a store on Lustre: the schedule keeps every OST busy
         job = StageJob(items, self.shm_dir / "stage", readers=readers, expected=expected,
-                       per_file=default_per_file(readers), reserve_bytes=reserve)
+                       per_file=default_per_file(readers), reserve_bytes=reserve, layouts=layouts)
         job.start()
         self.stage_job = job
 

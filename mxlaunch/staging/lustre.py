@@ -162,3 +162,12 @@ def layout_of(path: str | Path, timeout: float = 30.0) -> Layout | None:
         return parse_getstripe(proc.stdout)
     except ValueError:
         return None
+
+
+def layouts_of(paths: list[Path]) -> list[Layout | None] | None:
+    """Every file's layout when they are on Lustre (one statfs decides, off Lustre nothing more is asked),
+    for the OST-aware schedule; None when there is no Lustre, no `lfs`, or no layout could be read."""
+    if not paths or not lfs_available() or not is_on_lustre(paths[0]):
+        return None
+    layouts = [layout_of(p) for p in paths]
+    return layouts if any(layouts) else None

@@ -240,3 +240,24 @@ def test_readers_move_to_the_osts_that_still_have_work() -> None:
         more.append(sched.take())
     assert {c.target for c in more} == {"ost0"} and sched._inflight["ost0"] == 8
     assert sched._pick() is None  # and no further: 8 readers in all
+
+
+def test_the_launchers_files_get_their_layouts_only_on_lustre(tmp_path, monkeypatch) -> None:
+    """layouts_of (what the launcher's staged restore passes to StageJob): off Lustre nothing is asked;
+    on Lustre each file's `lfs getstripe` (a stand-in `lfs` printing the documented output: no Lustre here)."""
+    from mxlaunch.staging import lustre
+
+    files = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    for f in files:
+        f.write_bytes(b"x")
+    fake = tmp_path / "bin" / "lfs"
+    fake.parent.mkdir()
+    (tmp_path / "out.txt").write_text(PLAIN_MULTI)
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\ncat {tmp_path}/out.txt\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{__import__('os').environ['PATH']}")
+    assert lustre.layouts_of(files) is None and not (tmp_path / "calls").exists()  # tmp is not Lustre
+    monkeypatch.setattr(lustre, "is_on_lustre", lambda path: True)
+    layouts = lustre.layouts_of(files)
+    assert layouts is not None and [sorted(lay.ost_set) for lay in layouts] == [[0, 5, 6, 7]] * 2
+    assert (tmp_path / "calls").read_text().split() == ["getstripe", str(files[0]), "getstripe", str(files[1])]
