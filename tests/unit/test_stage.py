@@ -97,16 +97,24 @@ def test_per_file_completion_is_visible_before_the_stage_ends(tmp_path: Path, de
     for n in range(3):
         paths.append(tmp_path / f"part{n}.bin")
         write_pattern_file(paths[-1], 4 * MiB, seed=n)
-    # 16 MiB/s total: ~0.25 s per file, so the first file is complete long before the last.
-    job = StageJob(expand_sources([str(p) for p in paths]), dest, readers=2, chunk_size=MiB,
-                   rate_limit=16 * MiB).start()
+    looked, holding = threading.Event(), threading.Event()
+
+    def hold_once_the_first_file_is_in(n: int) -> None:  # the one reader, after each chunk
+        if (dest / "part0.bin").exists() and not holding.is_set():
+            holding.set()
+            assert looked.wait(120)  # until the test has seen the folder with part2 not yet in
+
+    job = StageJob(expand_sources([str(p) for p in paths]), dest, readers=1, chunk_size=MiB,
+                   on_progress=hold_once_the_first_file_is_in).start()
     seen = []
     for staged in job.completed():
         assert staged.dest.exists() and staged.dest.stat().st_size == 4 * MiB
         if not seen:
+            assert holding.wait(120)
             later = [p.name for p in dest.iterdir()]
             assert "part2.bin" not in later  # the last file is not there yet under its final name
             assert "part2.bin.partial" in later
+            looked.set()
         seen.append(staged.rel)
     result = job.wait()
     assert seen == ["part0.bin", "part1.bin", "part2.bin"]  # file order: the first file lands first
