@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 PYTHON_EXE = re.compile(r"^python(\d+(\.\d+)?)?$")
 _REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
@@ -21,14 +21,14 @@ _REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 # ---- hub cache --------------------------------------------------------------------------------------
 
 
-def hub_cache_dir() -> Path:
+def hub_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """Where huggingface_hub keeps downloads: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        if environ.get(var):
+            return Path(environ[var]).expanduser()
+    if environ.get("HF_HOME"):
+        return Path(environ["HF_HOME"]).expanduser() / "hub"
+    xdg = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(xdg) / "huggingface" / "hub"
 
 

@@ -54,7 +54,7 @@ def ensure_model(repo: str, revision: Optional[str], store: Store, emit: Emit, *
     """The model's snapshot folder in the hub cache, downloading what is missing once per store."""
     from mxlaunch.engines.environment import hub_cache_dir
 
-    cache = Path(cache or hub_cache_dir())
+    cache = Path(cache or hub_cache_dir(environ))
     ep, tok = hub.endpoint(environ), hub.token(environ)
     t0 = time.monotonic()
     with httpx.Client(headers=hub.headers(tok), follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0),
@@ -181,6 +181,9 @@ def download_for_command(argv: list[str], store: Store, emit: Emit, environ: Map
         return None
     if hub.offline(environ):
         emit("download", status="off", repo=spec.model, message="HF_HUB_OFFLINE is set: the model is not downloaded")
+        return None
+    if any(environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("VLLM_USE_MODELSCOPE", "SGLANG_USE_MODELSCOPE")):
+        emit("download", status="off", repo=spec.model, message="the engine reads models from ModelScope: it downloads the model itself")
         return None
     if any(a == "--download-dir" or a.startswith("--download-dir=") for a in argv):
         emit("download", status="off", repo=spec.model,

@@ -185,3 +185,19 @@ def test_offline_means_no_download(server: HubServer, tmp_path: Path) -> None:
     result = run_cli("pull", "org/tiny", env=env_for(server, tmp_path / "hub", HF_HUB_OFFLINE="1"))
     assert result.returncode == 2 and "HF_HUB_OFFLINE" in one_line_error(result)
     assert sum(server.gets.values()) == 0
+
+
+def test_a_launch_leaves_what_it_should_to_the_engine(server: HubServer, tmp_path: Path) -> None:
+    """download_for_command: a local folder, HF_HUB_OFFLINE, ModelScope and --download-dir ask the hub nothing."""
+    from mxlaunch.remote.fetch import download_for_command
+
+    cache, store = tmp_path / "hub", Store(tmp_path / "store")
+    serve = ["vllm", "serve", "org/tiny"]
+    cases = [({}, ["vllm", "serve", str(tmp_path)]), ({"HF_HUB_OFFLINE": "1"}, serve),
+             ({"VLLM_USE_MODELSCOPE": "true"}, serve), ({}, [*serve, "--download-dir", str(tmp_path / "d")])]
+    for extra, argv in cases:
+        seen, emit = events()
+        assert download_for_command(argv, store, emit, environ=env_for(server, cache, **extra)) is None, argv
+    assert server.requests == []
+    got = download_for_command(serve, store, events()[1], environ=env_for(server, cache))
+    assert got is not None and got.by == "here"
