@@ -125,11 +125,16 @@ def test_restore_run_is_staged_and_exact_then_a_second_server_pulls_it_over_p2p(
     assert codes == [target.proc.returncode, launch.proc.returncode] and launch.event("exit") and target.event("exit")
     assert not Path(plan["run_dir"]).exists() and not Path(tplan["run_dir"]).exists()
     assert registry.sources(plan["source_id"], 0, include_stale=True) == []
+    assert_engines_gone_and_nothing_left(procs, shm_before)
+
+
+def assert_engines_gone_and_nothing_left(procs: list, shm_before: set[str]) -> None:
+    """Every engine process gone, and nothing of SGLang's in /dev/shm: it leaves its load-report segment
+    (and multiprocessing semaphores) behind; the launcher removes them."""
     deadline = time.monotonic() + 30
     while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
         assert time.monotonic() < deadline, [p.pid for p in procs if p.is_running()]
         time.sleep(0.2)
-    # SGLang leaves its load-report segment (and multiprocessing semaphores) behind; the launcher removes them
     leaked = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(("sglang_", "psm_", "sem.mp-")))
     assert leaked == [], leaked
 
@@ -170,13 +175,7 @@ def test_sigterm_to_the_launcher_leaves_no_files_and_no_schedulers(tiny_model: P
         launch.stop()
     assert launch.event("exit") is not None and code == launch.proc.returncode
     assert not Path(plan["run_dir"]).exists(), plan["run_dir"]
-    deadline = time.monotonic() + 30
-    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
-        assert time.monotonic() < deadline, [p.pid for p in procs if p.is_running()]
-        time.sleep(0.2)
-    # SGLang leaves its load-report segment (and multiprocessing semaphores) behind; the launcher removes them
-    leaked = sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(("sglang_", "psm_", "sem.mp-")))
-    assert leaked == [], leaked
+    assert_engines_gone_and_nothing_left(procs, shm_before)
 
 
 STOCK_FILES = {"sharded_state": ["model-rank-0-part-0.safetensors"],  # SGLang's own file naming

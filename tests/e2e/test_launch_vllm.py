@@ -189,11 +189,16 @@ def test_a_flipped_byte_fails_staging_the_engine_falls_back_and_its_sigkill_is_c
         code = launch.proc.wait(timeout=60)
     finally:
         launch.stop()
+    assert_sigkill_cleaned_up(launch, code, plan, procs, watch)
+
+
+def assert_sigkill_cleaned_up(launch: LaunchProcess, code: int, plan: dict, procs: list, watch: ShmWatch) -> None:
+    """The launch ended with the killed engine's code, and cleaned what the engine could not: the killed
+    engine could not unlink its shared-memory segments; the launcher did (counted: the names our engine's
+    processes mapped — another person's vLLM on this host makes and drops its own psm_*)."""
     assert code == 128 + signal.SIGKILL
     assert launch.wait_event("exit", 5)["code"] == -signal.SIGKILL
     assert_gone(launch, plan["run_dir"], procs)
-    # the killed engine could not unlink its shared-memory segments; the launcher did (counted: the names
-    # our engine's processes mapped — another person's vLLM on this host makes and drops its own psm_*)
     seen = watch.stop()
     assert any(n.startswith("psm_") for n in seen), seen
     assert watch.left() == [], watch.left()
@@ -240,11 +245,4 @@ def test_sigkill_of_the_engine_ends_the_launch_with_its_code_and_cleans_up(tiny_
         code = launch.proc.wait(timeout=60)
     finally:
         launch.stop()
-    assert code == 128 + signal.SIGKILL
-    assert launch.wait_event("exit", 5)["code"] == -signal.SIGKILL
-    assert_gone(launch, plan["run_dir"], procs)
-    # the killed engine could not unlink its shared-memory segments; the launcher did (counted: the names
-    # our engine's processes mapped — another person's vLLM on this host makes and drops its own psm_*)
-    seen = watch.stop()
-    assert any(n.startswith("psm_") for n in seen), seen
-    assert watch.left() == [], watch.left()
+    assert_sigkill_cleaned_up(launch, code, plan, procs, watch)
