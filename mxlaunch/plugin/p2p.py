@@ -100,7 +100,18 @@ def agent() -> Any:
             from mxlaunch.transfer.nixl import Agent
 
             _agent = Agent(worker_name())
+            atexit.register(close_agent)  # after _unpublish_all (atexit runs the last registered first)
         return _agent
+
+
+def close_agent() -> None:
+    """Destroy this worker's agent before the interpreter's exit tears UCX down under it."""
+    global _agent
+    with _lock:
+        if _agent is not None:
+            _agent.close()
+            _agent = None
+        _regions.clear()
 
 
 def register_once(regions: Sequence[Region]) -> float:

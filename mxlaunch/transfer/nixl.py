@@ -245,7 +245,7 @@ class Agent:
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001 - e.g. NIXL_ERR_REMOTE_DISCONNECT: the source is gone
-            _release(self._agent, handle)
+            _settle(self._agent, handle)
             raise TransferError(f"NIXL could not post the READ from {_text(remote)}: {exc}", landed=landed) from exc
         if state == "ERR":
             _release(self._agent, handle)
@@ -299,6 +299,11 @@ class Agent:
         return len(pairs)
 
     def close(self) -> None:
+        """Disconnect, deregister and destroy the native agent now. A process must not leave that to its
+        exit: UCX's own teardown runs first there, and a request that a failed pull left inside UCX (a
+        source that died mid-READ) then aborts the exiting process (the ucs_arbiter assertion)."""
+        if self._agent is None:
+            return
         for metadata in list(self._remotes):
             self.disconnect(metadata)
         for reg in self._registered:
@@ -307,6 +312,7 @@ class Agent:
             except Exception as exc:  # noqa: BLE001
                 log.warning("mxlaunch: NIXL could not deregister memory: %s", exc)
         self._registered.clear()
+        self._agent = None  # the last reference: the agent and its UCX worker are destroyed here
 
 
 def split(pairs: Iterable[Pair], chunk: int) -> list[Pair]:
@@ -359,6 +365,19 @@ def _wait(agent, handle, state: str, deadline: float) -> str:
             time.sleep(0.0005)
         state = agent.check_xfer_state(handle)
     return state
+
+
+def _settle(agent, handle, seconds: float = 5.0) -> None:
+    """Release a request that failed, once UCX has ended what it had posted of it. A post that fails
+    midway (the source died) leaves its first pieces in flight; released at once, they stay in UCX's
+    queues, and destroying the agent later aborts the process (the ucs_arbiter assertion)."""
+    deadline = time.monotonic() + seconds
+    try:
+        while agent.check_xfer_state(handle) == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.001)
+    except Exception:  # noqa: BLE001 - the state of a request that never posted cannot be read
+        pass
+    _release(agent, handle)
 
 
 def _release(agent, handle) -> None:
