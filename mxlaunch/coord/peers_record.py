@@ -235,6 +235,9 @@ def ordered(entries: list[PeerEntry]) -> list[PeerEntry]:
 # ---- the heartbeat loop both backends share ----------------------------------------------------------
 
 
+VERIFY_POLL_S = 1.0  # how often a source looks for a `peers --verify` request between heartbeats
+
+
 class BasePublication:
     """The heartbeat loop both backends share; a backend supplies `_beat()` and `_drop()`, and for
     `mxlaunch peers --verify` `_pending_verify()` (a request's nonce, taken) and `_answer_verify()`.
@@ -292,16 +295,21 @@ class BasePublication:
             return not self._gone
 
     def keep_alive(self, interval_s: float | None = None) -> None:
-        """Heartbeat from a daemon thread every interval (default ttl/3) until unpublish() or the record is gone."""
+        """Heartbeat from a daemon thread every interval (default ttl/3) until unpublish() or the record is gone;
+        between beats, look for a `peers --verify` request every VERIFY_POLL_S (one small read), so the
+        one asking waits about a second, not up to a whole interval."""
         if self._thread is not None:
             return
         interval = self.ttl_s / 3 if interval_s is None else interval_s
 
         def loop() -> None:
-            while not self._stop.wait(interval):
+            next_beat = time.monotonic() + interval
+            while not self._stop.wait(max(0.0, min(VERIFY_POLL_S, next_beat - time.monotonic()))):
                 try:
-                    if not self.heartbeat():
-                        return
+                    if time.monotonic() >= next_beat:
+                        next_beat = time.monotonic() + interval
+                        if not self.heartbeat():
+                            return
                     self.answer_verify_request()
                 except (OSError, MxlaunchError):
                     continue  # transient (filesystem, network): the next beat retries before the ttl ends

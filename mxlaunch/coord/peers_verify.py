@@ -1,7 +1,7 @@
 """`mxlaunch peers --verify`: ask live sources to prove their own bytes, without a socket to them.
 
 The request travels through the registry (a `<worker>.verify` file, or a Redis key); each source's
-heartbeat thread (every ttl/3, 5 s by default) takes it, recomputes the checksum of every span it serves —
+heartbeat thread takes it (it looks every second between beats), recomputes the checksum of every span it serves —
 what a target would READ now — against the ones it published, answers, and stops offering itself on a
 difference. Light: no torch here (the recomputing runs in the source's process).
 """

@@ -165,7 +165,8 @@ def test_peers_verify_asks_a_live_source_to_prove_its_bytes_and_a_written_one_st
                                                                                            layout) -> None:
     from tests.helpers.cli import run_cli
 
-    # a long ttl: the source stays live however starved it is; it answers at its heartbeat (every ttl/3 = 10 s)
+    # a long ttl: the source stays live however starved it is; its heartbeat thread looks for the request
+    # every second between beats (every ttl/3 = 10 s)
     source = sources("--layout", layout, "--ttl", "30")
     args = ("peers", "--registry", f"file:{tmp_path / 'reg'}", "--verify", "--timeout", "120", "--json")
     good = run_cli(*args)

@@ -277,6 +277,22 @@ def test_keep_alive_thread(backend: Backend) -> None:
     pub2.unpublish()
 
 
+def test_a_verify_request_is_answered_between_heartbeats(backend: Backend) -> None:
+    """`peers --verify` waits for the source's thread: it looks for a request every VERIFY_POLL_S, not only
+    at its beat (ttl/3 — here 200 s, so an answer that came with a beat would come after the test's wait)."""
+    reg, other = backend.open(), backend.open(host="node-b")
+    pub = reg.publish(rec(), ttl_s=600)
+    beats = []
+    real_beat = pub._beat
+    pub._beat = lambda: beats.append(time.time()) or real_beat()
+    pub.verifier = lambda: {"ok": True, "bad": [], "tensors": 1}
+    pub.keep_alive()
+    nonce = other.request_verify(SID, 0, "w0")
+    assert wait_for(lambda: other.verify_answer(SID, 0, "w0", nonce) is not None, 120)
+    assert other.verify_answer(SID, 0, "w0", nonce)["ok"] is True and beats == []
+    pub.unpublish()
+
+
 def test_republish_over_a_stale_record_of_the_same_worker(backend: Backend) -> None:
     reg = backend.open(host="node-b")
     old = reg.publish(rec(), ttl_s=0.2)
