@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Staging read schedules against a model of Lustre OSTs (mxlaunch/staging/ost_model.py): the same files,
-the same model, four ways of reading them, on several real layouts. Real bytes move (tmpfs to tmpfs); each
+the same model, four ways of reading them, on several real layouts. Each way's reader count is in the
+JSON (readers_of says which). Real bytes move (tmpfs to tmpfs); each
 request is held to its OSTs' service curve, so the schedule is what decides the time.
 
     python scripts/bench_ost_model.py --out docs/bench-results/ost_model.json [--chart docs/bench-results/ost_model.png]
 
 Ways of reading:
   mxlaunch        StageJob with the files' layouts: chunks cut at stripes, the next chunk to the OST with
-                  the fewest requests in flight (staging/schedule.py), 32 readers
+                  the fewest requests in flight (staging/schedule.py), with the readers it picks
+                  from the layouts (8 per OST, at least --readers; readers_for_layouts)
   file-by-file    32 readers, each takes the next whole file and reads it in order, one request in flight
-  dd-slices       servekit's: the files cut into 64 MiB slices, one `dd bs=1M` per slice, 32 at once
+  dd-slices       servekit's: the files cut into 64 MiB slices, one `dd bs=1M` per slice, as many at once
+                  as mxlaunch's readers
   prefetch        vLLM's --safetensors-load-strategy prefetch: one reader, file after file, 4 MiB reads
 
 Layouts (the parsed `lfs getstripe` outputs of tests/unit/test_lustre.py; a checkpoint's files start on
@@ -41,6 +44,7 @@ sys.path.insert(0, str(REPO))
 from mxlaunch.staging.lustre import Component, Layout, parse_getstripe  # noqa: E402
 from mxlaunch.staging.ost_model import OstCurve, OstModel  # noqa: E402
 from mxlaunch.staging.reader import StageJob  # noqa: E402
+from mxlaunch.staging.schedule import readers_for_layouts  # noqa: E402
 from mxlaunch.staging.sources import CopyItem  # noqa: E402
 from tests.unit.test_lustre import PFL_PLAIN, PLAIN_MULTI, PLAIN_SINGLE  # noqa: E402
 
@@ -110,6 +114,17 @@ def sequential_readers(items: list[CopyItem], dest: Path, model: OstModel, *, wo
         os.close(fd)
 
 
+def readers_of(way: str, layouts: list[Layout], readers: int, fixed: bool) -> int:
+    """The readers a way runs with: mxlaunch's own choice when the user gives none (readers_for_layouts),
+    the same for servekit's slices (it starts them all at once, so more is closer to it), --readers for
+    the file-by-file readers (no use for more than the files), one for prefetch."""
+    if way == "prefetch":
+        return 1
+    if way in ("mxlaunch", "dd-slices") and not fixed:
+        return readers_for_layouts(readers, layouts)
+    return readers
+
+
 def run_way(way: str, items: list[CopyItem], layouts: list[Layout], dest: Path, curve: OstCurve, link: float,
             readers: int) -> tuple[float, OstModel]:
     shutil.rmtree(dest, ignore_errors=True)
@@ -141,12 +156,14 @@ def run_way(way: str, items: list[CopyItem], layouts: list[Layout], dest: Path, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=8)
-    ap.add_argument("--file-mib", type=int, default=48)
+    ap.add_argument("--file-mib", type=int, default=128)
     ap.add_argument("--ost-mib-s", type=float, default=100.0, help="one OST's ceiling (the model is scaled down "
                     "so that this machine's copies are never the limit)")
     ap.add_argument("--n-half", type=float, default=2.0, help="requests in flight for half an OST's ceiling")
     ap.add_argument("--link-mib-s", type=float, default=1000.0, help="the client's link, over all OSTs")
-    ap.add_argument("--readers", type=int, default=32)
+    ap.add_argument("--readers", type=int, default=32, help="the default reader count (mxlaunch's without Lustre)")
+    ap.add_argument("--readers-fixed", action="store_true", help="run every way with --readers (mxlaunch's "
+                    "--readers given), not the count mxlaunch picks from the layouts")
     ap.add_argument("--layouts", default="multi-stripe,few-osts,pfl,dom-overstriped")
     ap.add_argument("--ways", default="mxlaunch,file-by-file,dd-slices,prefetch")
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/mx-ost-bench"))
@@ -172,16 +189,18 @@ def main() -> int:
             total = sum(it.size for it in items)
             results[name] = {"servers": sorted(probe.servers()), "ceiling_mib_s": round(ceiling / MiB, 1), "ways": {}}
             for way in args.ways.split(","):
-                seconds, model = run_way(way, items, layouts, args.work / "dst", curve, link, args.readers)
+                readers = readers_of(way, layouts, args.readers, args.readers_fixed)
+                seconds, model = run_way(way, items, layouts, args.work / "dst", curve, link, readers)
                 report = model.report(seconds)
                 rate = total / seconds
                 results[name]["ways"][way] = {
+                    "readers": readers,
                     "seconds": round(seconds, 3), "mib_s": round(rate / MiB, 1), "vs_ceiling": round(rate / ceiling, 3),
                     "busy_fraction_min": min(r["busy_fraction"] for r in report.values()),
                     "utilisation_mean": round(sum(r["utilisation"] for r in report.values()) / len(report), 3),
                     "per_server": {s: {k: v for k, v in r.items() if k != "timeline"} for s, r in report.items()}}
                 timelines[(name, way)] = {s: r["timeline"] for s, r in report.items()}
-                print(f"{name:16s} {way:13s} {seconds:7.2f} s  {rate / MiB:7.1f} MiB/s  "
+                print(f"{name:16s} {way:13s} {readers:4d} readers {seconds:7.2f} s  {rate / MiB:7.1f} MiB/s  "
                       f"{rate / ceiling:5.2f}× ceiling  busy≥{results[name]['ways'][way]['busy_fraction_min']:.2f}", flush=True)
             ways = results[name]["ways"]
             if "mxlaunch" in ways and "file-by-file" in ways:
@@ -191,16 +210,17 @@ def main() -> int:
     doc = {"schema": 1, "date": dt.date.today().isoformat(), "machine": f"{platform.node()} ({os.cpu_count()} CPUs)",
            "command": " ".join(["python", *sys.argv]),
            "model": {"osts": OSTS, "ost_ceiling_mib_s": args.ost_mib_s, "n_half": args.n_half,
-                     "link_mib_s": args.link_mib_s, "readers": args.readers},
+                     "link_mib_s": args.link_mib_s, "readers": args.readers, "readers_fixed": args.readers_fixed},
            "bytes": sum(it.size for it in items), "files": args.files, "layouts": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     if args.chart:
-        chart(timelines, args.chart, args.readers)
+        chart(timelines, args.chart, {(name, way): r["readers"] for name in results
+                                      for way, r in results[name]["ways"].items()})
     return 0
 
 
-def chart(timelines: dict, path: Path, readers: int) -> None:
+def chart(timelines: dict, path: Path, readers: dict) -> None:
     try:
         import matplotlib
 
@@ -214,7 +234,7 @@ def chart(timelines: dict, path: Path, readers: int) -> None:
     for ax, key in zip(axes if len(pairs) > 1 else [axes], pairs):
         for server, line in sorted(timelines[key].items()):
             ax.plot([i * 0.1 for i in range(len(line))], line, label=server, linewidth=1)
-        ax.set_title(f"{key[0]}: {key[1]} ({readers} readers) — each OST's delivered share of its ceiling")
+        ax.set_title(f"{key[0]}: {key[1]} ({readers[key]} readers) — each OST's delivered share of its ceiling")
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("utilisation")
         ax.legend(fontsize=7, ncol=4)

@@ -46,6 +46,7 @@ class LaunchOptions:
     ready_timeout: float = 1800.0
     run_dir: Optional[Path] = None
     readers: Optional[int] = None  # None: the stage default, or sized to SLURM_CPUS_ON_NODE in a Slurm job (make_plan sets it)
+    readers_given: Optional[bool] = None  # --readers was passed (set by make_plan): a Lustre store then keeps it
     as_json: bool = False
     snapshot_format: str = "raw"  # raw (mxlaunch's, every engine) | one of the engine's stock formats (snapshot_formats)
     kernel_cache: bool = True  # restore/capture the JIT kernel caches (--no-kernel-cache: False)
@@ -173,6 +174,8 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
     if opts.strategy not in STRATEGIES:
         raise UsageError(f"--strategy {opts.strategy!r} is not one of {', '.join(STRATEGIES)}", "pick one of them")
     found_engine = detect(argv)
+    if opts.readers_given is None:
+        opts.readers_given = opts.readers is not None
     job = adapt_launch(argv, found_engine.name if found_engine else None, opts.readers)  # Slurm: multi-node flags, stage readers
     argv, opts.readers = job.argv, job.readers
     if opts.capture_id is not None and not valid_id(opts.capture_id):

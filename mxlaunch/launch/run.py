@@ -167,8 +167,11 @@ class Launcher(Stopping):
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
         readers = self.opts.readers or default_readers()
         from mxlaunch.staging.lustre import layouts_of
+        from mxlaunch.staging.schedule import readers_for_layouts
 
         layouts = layouts_of([i.src for i in items])  # a store on Lustre: the schedule keeps every OST busy
+        if not self.opts.readers_given:
+            readers = readers_for_layouts(readers, layouts)  # and enough readers to keep each OST deep
         job = StageJob(items, self.shm_dir / "stage", readers=readers, expected=expected,
                        per_file=default_per_file(readers), reserve_bytes=reserve, layouts=layouts)
         job.start()

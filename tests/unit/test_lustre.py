@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mxlaunch.staging.lustre import EOF_END, Component, Layout, parse_getstripe
-from mxlaunch.staging.schedule import LOCAL_TARGET, ChunkScheduler, cut_chunks
+from mxlaunch.staging.schedule import LOCAL_TARGET, MAX_READERS, READERS_PER_OST, ChunkScheduler, cut_chunks, readers_for_layouts
 
 MiB = 1 << 20
 
@@ -261,3 +261,16 @@ def test_the_launchers_files_get_their_layouts_only_on_lustre(tmp_path, monkeypa
     layouts = lustre.layouts_of(files)
     assert layouts is not None and [sorted(lay.ost_set) for lay in layouts] == [[0, 5, 6, 7]] * 2
     assert (tmp_path / "calls").read_text().split() == ["getstripe", str(files[0]), "getstripe", str(files[1])]
+
+
+def test_readers_left_to_mxlaunch_keep_every_ost_deep() -> None:
+    """READERS_PER_OST for each OST the files sit on, never fewer than the default, at most MAX_READERS;
+    off Lustre the default stands."""
+    multi = parse_getstripe(PLAIN_MULTI)  # OSTs 0, 5, 6, 7
+    assert readers_for_layouts(32, None) == 32 and readers_for_layouts(32, [None, None]) == 32
+    assert readers_for_layouts(32, [multi]) == 32  # 4 OSTs × 8: the default already covers them
+    spread = [Layout([Component(0, EOF_END, 4 << 20, 4, [i + k for k in range(4)])]) for i in range(0, 16, 4)]
+    assert readers_for_layouts(32, spread) == READERS_PER_OST * 16 == 128
+    wide = [Layout([Component(0, EOF_END, 4 << 20, 1, [i])]) for i in range(40)]
+    assert readers_for_layouts(32, wide) == MAX_READERS
+    assert readers_for_layouts(200, wide) == 200  # more than the cap was asked for: kept
