@@ -137,29 +137,6 @@ def test_a_source_that_publishes_no_checksums_is_passed_over_before_any_byte_mov
         pub.unpublish()
 
 
-def test_the_cost_of_checksums_on_the_cpu_is_printed(tmp_path, sources, capsys) -> None:
-    """Not a timing assertion: the numbers go to the log (pytest -s) for docs/p2p.md."""
-    sources("--layout", "raw", "--size", "big")
-    (entry,) = registry(tmp_path).sources(SOURCE_ID, 0)
-    target = build(7, "big", post=False)
-    result = p2p.pull(module_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
-                      layout="raw")
-    target.post_process()
-    assert equal_to_seed0(target, "big")
-    mib = result.bytes / (1 << 20)
-    src = entry.record.extra["digest_seconds"]
-    with capsys.disabled():
-        print(f"\n[checksum cost, CPU, xxh3-128] {mib:.1f} MiB in {result.tensors} tensors: source {src:.4f} s "
-              f"({mib / max(src, 1e-9):.0f} MiB/s) at publish; target verify {result.phases['verify']:.4f} s "
-              f"({mib / max(result.phases['verify'], 1e-9):.0f} MiB/s) against a {result.phases['transfer']:.4f} s READ")
-    t = torch.randn((64 << 20) // 4)
-    started = time.perf_counter()
-    digest(t, MIX)
-    took = time.perf_counter() - started
-    with capsys.disabled():
-        print(f"[checksum cost, CPU, mx128 (the GPU algorithm run on the CPU)] 64 MiB in {took:.3f} s")
-
-
 @pytest.mark.parametrize("layout", ["raw", "processed"])
 def test_peers_verify_asks_a_live_source_to_prove_its_bytes_and_a_written_one_stops_serving(tmp_path, sources,
                                                                                            layout) -> None:
