@@ -103,8 +103,22 @@ class OstModel:
         return out
 
     def ceiling_bps(self, servers: Optional[set[str]] = None) -> float:
-        """What the model can give at best: every server at its ceiling, capped by the link."""
+        """Every server at its ceiling, capped by the link (an upper bound; ceiling_for is the reachable one)."""
         return min(self.link_bps, self.curve.ceiling_bps * len(servers or self.servers()))
+
+    def ceiling_for(self, sizes: list[int]) -> float:
+        """The best rate any schedule could reach reading these files whole: the bytes each server holds at
+        its ceiling, the link for all of them — the slower of the two decides. A server that holds a small
+        share (a DoM MDT, the first stripe of a PFL file) cannot add its ceiling to the total."""
+        held: dict[str, int] = {}
+        for index, size in enumerate(sizes):
+            for server, n in self.split(index, 0, size):
+                held[server] = held.get(server, 0) + n
+        total = sum(held.values())
+        if total == 0:
+            return self.ceiling_bps()
+        fastest = max(max(n / self.curve.ceiling_bps for n in held.values()), total / self.link_bps)
+        return total / fastest
 
     # ---- serving ----
 

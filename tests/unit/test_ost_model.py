@@ -54,6 +54,19 @@ def test_processor_sharing_under_the_links_cap() -> None:
     assert model.ceiling_bps({"ost0", "ost1"}) == 62.5 and OstModel([None], curve, 1e9).ceiling_bps({"a", "b"}) == 200.0
 
 
+def test_the_reachable_ceiling_goes_by_where_the_bytes_are() -> None:
+    """A server's ceiling only counts for the bytes it holds: the one with the most bytes per unit of
+    bandwidth, or the link, sets the best time any schedule could reach."""
+    curve = OstCurve(ceiling_bps=100 * MiB)
+    dom = [Layout([Component(0, MiB, MiB, 0, []), Component(MiB, 1 << 63, MiB, 1, [i])]) for i in range(4)]
+    model = OstModel(dom, curve, link_bps=1000 * MiB)
+    # 4 files of 9 MiB: 1 MiB each on the MDT (4 MiB there), 8 MiB on each of 4 OSTs: 36 MiB in 0.08 s
+    assert model.ceiling_bps() == 500 * MiB  # five servers at their ceilings: not reachable
+    assert model.ceiling_for([9 * MiB] * 4) == pytest.approx(36 * MiB / 0.08)
+    even = OstModel([Layout([Component(0, 1 << 63, MiB, 2, [0, 1])])], curve, link_bps=150 * MiB)
+    assert even.ceiling_for([8 * MiB]) == pytest.approx(150 * MiB)  # two OSTs would give 200: the link caps
+
+
 def test_a_stage_through_the_model_is_exact_and_counts_every_byte_on_its_ost(tmp_path: Path) -> None:
     layouts = [parse_getstripe(PLAIN_MULTI), parse_getstripe(PLAIN_SINGLE)]
     sizes = [9 * MiB + 4096, 3 * MiB]
