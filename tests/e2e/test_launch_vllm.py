@@ -8,9 +8,10 @@ fetches nothing."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
-import tempfile
+import stat
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -18,10 +19,12 @@ from typing import Callable, Iterator
 import psutil
 import pytest
 
+from mxlaunch.coord.peers import open_registry
 from mxlaunch.store.core import MANIFEST, Store
 from tests.helpers.cli import compare_gold
 from tests.helpers.hub_server import HubServer
 from tests.helpers.launcher import LaunchProcess
+from tests.helpers.p2p_e2e import an_outsiders_write_is_caught, pull_exactly
 from tests.helpers.shm import ShmWatch
 
 READY_S = 400
@@ -110,10 +113,14 @@ def test_capture_run_serves_exactly_and_publishes(hub: tuple, gold_file: Path, s
     assert Store(store_root).verify(plan["source_id"]).ok
 
 
-def test_restore_run_is_staged_and_exact(hub: tuple, gold_file: Path, store_root: Path,
-                                         zygotes: list[dict]) -> None:
-    """The restart is also forked from the zygote the capture run left (--zygote): vLLM imported already."""
-    rendezvous_before = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
+def test_restore_run_is_staged_and_exact_then_serves_a_p2p_pull_and_an_outsiders_write_never_reaches_the_next(
+        hub: tuple, gold_file: Path, store_root: Path, zygotes: list[dict], tmp_path: Path) -> None:
+    """The restart is forked from the zygote the capture run left (--zygote: vLLM imported already) and
+    staged. Once loaded it serves its raw tensors over NIXL (a private record in the file registry): a
+    second server plans `p2p`, pulls them, post-processes them itself and serves exactly. Then issue 29's
+    attack on that source: an outsider NIXL agent WRITEs over its embedding through its record, and the
+    next replica plans p2p, catches the changed bytes by their checksums and serves the default loader's
+    numbers anyway. Stopping the launchers removes their records and run folders."""
     assert zygotes, "the capture run started no zygote"
     wait_for(lambda: Path(zygotes[0]["socket"]).exists(), READY_S, "the zygote's socket (it publishes once imported)")
     launch = hub_launch(hub, store_root, launch_args=("--zygote",))
@@ -134,14 +141,30 @@ def test_restore_run_is_staged_and_exact(hub: tuple, gold_file: Path, store_root
         compare(launch.url, gold_file)
         engine = psutil.Process(forked["pid"])
         procs = [engine, *engine.children(recursive=True)]
+
+        registry = open_registry(None, store_root)
+        (live,) = registry.sources(plan["source_id"], 0)
+        assert live.record.layout == "raw", live
+        assert any("serves" in line and "over P2P" in line for line in launch.stderr_lines)
+        record_file = store_root / ".peers" / plan["source_id"] / "0" / f"{live.record.worker}.json"
+        assert stat.S_IMODE(os.lstat(record_file).st_mode) == 0o600  # the issue saw 0644
+        assert stat.S_IMODE(os.lstat(store_root / ".peers").st_mode) == 0o700
+        pull_exactly(lambda: hub_launch(hub, store_root), gold_file, registry, plan, live)
+
+        an_outsiders_write_is_caught(lambda: hub_launch(hub, store_root), f"file:{store_root}", plan,
+                                     tmp_path / "attack.json", gold_file)
     finally:
         launch.stop()
     assert_gone(launch, plan["run_dir"], procs)
+    assert registry.sources(plan["source_id"], 0, include_stale=True) == []
     assert psutil.Process(zygotes[0]["pid"]).is_running()  # the zygote waits for the next restart
     assert (store_root / plan["source_id"] / ".last-used").is_file()  # stamped for `store prune`
-    # vLLM's workers met through a FileStore file in $TMPDIR that vLLM never removes; the launcher did
-    assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) - rendezvous_before == set()
-    assert hub[0].weight_gets() == 1  # neither this launch nor its engine fetched the weights again
+    # vLLM's workers met through a FileStore file in $TMPDIR that vLLM never removes; the launcher did (the
+    # file this engine logged: another vLLM on the host has its own)
+    rendezvous = {m.group(1) for line in launch.stderr_lines
+                  for m in [re.search(r"distributed_init_method=file://(\S+)", line)] if m}
+    assert rendezvous and not any(Path(p).exists() for p in rendezvous), rendezvous
+    assert hub[0].weight_gets() == 1  # none of these launches nor their engines fetched the weights again
 
 
 @pytest.mark.full  # the refusal is the store's check (unit: test_store.py); live in make test-full

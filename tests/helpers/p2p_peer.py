@@ -81,6 +81,7 @@ def attack(args: argparse.Namespace) -> None:
         pair = Pair(args.tensor, junk.data_ptr(), int(entry["addr"]), junk.numel(), 0, int(entry["dev"]), "cpu",
                     str(entry.get("device", "cpu")))
         stats = agent.pull(rec.metadata_bytes(), [pair], op="WRITE", timeout_s=60)
+        agent.close()
         result = {"wrote": stats.bytes, "tensor": args.tensor, "worker": rec.worker}
     except Exception as exc:  # noqa: BLE001 - the test reads why
         result = {"error": f"{type(exc).__name__}: {exc}"}
