@@ -46,13 +46,14 @@ class FakeEngine:
                  perturb_logprob: float = 0.0, perturb_token_at: int | None = None,
                  health_status: int = 200, token_delay_s: float = 0.0, first_token_delay_s: float = 0.0,
                  fail_generate: bool = False, fail_completions_every: int = 0, max_model_len: int = 4096,
-                 tokenize: bool = False) -> None:
+                 tokenize: bool = False, health_ready_after: int | None = None) -> None:
         self.api = api
         self.model = model
         self.version = version
         self.perturb_logprob = perturb_logprob
         self.perturb_token_at = perturb_token_at
         self.health_status = health_status
+        self.health_ready_after = health_ready_after  # /health answers 200 after this many answers of health_status
         self.token_delay_s = token_delay_s
         self.first_token_delay_s = first_token_delay_s
         self.fail_generate = fail_generate
@@ -108,7 +109,9 @@ class FakeEngine:
             def do_GET(self) -> None:  # noqa: N802
                 engine.requests.append(("GET", self.path, None))
                 if self.path == "/health":
-                    if engine.health_status == 200:
+                    asked = sum(1 for _, path, _ in engine.requests if path == "/health")
+                    if engine.health_status == 200 or (engine.health_ready_after is not None
+                                                        and asked > engine.health_ready_after):
                         self.send_response(200)
                         self.send_header("Content-Length", "0")
                         self.end_headers()

@@ -268,7 +268,14 @@ def test_cli_unreachable_server_is_exit_2_at_once() -> None:
 
 
 def test_cli_wait_polls_until_ready(tmp_path: Path) -> None:
+    """--wait asks /health again until the server is up, then records (the wait is long: the server's
+    answers, not the clock, end it); a server that never comes up ends in exit 2 once the wait is over."""
+    with FakeEngine(api="sglang", health_status=503, health_ready_after=2) as engine:
+        r = run_cli("verify", "--url", engine.url, "--record", str(tmp_path / "g.json"), "--wait", "600")
+        assert r.returncode == 0, r.stderr
+        assert sum(1 for m, p, _ in engine.requests if p == "/health") >= 3  # two 503s, then the 200
+        assert (tmp_path / "g.json").is_file()
     with FakeEngine(api="sglang", health_status=503) as engine:
-        r = run_cli("verify", "--url", engine.url, "--record", str(tmp_path / "g.json"), "--wait", "1.5")
+        r = run_cli("verify", "--url", engine.url, "--record", str(tmp_path / "h.json"), "--wait", "1.5")
         assert r.returncode == 2 and "after waiting 1.5 s" in one_line_error(r)
-        assert sum(1 for m, p, _ in engine.requests if p == "/health") >= 2
+        assert any(p == "/health" for m, p, _ in engine.requests) and not (tmp_path / "h.json").exists()
