@@ -368,9 +368,10 @@ def _wait(agent, handle, state: str, deadline: float) -> str:
 
 
 def _settle(agent, handle, seconds: float = 5.0) -> None:
-    """Release a request that failed, once UCX has ended what it had posted of it. A post that fails
-    midway (the source died) leaves its first pieces in flight; released at once, they stay in UCX's
-    queues, and destroying the agent later aborts the process (the ucs_arbiter assertion)."""
+    """Release a request that failed once UCX says it is no longer in progress (at most `seconds`): a post
+    that fails midway (the source died) may have pieces in flight, and releasing them at once leaves more
+    for UCX to clean up when the agent is destroyed. Best effort: UCX can still report one request it
+    never got back (a warning at close), which is why close() must run before the interpreter's exit."""
     deadline = time.monotonic() + seconds
     try:
         while agent.check_xfer_state(handle) == "PROC" and time.monotonic() < deadline:
