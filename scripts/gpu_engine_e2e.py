@@ -32,7 +32,8 @@ weight phase from the engine's log: vLLM's "Loading weights took", mxlaunch's "r
 `first_line_s` (spawn → the first line the process printed: the interpreter and its imports) and
 `engine_core_s` (spawn → the engine core process's first line), the launcher's or the log's phases, and
 `verify` ("exact", or what differed). VLLM_USE_FLASHINFER_SAMPLER=0 for every start (the same for all):
-a fresh node would otherwise spend ~117 s in a silent FlashInfer JIT build in the first one.
+a fresh node would otherwise spend ~117 s in a silent FlashInfer JIT build in the first one
+(`--flashinfer-sampler` leaves vLLM's default: that build is then part of every fresh-node start).
 
 `--compile` drops `--enforce-eager` (vLLM's default: torch.compile and CUDA graphs); `--fresh-node` removes
 this machine's JIT kernel caches before every start (vLLM's, Inductor's, Triton's, FlashInfer's, and the
@@ -74,6 +75,11 @@ ENGINE_OPTIONS = {"prefetch": ("--safetensors-load-strategy", "prefetch"),
 FORK_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
 SCENARIOS = ("default", "default-fork", "capture", "staged", "staged-spawn", "zygote", "p2p", *ENGINE_OPTIONS)
 LAUNCHED = ("capture", "staged", "staged-spawn", "zygote")
+# what vLLM's log says of its own compile work (seconds), per start
+LOG_TIMES = {"torch_compile_s": r"torch\.compile takes ([0-9.]+) s in total",
+             "compiled_graph_load_s": r"Directly load the compiled graph\(s\).*?took ([0-9.]+) s",
+             "graph_capture_s": r"Graph capturing finished in ([0-9.]+) secs",
+             "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s"}
 MODES = {"default": "engine alone (vLLM CLI: engine core spawned)", "default-fork": "engine alone, engine core forked",
          "staged": "mxlaunch staged, engine core forked", "staged-spawn": "mxlaunch staged, engine core spawned",
          "zygote": "mxlaunch staged, forked from a zygote, engine core forked"}
@@ -95,6 +101,7 @@ def evict(*folders: Path) -> int:
     return total
 
 
+RECORD_EACH = {"on": False}  # --record-each: every start's answers are kept (a gold file each)
 COMPILE = {"on": False}  # --compile: vLLM's default torch.compile + CUDA graphs (no --enforce-eager)
 
 
@@ -103,7 +110,8 @@ def jit_cache_dirs() -> list[Path]:
     launcher's local copies of the store's kernel caches: what a node that never ran the model lacks."""
     home, user = Path.home(), os.environ.get("USER") or str(os.getuid())
     return [home / ".cache" / "vllm", home / ".cache" / "mxlaunch" / "kernel-cache", home / ".triton",
-            home / ".cache" / "flashinfer", Path(tempfile.gettempdir()) / f"torchinductor_{user}",
+            home / ".cache" / "flashinfer", home / ".cache" / "tvm-ffi", home / ".nv" / "ComputeCache",
+            Path(tempfile.gettempdir()) / f"torchinductor_{user}",
             Path(tempfile.gettempdir()) / "torchinductor_root"]
 
 
@@ -284,12 +292,19 @@ class Harness:
                 start.wait_event("loaded", 30)
             record = scenario == "default" and not self.gold.exists()
             rec["verify"] = verify(port, self.gold, record)
+            if RECORD_EACH["on"] and not record:  # this start's own answers, to compare starts pairwise later
+                own = log.with_suffix(".answers.json")
+                rec["answers"] = str(own) if verify(port, own, record=True) == "gold" else None
+            if scenario == "capture" and COMPILE["on"]:  # a server that lives on: its kernel cache is captured
+                start.wait_event("kernel-cache-capture", 180)
         finally:
             start.stop(launcher)
         return self._finish(rec, start, log, launcher)
 
     def _finish(self, rec: dict, start: Start, log: Path, launcher: bool) -> dict:
         text = log.read_text(errors="replace")
+        rec["log_times"] = {name: float(m.group(1)) for name, pattern in LOG_TIMES.items()
+                            if (m := re.search(pattern, text))}
         opt = Option(rec["name"], "vllm", launch=() if launcher else None, once=rec["name"] == "capture")
         rec.update(read_log(opt, text, start.events))
         rec.update(first_line_s=start.first_line_s, engine_core_s=start.engine_core_s, log=str(log))
@@ -299,6 +314,9 @@ class Harness:
             plan = start.event("plan") or {}
             rec["planned"] = plan.get("strategy")
             rec["kernel_cache"] = (start.event("kernel-cache") or {}).get("status")
+            kc_capture = start.event("kernel-cache-capture") or {}
+            rec["kernel_cache_capture"] = {k: kc_capture.get(k) for k in ("status", "published", "new_files", "files",
+                                                                         "bytes", "reason") if k in kc_capture}
             rec["engine_start"] = plan.get("engine_start")
             rec["zygote"] = (start.event("zygote") or {}).get("status")
             rec["loaded_event"] = start.event("loaded")  # p2p: the pull's phases (transfer, verify, ...)
@@ -406,6 +424,10 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="vLLM's default compile and CUDA graphs (no --enforce-eager)")
     ap.add_argument("--fresh-node", action="store_true", help="remove this machine's JIT kernel caches before every "
                     "start (the store stays): each start as on a node that never ran the model")
+    ap.add_argument("--record-each", action="store_true", help="also record every start's own answers "
+                    "(logs/NN-name.answers.json), to compare starts with each other, not only with the gold")
+    ap.add_argument("--flashinfer-sampler", action="store_true", help="leave VLLM_USE_FLASHINFER_SAMPLER unset (vLLM's "
+                    "default on CUDA: FlashInfer's sampler, JIT-built on a node's first start)")
     args = ap.parse_args()
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = [s for s in scenarios if s not in SCENARIOS]
@@ -417,10 +439,11 @@ def main() -> int:
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model),
                         "--size", args.size], check=True)
     COMPILE["on"] = args.compile
+    RECORD_EACH["on"] = args.record_each
+    if args.flashinfer_sampler:
+        ENV.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
     harness = Harness(args.work, model, args.util, args.timeout)
     harness.fresh_node = args.fresh_node
-    for scenario in scenarios:
-        harness.run(scenario)
     import vllm  # noqa: PLC0415 — only for its version, in the engine's environment
 
     doc = {"schema": 1, "engine": "vllm", "engine_version": vllm.__version__, "gpu": gpu_name(),
@@ -428,7 +451,9 @@ def main() -> int:
            "bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))},
            "env": ENV, "command": shlex.join([sys.executable, *sys.argv]), "runs": harness.runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    for scenario in scenarios:  # the record is rewritten after every start: a run cut short keeps what it did
+        harness.run(scenario)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print_table(harness.runs)
     return 0
 

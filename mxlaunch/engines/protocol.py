@@ -56,6 +56,9 @@ class Engine(Protocol):
     def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
         """The flags that change what it compiles, as the command sets them (the kernel cache key digests them)."""
 
+    def kernel_cache_env(self, environ: Mapping[str, str]) -> Dict[str, str]:
+        """The variables of its environment that its own compile cache hashes (the kernel cache key takes them)."""
+
     def start_env(self, spec: LaunchSpec, device_type: str, environ: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
         """Variables that cut its own start-up without changing what it serves, and why (({}, why not): none)."""
 

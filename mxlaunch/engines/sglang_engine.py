@@ -76,6 +76,9 @@ class SGLangEngine:
     def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
         return sglang_argv.compile_flags(list(argv))
 
+    def kernel_cache_env(self, environ: Mapping[str, str]) -> Dict[str, str]:
+        return {}  # SGLang's caches are keyed by their own content hashes, not by its environment
+
     def start_env(self, spec: LaunchSpec, device_type: str, environ: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
         return {}, "SGLang sets its own start method (spawn) for its scheduler and detokenizer"
 

@@ -32,8 +32,13 @@ class VLLMEngine:
     # and leaves it behind even after a clean stop: vllm_dist_0a61…-tp:0-[0-1]-cpushm_0, 8 MiB a rank at TP=2
     shm_prefixes = ("vllm_dist_",)
     # JIT caches (../shared/ENGINES.md): the cache root holds torch_compile_cache/<hash>/rank_<i>_<j>
+    # FlashInfer's JIT ops (its sampler, vLLM's default on CUDA: ~117 s to build on a fresh H200 node) live under
+    # $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer; TVM-FFI's under $TVM_FFI_CACHE_DIR; the driver's PTX JIT
+    # under $CUDA_CACHE_PATH
     kernel_cache_vars = (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-                         ("DG_JIT_CACHE_DIR", "deep_gemm"), ("VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR", "flashinfer_autotune"))
+                         ("DG_JIT_CACHE_DIR", "deep_gemm"), ("VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR", "flashinfer_autotune"),
+                         ("FLASHINFER_WORKSPACE_BASE", "flashinfer"), ("TVM_FFI_CACHE_DIR", "tvm_ffi"),
+                         ("CUDA_CACHE_PATH", "cuda"))
     command_forms = f"`vllm serve MODEL ...` or `python -m {vllm_argv.API_SERVER_MODULE} --model MODEL ...`"
     # what the API server imports after the entry module (a zygote imports them too). Not the GPU worker: on the
     # H200 its import starts two threads (a kernel package's background-build reapers), and a zygote with
@@ -95,6 +100,9 @@ class VLLMEngine:
 
     def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
         return vllm_argv.compile_flags(list(argv))
+
+    def kernel_cache_env(self, environ: Mapping[str, str]) -> Dict[str, str]:
+        return vllm_argv.compile_env(environ)
 
     def start_env(self, spec: LaunchSpec, device_type: str, environ: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
         return start_env(device_type, environ)

@@ -8,8 +8,10 @@ that folder from the artifact store before the engine starts and captures it bac
 
 The key is sha256 over what decides whether compiled code can be reused: the source id (model, layout,
 dtype, parallelism), the accelerator (GPU compute capability, or the CPU's ISA flags), the engine, torch,
-Triton, CUDA and Python versions of the engine's interpreter (package metadata only), and the flags the
-engine says change compiled code (`Engine.kernel_cache_flags`). The fields are written next to the archive;
+Triton, CUDA and Python versions of the engine's interpreter (package metadata only), the flags the
+engine says change compiled code (`Engine.kernel_cache_flags`), and the variables of its environment its own
+compile cache hashes (`Engine.kernel_cache_env`: vLLM's VLLM_* ones). A key that covered less would restore an
+archive the engine then ignores and rebuilds (inert); schema 2 added the environment. The fields are written next to the archive;
 a cache is restored only when its stored fields hash to the key asked for.
 """
 
@@ -33,7 +35,7 @@ from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import engine_python, installed_versions
 from mxlaunch.engines.registry import spec_engine
 
-KEY_SCHEMA = 1  # bump when the key's fields change meaning: old archives stop matching
+KEY_SCHEMA = 2  # bump when the key's fields change meaning: old archives stop matching
 KEY_HEX = 24
 # The libraries whose versions decide whether compiled code is reusable (first installed distribution wins).
 VERSION_DISTS: Dict[str, Tuple[str, ...]] = {
@@ -85,8 +87,10 @@ def flags_digest(flags: Mapping[str, Any]) -> str:
 
 
 def key_fields(spec: LaunchSpec, *, source_id: str, device_type: str, argv: Sequence[str],
-               versions: Optional[Dict[str, Optional[str]]] = None, accel: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The fields the key is made of (JSON-ready). `versions`/`accel` default to this node's."""
+               versions: Optional[Dict[str, Optional[str]]] = None, accel: Optional[Dict[str, Any]] = None,
+               environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
+    """The fields the key is made of (JSON-ready). `versions`/`accel` default to this node's; `environ` is the
+    environment the engine starts in (the variables its own compile cache hashes are part of the key)."""
     engine = spec_engine(spec)
     flags = engine.kernel_cache_flags(list(argv))
     if versions is None:
@@ -102,6 +106,7 @@ def key_fields(spec: LaunchSpec, *, source_id: str, device_type: str, argv: Sequ
                   "dp": spec.dp, "ep": spec.ep, "argv": flags},
         "flags_digest": flags_digest({"dtype": spec.dtype, "quantization": spec.quantization, "tp": spec.tp,
                                       "pp": spec.pp, "dp": spec.dp, "ep": spec.ep, "argv": flags}),
+        "env": engine.kernel_cache_env(environ),
     }
 
 
@@ -131,14 +136,25 @@ class CacheVars:
     unmanaged: List[str] = field(default_factory=list)
 
 
+# Moving a variable's folder moves more than compiled code under it: these stay where the engine keeps them by
+# default. FlashInfer's base folder also holds the cubins it downloads (not compiled here; an offline node may
+# have them only there).
+KEPT_IN_PLACE: Dict[str, Tuple[str, str]] = {"FLASHINFER_WORKSPACE_BASE": ("FLASHINFER_CUBIN_DIR", "~/.cache/flashinfer/cubins")}
+
+
 def cache_vars(var_dirs: Sequence[Tuple[str, str]], folder: Path, environ: Mapping[str, str] = os.environ) -> CacheVars:
-    """Each (variable, sub-folder) → folder/sub-folder, unless the user's environment sets the variable."""
+    """Each (variable, sub-folder) → folder/sub-folder, unless the user's environment sets the variable; what
+    KEPT_IN_PLACE names keeps its default place (unless set)."""
     out = CacheVars()
     for var, sub in var_dirs:
         if environ.get(var):
             out.unmanaged.append(var)
-        else:
-            out.env[var] = str(folder / sub)
+            continue
+        out.env[var] = str(folder / sub)
+        kept = KEPT_IN_PLACE.get(var)
+        if kept and not environ.get(kept[0]):
+            home = environ.get("HOME") or str(Path.home())
+            out.env[kept[0]] = kept[1].replace("~", home, 1)
     return out
 
 

@@ -79,7 +79,8 @@ class KernelCacheRun:
         self.status = result.status
         try:
             for path in self.info["env"].values():
-                Path(path).mkdir(parents=True, exist_ok=True)
+                if Path(path).is_relative_to(folder):  # not what stays in place (caches.KEPT_IN_PLACE)
+                    Path(path).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             self.status = "off"
             self.emit("kernel-cache", status="off", reason=f"cannot create {folder}: {exc.strerror or exc}")

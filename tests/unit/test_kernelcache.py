@@ -31,10 +31,11 @@ def kc(root: Path) -> KernelCacheStore:
     return KernelCacheStore(root, FileCoordinator(root))
 
 
-def fields_for(*extra: str, version: str = "0.32.0", source_id: str = "a" * 16) -> dict:
+def fields_for(*extra: str, version: str = "0.32.0", source_id: str = "a" * 16, environ: dict | None = None) -> dict:
     argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", *extra]
     spec = parse_vllm_argv(argv, engine_version=version)
-    return key_fields(spec, source_id=source_id, device_type="cpu", argv=argv, versions=VERSIONS, accel=ACCEL)
+    return key_fields(spec, source_id=source_id, device_type="cpu", argv=argv, versions=VERSIONS, accel=ACCEL,
+                      environ=environ or {})
 
 
 def make_tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
@@ -124,6 +125,57 @@ def test_key_is_stable_and_ignores_what_does_not_change_compiled_code() -> None:
 def test_key_changes_with_what_changes_compiled_code(change: dict) -> None:
     base = cache_key(fields_for("--dtype", "float32"))
     assert cache_key(fields_for(*change["extra"], **{k: v for k, v in change.items() if k != "extra"})) != base
+
+
+def test_key_follows_the_variables_vllms_own_compile_cache_hashes() -> None:
+    """Two starts that differ only in a variable vLLM hashes get different keys (an archive restored across them
+    would be one vLLM ignores and rebuilds); one that vLLM ignores (its port, logging, start method: mxlaunch's
+    engine fork sets that one) keeps the key."""
+    base = cache_key(fields_for(environ={"PATH": "/bin"}))
+    assert cache_key(fields_for(environ={"VLLM_USE_FLASHINFER_SAMPLER": "0"})) != base
+    assert cache_key(fields_for(environ={"VLLM_USE_FLASHINFER_SAMPLER": "1"})) != cache_key(
+        fields_for(environ={"VLLM_USE_FLASHINFER_SAMPLER": "0"}))
+    for ignored in ("VLLM_PORT", "VLLM_LOGGING_LEVEL", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CACHE_ROOT", "VLLM_HOST_IP"):
+        assert cache_key(fields_for(environ={ignored: "x", "HOME": "/h"})) == base, ignored
+    assert fields_for(environ={"VLLM_USE_DEEP_GEMM": "1", "VLLM_PORT": "1"})["env"] == {"VLLM_USE_DEEP_GEMM": "1"}
+    # the fields are written beside the archive: no secret's value goes there
+    assert "VLLM_API_KEY" not in fields_for(environ={"VLLM_API_KEY": "s3cr3t"})["env"]
+    shown = json.dumps(fields_for(environ={"VLLM_SOME_TOKEN": "s3cr3t"}))
+    assert "s3cr3t" not in shown and "VLLM_SOME_TOKEN" in shown
+
+
+def test_the_ignored_variables_are_the_ones_the_installed_vllm_ignores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Oracle: vLLM's own `envs.compile_factors()` — each variable our key leaves out must leave vLLM's factors
+    unchanged when set, and one our key takes must change them."""
+    envs = pytest.importorskip("vllm.envs")
+    from mxlaunch.engines.vllm_argv import COMPILE_ENV_IGNORED  # noqa: PLC0415
+
+    known = set(envs.environment_variables)
+    base = envs.compile_factors()
+    for name in sorted(COMPILE_ENV_IGNORED & known):
+        monkeypatch.setenv(name, "1")
+        assert envs.compile_factors() == base, f"vLLM hashes {name}, which the kernel cache key leaves out"
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    assert envs.compile_factors() != base
+    hashed_by_vllm = {n for n in known - COMPILE_ENV_IGNORED if n.startswith("VLLM_")}
+    assert hashed_by_vllm and all(n not in COMPILE_ENV_IGNORED for n in hashed_by_vllm)
+
+
+def test_flashinfer_builds_move_into_the_key_folder_and_its_downloaded_cubins_stay(tmp_path: Path) -> None:
+    """vLLM's default sampler on CUDA is FlashInfer's, JIT-built under $FLASHINFER_WORKSPACE_BASE (~117 s on a
+    fresh H200 node): the key's folder holds it. The cubins FlashInfer downloads live under the same base; they
+    keep their default place."""
+    from mxlaunch.engines.vllm_engine import ENGINE  # noqa: PLC0415
+
+    cv = cache_vars(ENGINE.kernel_cache_vars, tmp_path, {"HOME": "/home/u"})
+    assert cv.env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "flashinfer")
+    assert cv.env["FLASHINFER_CUBIN_DIR"] == "/home/u/.cache/flashinfer/cubins"
+    assert {"TVM_FFI_CACHE_DIR", "CUDA_CACHE_PATH"} <= set(cv.env)
+    mine = cache_vars(ENGINE.kernel_cache_vars, tmp_path, {"HOME": "/home/u", "FLASHINFER_CUBIN_DIR": "/cubins"})
+    assert "FLASHINFER_CUBIN_DIR" not in mine.env and "FLASHINFER_CUBIN_DIR" not in mine.unmanaged
+    theirs = cache_vars(ENGINE.kernel_cache_vars, tmp_path, {"HOME": "/home/u", "FLASHINFER_WORKSPACE_BASE": "/fi"})
+    assert "FLASHINFER_CUBIN_DIR" not in theirs.env and "FLASHINFER_WORKSPACE_BASE" in theirs.unmanaged
 
 
 def test_key_changes_with_versions_and_accelerator() -> None:
