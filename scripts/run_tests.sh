@@ -6,6 +6,10 @@
 # thread each) beside the live ones (tests/e2e, tests/slurm: an engine start is mostly one interpreter
 # importing). Each test keeps to its own ports, folders and /dev/shm names, so neither run can see the
 # other's. MXLAUNCH_TESTS_SERIAL=1 runs them one after the other.
+#
+# MXLAUNCH_LIVE_SETUP: a command the live tests need first and the unit tests do not (make test: installing
+# SGLang's venv). It runs while the unit tests do, so they overlap the install, not the engine starts (an
+# engine start on these two cores takes about twice as long with the unit tests beside it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${VENV:-.venv}/bin/python
@@ -27,7 +31,13 @@ verdict() {  # pytest's code, with "collected nothing" made a failure
 }
 UNIT_LOG=$(mktemp "${TMPDIR:-/tmp}/run_tests-unit.XXXXXX")
 trap 'rm -f "$UNIT_LOG"' EXIT
-live() { "$PY" -m pytest -m "(e2e or slurm or redis)$NOT_FULL" --durations=25 tests/e2e tests/slurm "$@"; }
+setup() {  # MXLAUNCH_LIVE_SETUP, timed; its failure is the live run's
+  [ -n "${MXLAUNCH_LIVE_SETUP:-}" ] || return 0
+  local t0=$SECONDS
+  bash -c "$MXLAUNCH_LIVE_SETUP" || { echo "run_tests: the live tests' setup failed: $MXLAUNCH_LIVE_SETUP" >&2; return 1; }
+  echo "run_tests: live setup done in $((SECONDS - t0)) s ($MXLAUNCH_LIVE_SETUP)"
+}
+live() { setup || return 1; "$PY" -m pytest -m "(e2e or slurm or redis)$NOT_FULL" --durations=25 tests/e2e tests/slurm "$@"; }
 unit() { "$PY" -m pytest -m "unit$NOT_FULL" --durations=15 tests/unit "$@"; }
 if [ -n "${MXLAUNCH_TESTS_SERIAL:-}" ]; then
   unit "$@"; rc_unit=$?

@@ -58,6 +58,7 @@ def test_human_output_says_pass(gold_file: Path, vllm_server: ServerProcess) -> 
     assert "PASS" in result.stdout and "long-prose" in result.stdout
 
 
+@pytest.mark.full  # a vLLM start of its own; the report it checks is held by unit/test_verify.py's fake engine
 def test_different_random_model_fails_with_a_clear_report(gold_file: Path, vllm_server_seed1: ServerProcess) -> None:
     result = run_cli("verify", "--url", vllm_server_seed1.url, "--compare", str(gold_file), "--json")
     assert result.returncode == 1, result.stderr

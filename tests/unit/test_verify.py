@@ -246,6 +246,28 @@ def test_cli_exit_codes_with_a_fake_sglang(tmp_path: Path) -> None:
         assert r.returncode == 0 and "PASS" in r.stdout
 
 
+def test_cli_reports_another_models_tokens_with_the_first_difference(tmp_path: Path) -> None:
+    """What the live run against a differently seeded model shows (e2e, `full`): exit 1, the worst difference
+    a token id in the output, every prompt failed, one line naming the prompt and position, the human table."""
+    gold = tmp_path / "gold.json"
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["hello", "world"]))
+    with FakeEngine(api="vllm", version="0.32.0") as engine:
+        r = run_cli("verify", "--url", engine.url, "--record", str(gold), "--prompts", str(prompts), "--max-tokens", "4")
+        assert r.returncode == 0, r.stderr
+    with FakeEngine(api="vllm", version="0.32.0", perturb_token_at=1) as other:
+        r = run_cli("verify", "--url", other.url, "--compare", str(gold), "--json")
+        assert r.returncode == 1, r.stderr
+        report = json.loads(r.stdout)
+        worst = report["worst"]
+        assert worst["kind"] == "token_id" and worst["part"] == "output" and worst["offset"] == 1
+        assert report["prompts_failed"] == len(report["prompts"]) == 2
+        line = one_line_error(r)
+        assert "verify failed" in line and f"prompt {worst['prompt']!r} position {worst['position']}" in line
+        human = run_cli("verify", "--url", other.url, "--compare", str(gold))
+        assert human.returncode == 1 and "token id differs" in human.stdout
+
+
 @pytest.mark.parametrize("args, needle", [
     (["verify", "--url", "http://127.0.0.1:9"], "exactly one of --record"),
     (["verify", "--url", "http://127.0.0.1:9", "--record", "a", "--compare", "b"], "exactly one of --record"),
