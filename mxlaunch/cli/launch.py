@@ -37,8 +37,8 @@ def launch(
                                         "CUDA: the engine core is forked from the API server, not spawned to import vLLM again)."),
     zygote: bool = typer.Option(False, "--zygote", help="Fork restarts from a warm interpreter that has imported the engine "
                                 "(started after this run is ready; it waits on the node until idle for 15 min)."),
-    no_download: bool = typer.Option(False, "--no-download", help="Leave a hub id that is not in the hub cache to the "
-                                     "engine's own download (by default mxlaunch downloads it once per artifact store first)."),
+    no_download: bool = typer.Option(False, "--no-download", help="Leave a hub id that is not in the hub cache, or an "
+                                     "s3:// model, to the engine (by default mxlaunch downloads it once per artifact store first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
     as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
 ) -> None:
@@ -65,12 +65,13 @@ def launch(
             if fields.get("log_tail"):
                 err.print(escape(str(fields["log_tail"])), highlight=False)
 
-    if not dry_run and not no_download and strategy != "default":  # a new hub id: downloaded once per store, then planned
-        from mxlaunch.remote.fetch import download_for_command
+    command = list(command or [])
+    if not dry_run and not no_download and strategy != "default":  # a new hub id or an S3 model: once per store, then planned
+        from mxlaunch.remote.fetch import localize_command
         from mxlaunch.store.core import Store
 
-        download_for_command(list(command or []), Store(artifact_path), emit)
-    plan = make_plan(list(command or []), opts)
+        command = localize_command(command, Store(artifact_path), emit)
+    plan = make_plan(command, opts)
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
         err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
     if dry_run:

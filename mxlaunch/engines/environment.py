@@ -45,6 +45,9 @@ def resolve_model_path(model: str, revision: Optional[str] = None) -> Tuple[Opti
         return str(p.resolve()), None
     if p.is_file():
         return None, f"model {model} is a single file (GGUF?): mxlaunch snapshots need a model directory"
+    if model.startswith("s3://"):
+        return None, (f"model {model} is in S3; `mxlaunch launch` downloads it once per artifact store before it plans "
+                      f"(or run `mxlaunch pull {model}`)")
     if not _REPO_ID.match(model) or model.startswith((".", "/", "~")):
         return None, f"model {model} is neither a local directory nor a hub id"
     repo = hub_cache_dir() / ("models--" + model.replace("/", "--"))

@@ -65,34 +65,50 @@ def ensure_model(repo: str, revision: Optional[str], store: Store, emit: Emit, *
             return Fetched(hub.snapshot_dir(cache, rev), rev.commit, "cached", 0, time.monotonic() - t0)
         key = claim_key(cache, repo, rev.commit)
         progress_file = store.root / DOWNLOADS / f"{key}.json"
-        waited = False
-        last_note = 0.0
-        while True:
-            claim = store.coordinator.try_claim(key, ttl_s=CLAIM_TTL_S, extra={"repo": repo, "commit": rev.commit})
-            if claim is not None:
-                with claim:
-                    claim.keep_alive()
-                    if not hub.missing(cache, rev):  # the previous holder finished just now
-                        hub.write_ref(cache, rev)
-                        return Fetched(hub.snapshot_dir(cache, rev), rev.commit, "other", 0, time.monotonic() - t0)
-                    got = _download(client, cache, rev, progress_file, emit, workers, chunk, on_bytes,
-                                    cancelled=lambda: claim.lost)
-                return Fetched(hub.snapshot_dir(cache, rev), rev.commit, "here", got, time.monotonic() - t0)
-            if not waited:
-                holder = store.coordinator.holder(key)
-                emit("download-wait", repo=repo, commit=rev.commit,
-                     holder=f"{holder.host}:{holder.pid}" if holder else "?",
-                     message=f"another launcher downloads {repo}@{rev.commit[:12]} into {cache}: waiting for it")
-                waited = True
-            state = _read_progress(progress_file)
-            if state and time.monotonic() - last_note >= 5.0:
-                last_note = time.monotonic()
-                on_bytes(int(state.get("done", 0)), int(state.get("total", rev.total_bytes)))
-                emit("download-progress", repo=repo, done=state.get("done"), total=state.get("total"))
-            if store.coordinator.holder(key) is None and not hub.missing(cache, rev):
-                hub.write_ref(cache, rev)
-                return Fetched(hub.snapshot_dir(cache, rev), rev.commit, "other", 0, time.monotonic() - t0)
-            time.sleep(poll_s)
+
+        def done() -> bool:
+            if hub.missing(cache, rev):
+                return False
+            hub.write_ref(cache, rev)
+            return True
+
+        by, got = once_per_store(
+            store, key, done=done, emit=emit, poll_s=poll_s, on_bytes=on_bytes, total=rev.total_bytes,
+            progress_file=progress_file, extra={"repo": repo, "commit": rev.commit},
+            waiting=f"another launcher downloads {repo}@{rev.commit[:12]} into {cache}: waiting for it",
+            fetch=lambda cancelled: _download(client, cache, rev, progress_file, emit, workers, chunk, on_bytes, cancelled))
+        return Fetched(hub.snapshot_dir(cache, rev), rev.commit, by, got, time.monotonic() - t0)
+
+
+def once_per_store(store: Store, key: str, *, done: Callable[[], bool], fetch: Callable[[Callable[[], bool]], int],
+                   emit: Emit, waiting: str, extra: dict, progress_file: Path, total: int, poll_s: float = 0.5,
+                   on_bytes: Callable[[int, int], None] = lambda done, total: None) -> tuple[str, int]:
+    """`fetch(cancelled)` in the one launcher holding the store's claim `key`; every other launcher waits
+    (showing the holder's progress file) until `done()`. A holder that dies loses its claim by its lease,
+    and the next launcher takes over (the fetch resumes). Returns (by, bytes): "here" and what this launcher
+    fetched, or "other" and 0."""
+    waited = False
+    last_note = 0.0
+    while True:
+        claim = store.coordinator.try_claim(key, ttl_s=CLAIM_TTL_S, extra=extra)
+        if claim is not None:
+            with claim:
+                claim.keep_alive()
+                if done():  # the previous holder finished just now
+                    return "other", 0
+                return "here", fetch(lambda: claim.lost)
+        if not waited:
+            holder = store.coordinator.holder(key)
+            emit("download-wait", **extra, holder=f"{holder.host}:{holder.pid}" if holder else "?", message=waiting)
+            waited = True
+        state = _read_progress(progress_file)
+        if state and time.monotonic() - last_note >= 5.0:
+            last_note = time.monotonic()
+            on_bytes(int(state.get("done", 0)), int(state.get("total", total)))
+            emit("download-progress", **extra, done=state.get("done"), total=state.get("total"))
+        if store.coordinator.holder(key) is None and done():
+            return "other", 0
+        time.sleep(poll_s)
 
 
 def _download(client: httpx.Client, cache: Path, rev: hub.HubRevision, progress_file: Path, emit: Emit,
@@ -162,6 +178,37 @@ def _read_progress(path: Path) -> Optional[dict]:
         return doc if isinstance(doc, dict) else None
     except (OSError, ValueError):
         return None
+
+
+def localize_command(argv: list[str], store: Store, emit: Emit, environ: Mapping[str, str] = os.environ,
+                     **kw: object) -> list[str]:
+    """Before the launch plans: the command to plan. A model given as s3://bucket/path is downloaded once per
+    store and the command names the local folder (the engine reads no S3 itself, except through vLLM's
+    runai_streamer, which is left to it); a hub id not in the hub cache is downloaded into it (the command
+    stays: the engine finds it there)."""
+    from mxlaunch.remote import s3
+
+    model = _command_model(argv)
+    if model is not None and s3.is_s3_url(model):
+        if any(a in ("runai_streamer", "runai_streamer_sharded", "--load-format=runai_streamer",
+                     "--load-format=runai_streamer_sharded") for a in argv):
+            emit("download", status="off", model=model, message="the engine streams the model from S3 itself (runai_streamer)")
+            return argv
+        got = s3.ensure_model(model, store, emit, environ=environ, **kw)  # type: ignore[arg-type]
+        emit("model", source=model, dir=str(got.path), by=got.by, version=got.commit,
+             message=f"{model} is served from {got.path}")
+        return s3.localized_argv(argv, model, got.path)
+    download_for_command(argv, store, emit, environ, **kw)
+    return argv
+
+
+def _command_model(argv: list[str]) -> Optional[str]:
+    from mxlaunch.engines.registry import engine_for
+
+    try:
+        return engine_for(argv).parse(argv, engine_version=None).model
+    except MxlaunchError:
+        return None  # a bad command: the planner says what is wrong with it
 
 
 def download_for_command(argv: list[str], store: Store, emit: Emit, environ: Mapping[str, str] = os.environ,

@@ -39,6 +39,7 @@ class Target:
     dest: Path
     size: int
     check: Callable[[Path], Optional[str]]  # None when the file is right, else what is wrong
+    refused_fix: str = "check the hub id and HF_TOKEN, or try again later"  # what to do when the server refuses
     _done: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -130,7 +131,7 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
             if wrong is not None:
                 for gone in (t.partial, t.chunks_file):
                     gone.unlink(missing_ok=True)
-                raise CheckFailed(f"{t.url} arrived wrong ({wrong}); it was removed",
+                raise CheckFailed(f"{_shown(t.url)} arrived wrong ({wrong}); it was removed",
                                   "run the launch again: it downloads the file anew")
             os.replace(t.partial, t.dest)
             t.chunks_file.unlink(missing_ok=True)
@@ -148,22 +149,21 @@ def _fetch_chunk(client: httpx.Client, t: Target, i: int, chunk: int, fd: int,
     last: Optional[BaseException] = None
     for attempt in range(TRIES):
         if cancelled():
-            raise DownloadCancelled(f"the download of {t.url} was stopped", "run the launch again: it resumes")
+            raise DownloadCancelled(f"the download of {_shown(t.url)} was stopped", "run the launch again: it resumes")
         got = 0
         try:
             ranged = t.size > chunk or i > 0
             hdrs = {"range": f"bytes={start}-{end}"} if ranged else {}
             with client.stream("GET", t.url, headers=hdrs) as resp:
                 if resp.status_code >= 400:
-                    raise CheckFailed(f"{t.url} answered HTTP {resp.status_code}",
-                                      "check the hub id and HF_TOKEN, or try again later")
+                    raise CheckFailed(f"{_shown(t.url)} answered HTTP {resp.status_code}", t.refused_fix)
                 if ranged and resp.status_code != 206:
-                    raise CheckFailed(f"{t.url} ignored the byte range (HTTP {resp.status_code})",
+                    raise CheckFailed(f"{_shown(t.url)} ignored the byte range (HTTP {resp.status_code})",
                                       "use a server that serves byte ranges (the hub and its CDN do)")
                 pos = start
                 for data in resp.iter_bytes(1 << 20):
                     if cancelled():
-                        raise DownloadCancelled(f"the download of {t.url} was stopped", "run the launch again: it resumes")
+                        raise DownloadCancelled(f"the download of {_shown(t.url)} was stopped", "run the launch again: it resumes")
                     data = data[: want - got]
                     os.pwrite(fd, data, pos)
                     pos += len(data)
@@ -178,5 +178,10 @@ def _fetch_chunk(client: httpx.Client, t: Target, i: int, chunk: int, fd: int,
             progress(-got)
             last = exc
             time.sleep(0.2 * (attempt + 1))
-    raise CheckFailed(f"the download of {t.url} failed {TRIES} times ({type(last).__name__}: {last})",
+    raise CheckFailed(f"the download of {_shown(t.url)} failed {TRIES} times ({type(last).__name__}: {last})",
                       "check the connection to the hub and run the launch again: it resumes where it stopped")
+
+
+def _shown(url: str) -> str:
+    """A URL for a message: without its query (a presigned URL's query holds its signature)."""
+    return url.split("?", 1)[0]
