@@ -9,8 +9,8 @@ and the rest of its chain.
 
 Layout (in the store):
 
-    <store>/models/s3/<bucket>/<prefix>/<version>/<key below the prefix>   each file renamed in once checked
-    <store>/models/s3/<bucket>/<prefix>/<version>/.complete                  written last: the folder is whole
+    <store>/.models/s3/<bucket>/<prefix>/<version>/<key below the prefix>  each file renamed in once checked
+    <store>/.models/s3/<bucket>/<prefix>/<version>/.complete                 written last: the folder is whole
 
 `<version>` digests the listing (every key, size and ETag): an object changed in the bucket is a new folder,
 never a file swapped under a running engine. Each file is checked by its size, and by its content when the
@@ -44,6 +44,7 @@ from mxlaunch.store.core import Store
 SCHEME = "s3://"
 URL_TTL_S = 6 * 3600  # presigned GETs outlive the longest download
 COMPLETE = ".complete"
+MODELS = ".models"  # a dot folder: store list and prune (snapshot folders) never take it for a snapshot
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -185,7 +186,7 @@ def list_model(s3: Any, url: str) -> S3Model:
 
 
 def model_dir(store: Store, model: S3Model) -> Path:
-    return store.root / "models" / "s3" / model.bucket / model.prefix / model.version
+    return store.root / MODELS / "s3" / model.bucket / model.prefix / model.version
 
 
 def ensure_model(url: str, store: Store, emit: Emit, *, environ: Mapping[str, str] = os.environ,

@@ -57,12 +57,13 @@ def test_a_download_lands_in_the_store_checked_and_the_next_is_free(server: S3Se
     got = s3.ensure_model(URL, store, emit, environ=s3_environ(server), chunk=256 << 10)
     assert got.by == "here" and got.bytes == sum(p.stat().st_size for p in model.rglob("*") if p.is_file())
     assert same_files(model, got.path) and (got.path / s3.COMPLETE).is_file()
-    assert got.path.is_relative_to(store.root / "models" / "s3" / "models" / "org" / "tiny")
+    assert got.path.is_relative_to(store.root / ".models" / "s3" / "models" / "org" / "tiny")
     size = (model / "model.safetensors").stat().st_size
     assert server.gets(WEIGHTS) - before == -(-size // (256 << 10))  # one ranged GET per chunk, each once
     start = next(f for e, f in seen if e == "download" and f.get("status") == "start")
     assert "checked by size only" not in start["message"]  # moto's single-part ETags are MD5s: every file hashed
     assert not list(got.path.rglob("*.incomplete*"))
+    assert store.list() == []  # the downloaded folder is no snapshot (store list and prune skip it)
     again = s3.ensure_model(URL, store, emit, environ=s3_environ(server))
     assert again.by == "cached" and again.path == got.path and server.gets(WEIGHTS) - before == -(-size // (256 << 10))
 
@@ -112,7 +113,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(server: S3Server, tmp_p
     expected = {"no-such-bucket": "does not exist", "no-such-path": "no objects below", "not-a-model-folder": "config.json",
                 "no-credentials": "AWS_ACCESS_KEY_ID", "bad-url": "s3://bucket/path", "unreachable": "AWS_ENDPOINT_URL"}[case]
     assert expected in line and " — " in line, line
-    assert not (tmp_path / "store" / "models").exists()
+    assert not (tmp_path / "store" / ".models").exists()
 
 
 def test_the_command_names_the_local_folder_and_keeps_the_served_name(server: S3Server, tmp_path: Path) -> None:
