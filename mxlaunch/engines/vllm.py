@@ -112,6 +112,9 @@ class VLLMLog:
     """vLLM's start-up log (see the module docstring for the versions covered)."""
 
     name = "vllm"
+    # lines that announce work vLLM then does without a line of its own (a profile names the gap it leaves)
+    silent_work = ((r"Using FlashInfer for top-p & top-k sampling",
+                    "FlashInfer's JIT build of its sampler (a node's first start; mxlaunch's kernel cache keeps it)"),)
 
     def __init__(self) -> None:
         self._year = 2000  # no year printed: start in a leap year (02-29 parses), add one at new year

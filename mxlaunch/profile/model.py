@@ -38,6 +38,16 @@ class Phase:
 
 
 @dataclass
+class Silence:
+    """A stretch of the start-up with no engine log line: work no phase line names (a JIT build, say)."""
+
+    at: float  # seconds from the run's start to the last line before it
+    seconds: float
+    after: str  # that line's message (shortened)
+    likely: Optional[str] = None  # what an earlier line says ran there, when the engine's log tells
+
+
+@dataclass
 class RunProfile:
     """One run (or one merged multi-node run): what `--json` prints per run."""
 
@@ -48,6 +58,7 @@ class RunProfile:
     total_seconds: float
     phases: List[Phase] = field(default_factory=list)
     unmatched: List[str] = field(default_factory=list)  # timed lines no pattern read (`--explain`)
+    silences: List[Silence] = field(default_factory=list)  # gaps of SILENCE_S or more between engine lines
 
     def seconds(self, name: str) -> Optional[float]:
         for p in self.phases:
@@ -63,6 +74,8 @@ class RunProfile:
             "ready": self.ready,
             "total_seconds": round(self.total_seconds, 3),
             "phases": [{"name": p.name, "seconds": round(p.seconds, 3)} for p in self.phases],
+            "silences": [{"at": round(x.at, 3), "seconds": round(x.seconds, 3), "after": x.after, "likely": x.likely}
+                         for x in self.silences],
         }
         if explain:
             out["unmatched"] = list(self.unmatched)
@@ -90,4 +103,5 @@ def merge_nodes(runs: Sequence[RunProfile], source: Optional[str] = None) -> Run
         total_seconds=total,
         phases=[Phase(n, merged[n]) for n in PHASES if n in merged],
         unmatched=[line for r in runs for line in r.unmatched],
+        silences=[x for r in runs for x in r.silences],
     )

@@ -26,7 +26,7 @@ from mxlaunch.engines import LOG_FORMATS, LogFormat, LogLine, PhaseEvent
 from mxlaunch.engines.base import mxlaunch_events
 from mxlaunch.engines.registry import ENGINES as _REGISTRY
 from mxlaunch.errors import UsageError
-from mxlaunch.profile.model import NOT_SUMMED, PHASES, Phase, RunProfile, merge_nodes
+from mxlaunch.profile.model import NOT_SUMMED, PHASES, Phase, RunProfile, Silence, merge_nodes
 from mxlaunch.profile.report import compute_stats, not_ready_message, render, report, unmatched_lines
 
 __all__ = [
@@ -47,6 +47,7 @@ _TIMED = re.compile(
     re.IGNORECASE,
 )
 _AUTO_VLLM_AFTER = 20  # vLLM-format lines with no SGLang line: it is vLLM (SGLang may import vLLM)
+SILENCE_S = 10.0  # a start-up gap this long between two engine lines is reported (`silences`)
 
 
 class StartupProfiler:
@@ -76,6 +77,9 @@ class StartupProfiler:
         self.marks: Dict[str, float] = {}
         self.flags: set[str] = set()
         self.unmatched: List[str] = []
+        self.silences: List[Silence] = []
+        self._last_line: Optional[Tuple[float, str]] = None  # the last engine line: when, its message
+        self._hints: List[str] = []  # what earlier lines said runs silently later (LogFormat.silent_work)
 
     # ---- input ----------------------------------------------------------------------------------
 
@@ -154,6 +158,8 @@ class StartupProfiler:
         if self.t0 is None:
             self.t0 = when
         self.last_t = when if self.last_t is None else max(self.last_t, when)
+        if parsed.ts is not None or self.live:
+            self._note_silence(when, parsed.message)
         events = self.fmt.events(parsed) + mxlaunch_events(raw)
         for ev in events:
             self.record(ev, when)
@@ -161,6 +167,19 @@ class StartupProfiler:
         if not read and _TIMED.search(parsed.message):
             self.unmatched.append(raw.strip())
         return [ev for ev in events if ev.kind != "note"]
+
+    def _note_silence(self, when: float, message: str) -> None:
+        """An engine line after SILENCE_S or more without one: the gap is reported, named by what an earlier
+        line said would run silently (vLLM: "Using FlashInfer for top-p & top-k sampling" → its JIT build)."""
+        assert self.fmt is not None and self.t0 is not None
+        if self._last_line is not None and when - self._last_line[0] >= SILENCE_S:
+            likely = "; ".join(self._hints) or None
+            self.silences.append(Silence(self._last_line[0] - self.t0, when - self._last_line[0],
+                                         self._last_line[1][:100], likely))
+        for pattern, what in getattr(self.fmt, "silent_work", ()):
+            if what not in self._hints and re.search(pattern, message):
+                self._hints.append(what)
+        self._last_line = (when, message.strip())
 
     def record(self, ev: PhaseEvent, when: Optional[float] = None) -> None:
         """Add one event; the launcher may call it directly (e.g. its own staging time)."""
@@ -259,7 +278,7 @@ class StartupProfiler:
         named["unknown"] = max(0.0, total - summed)
         phases = [Phase(n, named[n]) for n in PHASES if n in named]
         return RunProfile(self.source, self.engine or "unknown", self.role, self.ready, total, phases,
-                          list(self.unmatched))
+                          list(self.unmatched), list(self.silences))
 
 
 # ---- files ---------------------------------------------------------------------------------------

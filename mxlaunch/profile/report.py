@@ -57,6 +57,14 @@ def unmatched_lines(runs: Sequence[RunProfile]) -> List[str]:
     return out
 
 
+def silence_lines(run: RunProfile) -> List[str]:
+    """The stretches no log line covers, with what probably ran there (their time is inside some phase)."""
+    from rich.markup import escape  # noqa: PLC0415
+
+    return [f"silent {x.seconds:.1f} s from {x.at:.1f} s, after: {escape(x.after)}"
+            + (f" — likely {escape(x.likely)}" if x.likely else "") for x in run.silences]
+
+
 def render(runs: Sequence[RunProfile]) -> list:
     """Rich tables: the runs; then one run's phases with % of total, or statistics over several runs."""
     from rich.table import Table  # rich is a dependency; imported here to keep the model import-light
@@ -79,7 +87,7 @@ def render(runs: Sequence[RunProfile]) -> list:
             pct = "overlaps" if name == "stage" else "in weights" if name == "p2p" else (f"{100 * s / run.total_seconds:.1f}" if run.total_seconds else "-")
             table.add_row(name, f"{s:.2f}", pct)
         table.add_row("[bold]total[/]", f"[bold]{run.total_seconds:.2f}[/]", "100.0")
-        return [summary, table]
+        return [summary, table, *silence_lines(run)]
     for col in ("mean", "std", "min", "max", "n"):  # per-run values: --json and --chart
         table.add_column(col, justify="right", no_wrap=True)
     for name in names + ["total_seconds"]:

@@ -24,6 +24,7 @@ SGLANG_TP4 = REAL / "sglang-0.5.x-apertus8b-tp4-gpu.log"
 SGLANG_WORKER = REAL / "sglang-0.5.x-llama70b-tp8-2node-worker.log"
 VLLM_011 = REAL / "vllm-0.11.0-gpu-qwen3-vl-30b-a3b-tp4.log"
 VLLM_CPU = REAL / "vllm-0.32-cpu-tiny-llama.log"
+VLLM_026_FRESH = REAL / "vllm-0.26-h200-compile-fresh-node.log"
 
 
 def phases(path: Path, engine: str = "auto") -> tuple:
@@ -75,6 +76,21 @@ def test_vllm_011_real_log() -> None:
     assert ph["process_startup"] == 13.0  # → "Initializing a V1 LLM engine" 15:56:35
     assert ph["http_startup"] == 6.0  # init engine done 15:58:12 → startup complete 15:58:18
     assert ph["unknown"] == pytest.approx(116.0 - sum(v for k, v in ph.items() if k != "unknown"), abs=1e-3)
+
+
+def test_a_silent_jit_build_is_named_by_the_gap_it_leaves() -> None:
+    """vLLM 0.26 on a fresh H200 node, compile on: 96 s with no line after the graph capture (FlashInfer
+    builds its sampler; vLLM announced the sampler 30 s earlier). The profile reports that gap and names it.
+    The two interpreters' imports (API server, engine core) are silences too, named by no line; the compile,
+    logged line by line, is none."""
+    run, ph = phases(VLLM_026_FRESH)
+    assert run.ready and ph["torch_compile"] == 22.41
+    assert [(x.seconds, x.likely is None) for x in run.silences] == [(22.0, True), (23.0, True), (96.0, False)]
+    gap = run.silences[2]
+    assert gap.seconds == 96.0  # 05:26:36 → 05:28:12
+    assert gap.after.startswith("Free memory on device") and "FlashInfer's JIT build of its sampler" in gap.likely
+    assert run.to_dict()["silences"][2]["seconds"] == 96.0
+    assert all(x.likely is None for x in profile_file(VLLM_011).silences)  # no such announcement there
 
 
 def test_vllm_cpu_real_log() -> None:
@@ -194,4 +210,4 @@ def test_stats_over_runs() -> None:
     assert stats["total_seconds"]["mean"] == pytest.approx(108.0)
     doc = report(runs)
     assert [p["name"] for p in doc["runs"][0]["phases"]] == [n for n in PHASES if n in {p["name"] for p in doc["runs"][0]["phases"]}]
-    assert set(doc["runs"][0]) == {"source", "engine", "role", "ready", "total_seconds", "phases"}
+    assert set(doc["runs"][0]) == {"source", "engine", "role", "ready", "total_seconds", "phases", "silences"}
