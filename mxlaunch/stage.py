@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from mxlaunch.signal_relay import SignalRelay
 from mxlaunch.staging.lustre import layout_of
 from mxlaunch.staging.manifest import read_manifest, write_manifest
 from mxlaunch.staging.reader import DEFAULT_CHUNK, StageCancelled, StageJob, StageResult
@@ -81,14 +82,9 @@ def run_stage(
         huge_pages=request.huge_pages,
         on_progress=on_progress,
     )
-    received: list[int] = []
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        received.append(signum)
-        job.cancel()
-
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    # job.cancel() takes locks: it runs in the relay's thread, never in the handler (signal_relay.py)
+    with SignalRelay((signal.SIGINT, signal.SIGTERM), deferred=lambda _s: job.cancel()) as relay:
+        received = relay.received
         job.start()
         try:
             result = job.wait()
@@ -97,9 +93,6 @@ def run_stage(
                 exc.exit_code = 128 + received[0]
                 exc.message = f"staging interrupted by {signal.Signals(received[0]).name}; nothing was left behind"
             raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if request.write_manifest:
         write_manifest(
             request.write_manifest,

@@ -67,7 +67,7 @@ def launch(
 
     command = list(command or [])
     if not dry_run and not no_download and strategy != "default":  # a new hub id or an S3 model: once per store, then planned
-        from mxlaunch.remote.fetch import localize_command
+        from mxlaunch.remote.localize import localize_command
         from mxlaunch.store.core import Store
 
         command = localize_command(command, Store(artifact_path), emit)

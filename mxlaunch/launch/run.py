@@ -35,6 +35,7 @@ from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
 from mxlaunch.launch.kernel import KernelCacheRun
 from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.launch.process import default_log_root
+from mxlaunch.signal_relay import SignalRelay
 from mxlaunch.launch.shutdown import BudgetReader, Stopping
 from mxlaunch.launch.stop_watchdog import StopWatchdog
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
@@ -209,7 +210,8 @@ class Launcher(Stopping):
 
     def run(self) -> int:
         code = 1
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        relay = SignalRelay((signal.SIGINT, signal.SIGTERM), immediate=self._on_signal,
+                            deferred=self._cancel_on_signal).__enter__()
         watchdog = StopWatchdog(self._watchdog_deadline, self._rescue) if self.watchdog else None
         if watchdog is not None:
             watchdog.start()
@@ -244,8 +246,7 @@ class Launcher(Stopping):
             log.close()
             return code
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            relay.__exit__(None, None, None)
             self._cleanup()
             if watchdog is not None:
                 watchdog.finished()

@@ -128,13 +128,17 @@ class Stopping:
     log_dir: Path
     started_wall: float  # time.time() at the launcher's start: only files written since then are removed
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        """Recorded and forwarded to the engine's whole group at once; the main loop does the rest."""
+    def _on_signal(self, signum: int) -> None:
+        """In the signal handler (signal_relay.py: nothing here may take a lock): recorded and forwarded to
+        the engine's whole group at once; the main loop does the rest."""
         if not self.signals:
             self.signal_at = time.monotonic()  # the scheduler's KillWait runs from here
         self.signals.append(signum)
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None and self.proc.returncode is None:
             self._forward(signum)
+
+    def _cancel_on_signal(self, _signum: int) -> None:
+        """After a stop signal, in the relay's thread: background copies stop (they take locks to do so)."""
         if self.stage_job is not None:
             self.stage_job.cancel()
         if self.capture is not None and self.capture.upload is not None:

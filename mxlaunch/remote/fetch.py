@@ -180,37 +180,6 @@ def _read_progress(path: Path) -> Optional[dict]:
         return None
 
 
-def localize_command(argv: list[str], store: Store, emit: Emit, environ: Mapping[str, str] = os.environ,
-                     **kw: object) -> list[str]:
-    """Before the launch plans: the command to plan. A model given as s3://bucket/path is downloaded once per
-    store and the command names the local folder (the engine reads no S3 itself, except through vLLM's
-    runai_streamer, which is left to it); a hub id not in the hub cache is downloaded into it (the command
-    stays: the engine finds it there)."""
-    from mxlaunch.remote import s3
-
-    model = _command_model(argv)
-    if model is not None and s3.is_s3_url(model):
-        if any(a in ("runai_streamer", "runai_streamer_sharded", "--load-format=runai_streamer",
-                     "--load-format=runai_streamer_sharded") for a in argv):
-            emit("download", status="off", model=model, message="the engine streams the model from S3 itself (runai_streamer)")
-            return argv
-        got = s3.ensure_model(model, store, emit, environ=environ, **kw)  # type: ignore[arg-type]
-        emit("model", source=model, dir=str(got.path), by=got.by, version=got.commit,
-             message=f"{model} is served from {got.path}")
-        return s3.localized_argv(argv, model, got.path)
-    download_for_command(argv, store, emit, environ, **kw)
-    return argv
-
-
-def _command_model(argv: list[str]) -> Optional[str]:
-    from mxlaunch.engines.registry import engine_for
-
-    try:
-        return engine_for(argv).parse(argv, engine_version=None).model
-    except MxlaunchError:
-        return None  # a bad command: the planner says what is wrong with it
-
-
 def download_for_command(argv: list[str], store: Store, emit: Emit, environ: Mapping[str, str] = os.environ,
                          **kw: object) -> Optional[Fetched]:
     """Before the launch plans: the command's model, when it is a hub id not in the hub cache, downloaded
