@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from mxlaunch import __version__
+from mxlaunch import __version__, engine_checkpoint
 from mxlaunch.errors import UsageError
 from mxlaunch.staging.capacity import capacity_of, cgroup_memory_headroom, format_bytes, fs_type_of
 
@@ -244,6 +244,17 @@ def check_registry(path: Path) -> list[Check]:
                        "keep records private: whoever holds one can read, and write, that source's weights")]
 
 
+def check_engine_checkpoint(support: "engine_checkpoint.CheckpointSupport | None" = None) -> Check:
+    """Whether an initialized engine could be checkpointed and restored here (CRIU + the CUDA checkpoint API)."""
+    support = support or engine_checkpoint.probe()
+    name = "engine snapshot (CRIU)"
+    gpu = {True: "the CUDA checkpoint API is there", False: "no CUDA checkpoint API", None: "no CUDA driver"}[support.cuda_api]
+    if support.full:
+        return Check(name, OK, f"{gpu}; criu at {support.criu}; CAP_CHECKPOINT_RESTORE held")
+    return Check(name, INFO, "not possible here: " + "; ".join(b.split(" — ")[0] for b in support.blockers) + f" ({gpu})",
+                 "; ".join(b.split(" — ", 1)[1] for b in support.blockers if " — " in b))
+
+
 def check_gds() -> Check:
     found = any(Path(p).exists() for p in ("/etc/cufile.json", "/dev/nvidia-fs0", "/proc/driver/nvidia-fs"))
     return Check("GPUDirect Storage", OK if found else INFO, "present" if found else "not found",
@@ -291,6 +302,7 @@ def run_checks(path: Path, probe_torch: bool = True) -> list[Check]:
     rows.append(check_nixl())
     rows += check_registry(path)
     rows.append(check_gds())
+    rows.append(check_engine_checkpoint())
     rows.append(check_slurm())
     rows += check_engines()
     return rows

@@ -44,6 +44,7 @@ CAPTURE_VIA_SHM = "MXLAUNCH_CAPTURE_VIA_SHM"
 NIXL_UCX_PARAMS = "MXLAUNCH_NIXL_UCX_PARAMS"
 NIXL_PULL = "MXLAUNCH_NIXL_PULL"
 NIXL_PROGRESS_THREAD = "MXLAUNCH_NIXL_PROGRESS_THREAD"
+P2P_CUDA_IPC = "MXLAUNCH_P2P_CUDA_IPC"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -328,3 +329,9 @@ def nixl_pull(environ: Mapping[str, str] = os.environ) -> dict[str, int | bool]:
 def nixl_progress_thread(environ: Mapping[str, str] = os.environ) -> bool:
     """False only when $MXLAUNCH_NIXL_PROGRESS_THREAD is 0."""
     return environ.get(NIXL_PROGRESS_THREAD, "1").strip() != "0"
+
+
+def p2p_cuda_ipc(environ: Mapping[str, str] = os.environ) -> bool:
+    """False only when $MXLAUNCH_P2P_CUDA_IPC is 0: then a same-host pull goes over NIXL too, and a source
+    exports no IPC handles."""
+    return environ.get(P2P_CUDA_IPC, "1").strip() != "0"

@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Staging read schedules against a model of Lustre OSTs (mxlaunch/staging/ost_model.py): the same files,
 the same model, four ways of reading them, on several real layouts. Each way's reader count is in the
-JSON (readers_of says which). Real bytes move (tmpfs to tmpfs); each
-request is held to its OSTs' service curve, so the schedule is what decides the time.
+JSON (readers_of says which). Real bytes move (tmpfs to tmpfs), each request's copy inside its modelled
+transfer (--copy-after: after it, as before 2026-12-02); each request is held to its OSTs' service curve,
+so the schedule is what decides the time. The JSON has each way's requests in flight over the OSTs per
+0.1 s (in_flight_timeline: the ramp and the tail).
 
     python scripts/bench_ost_model.py --out docs/bench-results/ost_model.json [--chart docs/bench-results/ost_model.png]
 
 Ways of reading:
   mxlaunch        StageJob with the files' layouts: chunks cut at stripes, the next chunk to the OST with
-                  the fewest requests in flight (staging/schedule.py), with the readers it picks
-                  from the layouts (8 per OST, at least --readers; readers_for_layouts)
+                  the fewest requests in flight, an OST's last chunks in pieces (staging/schedule.py), with
+                  the readers it picks from the layouts (16 per OST, at least --readers, at most 128;
+                  readers_for_layouts)
   file-by-file    32 readers, each takes the next whole file and reads it in order, one request in flight
   dd-slices       servekit's: the files cut into 64 MiB slices, one `dd bs=1M` per slice, as many at once
                   as mxlaunch's readers
@@ -101,8 +104,8 @@ def sequential_readers(items: list[CopyItem], dest: Path, model: OstModel, *, wo
             pos = start
             while pos < start + length:
                 n = min(request, start + length - pos)
-                model.serve(index, pos, n)
-                copy_range(items[index].src, fds[index], pos, n)
+                with model.transfer(index, pos, n):  # the copy inside the modelled transfer, as mxlaunch's
+                    copy_range(items[index].src, fds[index], pos, n)
                 pos += n
 
     threads = [threading.Thread(target=run) for _ in range(workers)]
@@ -126,10 +129,10 @@ def readers_of(way: str, layouts: list[Layout], readers: int, fixed: bool) -> in
 
 
 def run_way(way: str, items: list[CopyItem], layouts: list[Layout], dest: Path, curve: OstCurve, link: float,
-            readers: int) -> tuple[float, OstModel]:
+            readers: int, copy_inside: bool = True) -> tuple[float, OstModel]:
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    model = OstModel(layouts, curve, link)
+    model = OstModel(layouts, curve, link, copy_inside=copy_inside)
     t0 = time.monotonic()
     if way == "mxlaunch":
         StageJob(items, dest, readers=readers, chunk_size=4 * MiB, layouts=layouts, ost_model=model,
@@ -164,6 +167,9 @@ def main() -> int:
     ap.add_argument("--readers", type=int, default=32, help="the default reader count (mxlaunch's without Lustre)")
     ap.add_argument("--readers-fixed", action="store_true", help="run every way with --readers (mxlaunch's "
                     "--readers given), not the count mxlaunch picks from the layouts")
+    ap.add_argument("--copy-after", action="store_true", help="copy each request's bytes after its modelled "
+                    "transfer, not during it (the benchmark before 2026-12-02: this VM's copy time then counts "
+                    "as OST idle time)")
     ap.add_argument("--layouts", default="multi-stripe,few-osts,pfl,dom-overstriped")
     ap.add_argument("--ways", default="mxlaunch,file-by-file,dd-slices,prefetch")
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/mx-ost-bench"))
@@ -191,15 +197,21 @@ def main() -> int:
                              "every_server_at_its_ceiling_mib_s": round(probe.ceiling_bps() / MiB, 1), "ways": {}}
             for way in args.ways.split(","):
                 readers = readers_of(way, layouts, args.readers, args.readers_fixed)
-                seconds, model = run_way(way, items, layouts, args.work / "dst", curve, link, readers)
+                seconds, model = run_way(way, items, layouts, args.work / "dst", curve, link, readers,
+                                         copy_inside=not args.copy_after)
                 report = model.report(seconds)
                 rate = total / seconds
                 results[name]["ways"][way] = {
                     "readers": readers,
                     "seconds": round(seconds, 3), "mib_s": round(rate / MiB, 1), "vs_ceiling": round(rate / ceiling, 3),
                     "busy_fraction_min": min(r["busy_fraction"] for srv, r in report.items() if srv != MDT),
+                    "mean_in_flight_per_ost": round(sum(r["mean_in_flight"] for srv, r in report.items() if srv != MDT)
+                                                    / max(1, sum(1 for srv in report if srv != MDT)), 2),
+                    "in_flight_timeline": [round(sum(col), 1) for col in zip(*(r["depth_timeline"] for srv, r in
+                                                                             report.items() if srv != MDT))],
                     "utilisation_mean": round(sum(r["utilisation"] for r in report.values()) / len(report), 3),
-                    "per_server": {s: {k: v for k, v in r.items() if k != "timeline"} for s, r in report.items()}}
+                    "per_server": {s: {k: v for k, v in r.items() if k not in ("timeline", "depth_timeline")}
+                                   for s, r in report.items()}}
                 timelines[(name, way)] = {s: r["timeline"] for s, r in report.items()}
                 print(f"{name:16s} {way:13s} {readers:4d} readers {seconds:7.2f} s  {rate / MiB:7.1f} MiB/s  "
                       f"{rate / ceiling:5.2f}× ceiling  OSTs busy≥{results[name]['ways'][way]['busy_fraction_min']:.2f}",
@@ -212,7 +224,8 @@ def main() -> int:
     doc = {"schema": 1, "date": dt.date.today().isoformat(), "machine": f"{platform.node()} ({os.cpu_count()} CPUs)",
            "command": " ".join(["python", *sys.argv]),
            "model": {"osts": OSTS, "ost_ceiling_mib_s": args.ost_mib_s, "n_half": args.n_half,
-                     "link_mib_s": args.link_mib_s, "readers": args.readers, "readers_fixed": args.readers_fixed},
+                     "link_mib_s": args.link_mib_s, "readers": args.readers, "readers_fixed": args.readers_fixed,
+                     "copy": "after the modelled transfer" if args.copy_after else "during the modelled transfer"},
            "bytes": sum(it.size for it in items), "files": args.files, "layouts": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -393,6 +393,8 @@ KNOBS: list[tuple[str, dict, str, str]] = [
     ("tls_nvlink", {"UCX_TLS": "cuda_ipc,cuda_copy,tcp,sm,self"}, "READ",
      "no InfiniBand transports: CUDA IPC for GPU memory (tcp stays: NIXL's peer error handling needs an AM lane "
      "with a peer failure handler, which shared memory lacks)"),
+    ("tls_ipc_info", {"UCX_TLS": "cuda_ipc,cuda_copy,tcp,sm,self", "UCX_PROTO_INFO": "*get*"}, "READ",
+     "tls_nvlink with UCX's protocol choice printed (two processes on one GPU: does cuda_ipc serve the GET?)"),
     ("threads2", {UCX_PARAMS: THREADS.format(2), PULL: "chunk_mib=64,batch_mib=0"}, "READ",
      "thread pool with 2 workers/streams"),
     ("one_request_chunk64", {PULL: "chunk_mib=64,batch_mib=0"}, "READ",

@@ -260,7 +260,7 @@ def profile_command(
 def stage(
     sources: List[str] = typer.Argument(..., help="Files, directories or globs to copy.", show_default=False),
     dest: Path = typer.Option(..., "--dest", "-d", help="Destination folder (e.g. /dev/shm/...)."),
-    readers: Optional[int] = typer.Option(None, "--readers", "-j", help="Parallel reader threads [default: 32; on Lustre 8 per OST the files sit on, up to 128]."),
+    readers: Optional[int] = typer.Option(None, "--readers", "-j", help="Parallel reader threads [default: 32; on Lustre 16 per OST the files sit on, up to 128]."),
     chunk_size: str = typer.Option("16MiB", "--chunk-size", help="Bytes per read request (multiple of 4 KiB)."),
     manifest: Optional[Path] = typer.Option(None, "--manifest", help="Check each copy against this manifest (path → bytes, xxh3_128)."),
     write_manifest_to: Optional[Path] = typer.Option(None, "--write-manifest", help="Write a manifest of the copies here."),

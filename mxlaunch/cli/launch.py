@@ -26,7 +26,7 @@ def launch(
     capture_only: bool = typer.Option(False, "--capture-only", help="Serve until the snapshot is published, then stop (exit 0)."),
     ready_timeout: float = typer.Option(1800.0, "--ready-timeout", help="Seconds to wait for the engine to be ready."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Where the engine log goes [default: ~/.cache/mxlaunch/runs/<run>]."),
-    readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 32; in a Slurm job 2 per CPU of the node, 4–32; a store on Lustre: 8 per OST its files sit on, up to 128]."),
+    readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Parallel staging readers [default: 32; in a Slurm job 2 per CPU of the node, 4–32; a store on Lustre: 16 per OST its files sit on, up to 128]."),
     snapshot_format: str = typer.Option("raw", "--snapshot-format", help=_SNAPSHOT_FORMAT_HELP),
     no_kernel_cache: bool = typer.Option(False, "--no-kernel-cache", help="Leave the engine's JIT kernel caches alone (no restore, no capture)."),
     no_p2p: bool = typer.Option(False, "--no-p2p", help="Neither pull the weights from a live replica over NIXL nor serve them to others."),

@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from mxlaunch import settings
+from mxlaunch.fileutil import boot_id
 from mxlaunch.plugin.tensors import Group, LayoutMismatch, RestoreError, group_tensors
 from mxlaunch.transfer.regions import Region, region_index, regions_for
 from mxlaunch.transfer.digest import add_digests, mismatches
@@ -141,6 +143,7 @@ class PullResult:
     skipped: list[str] = field(default_factory=list)  # why earlier sources were passed over
     phases: dict = field(default_factory=dict)  # seconds: lookup, match, regions, register, connect, transfer, verify
     warmed: bool = False  # the source's memory was opened while the engine built the model (prepare_pull)
+    transport: str = "NIXL"  # or "CUDA IPC" (a source on this host: transfer/cuda_ipc.py)
 
 
 def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id: str, rank: int, world: int,
@@ -178,21 +181,28 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
             skipped.append(f"{who}: {exc}")
             continue
         phases["match"] = time.perf_counter() - t0
-        try:
-            t0 = time.perf_counter()
-            regions = regions_for([t for _, t in named])
-            phases["regions"] = time.perf_counter() - t0
-            reg_took = register_once(regions)
-            phases["register"] = reg_took
-            stats = agent().pull(base64.b64decode(rec.agent_metadata), pairs, timeout_s=timeout_s, on_batch=on_batch)
-            phases["connect"], phases["transfer"] = stats.connect_seconds, stats.transfer_seconds
-        except NixlUnavailable as exc:
-            raise RestoreError(str(exc), landed=False) from exc
-        except TransferError as exc:
-            if exc.landed:
-                raise RestoreError(f"the transfer from {who} failed after bytes landed: {exc}", landed=True) from exc
-            skipped.append(f"{who}: {exc}")
-            continue
+        ipc = _ipc_pull(rec, pairs, skipped)
+        if ipc is not None:
+            stats, transport, reg_took, registrations = ipc, "CUDA IPC", 0.0, 0
+            phases["connect"], phases["transfer"] = ipc.open_seconds, ipc.transfer_seconds
+        else:
+            transport = "NIXL"
+            try:
+                t0 = time.perf_counter()
+                regions = regions_for([t for _, t in named])
+                phases["regions"] = time.perf_counter() - t0
+                reg_took = register_once(regions)
+                phases["register"] = reg_took
+                stats = agent().pull(base64.b64decode(rec.agent_metadata), pairs, timeout_s=timeout_s, on_batch=on_batch)
+                phases["connect"], phases["transfer"] = stats.connect_seconds, stats.transfer_seconds
+                registrations = agent().registrations
+            except NixlUnavailable as exc:
+                raise RestoreError(str(exc), landed=False) from exc
+            except TransferError as exc:
+                if exc.landed:
+                    raise RestoreError(f"the transfer from {who} failed after bytes landed: {exc}", landed=True) from exc
+                skipped.append(f"{who}: {exc}")
+                continue
         t0 = time.perf_counter()
         bad = mismatches(named, rec.tensors)
         phases["verify"] = time.perf_counter() - t0
@@ -201,10 +211,30 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
                                f"({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''}): its memory changed after it "
                                "loaded, or the transfer corrupted them — not serving them", landed=True)
         return PullResult(stats.bytes, len(pairs), time.perf_counter() - started, rec.worker, rec.host, reg_took,
-                          stats.transfer_seconds, agent().registrations, skipped,
-                          {k: round(v, 4) for k, v in phases.items()}, rec.worker == warmed)
+                          stats.transfer_seconds, registrations, skipped,
+                          {k: round(v, 4) for k, v in phases.items()}, rec.worker == warmed, transport)
     raise RestoreError(f"no P2P source of {source_id} rank {rank} could serve this worker: " + "; ".join(skipped),
                        landed=False)
+
+
+def _ipc_pull(rec: Any, pairs: Sequence[Any], skipped: list[str]) -> Any:
+    """The pull through CUDA IPC when the source is on this host and exported handles; None to use NIXL (why
+    is added to `skipped`). RestoreError(landed=True) if a copy failed after it began."""
+    from mxlaunch.transfer import cuda_ipc
+
+    allocations = rec.extra.get("cuda_ipc")
+    if not allocations or not settings.p2p_cuda_ipc() or not rec.boot_id or rec.boot_id != boot_id():
+        return None
+    if any(p.local_kind != "cuda" for p in pairs):
+        return None
+    try:
+        return cuda_ipc.pull(allocations, pairs, torch.cuda.current_stream().cuda_stream)
+    except cuda_ipc.CudaIpcError as exc:
+        if exc.landed:
+            raise RestoreError(f"the CUDA IPC copy from {rec.worker} on {rec.host} failed after bytes landed: {exc}",
+                               landed=True) from exc
+        skipped.append(f"{rec.worker}: CUDA IPC: {exc} (pulled over NIXL instead)")
+        return None
 
 
 _warmed: dict[tuple[str, int], str] = {}  # (source id, rank) → the worker prepare_pull opened
@@ -224,6 +254,8 @@ def prepare_pull(*, registry: Any, source_id: str, rank: int, world: int, layout
     if not entries:
         return {"agent_seconds": agent_s, "warmed": 0}
     rec = entries[0].record
+    if rec.extra.get("cuda_ipc") and settings.p2p_cuda_ipc() and rec.boot_id and rec.boot_id == boot_id():
+        return {"agent_seconds": round(agent_s, 4), "warmed": 0, "source": rec.worker, "transport": "CUDA IPC"}
     first: dict[int, dict] = {}
     for e in rec.tensors:
         r = int(e.get("region", -1))
@@ -270,11 +302,18 @@ def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any,
     reg_took = register_once(regions)
     a = agent()
     device = "cuda" if any(r.kind == "cuda" for r in regions) else "cpu"
+    extra = {"register_seconds": round(reg_took, 4), "digest_seconds": round(digest_took, 4), "regions": len(regions),
+             "bytes": sum(int(e["bytes"]) for e in entries)}
+    if device == "cuda" and settings.p2p_cuda_ipc():
+        from mxlaunch.transfer import cuda_ipc
+
+        allocations, why = cuda_ipc.export_regions(regions)
+        if allocations:
+            extra["cuda_ipc"] = allocations  # same-host targets copy out of these (transfer/cuda_ipc.py)
+        else:
+            log.info("mxlaunch: P2P source exports no CUDA IPC handles (%s): same-host targets pull over NIXL", why)
     record = local_record(source_id, rank, world, layout=layout, worker=a.name, run_id=run_id, device=device,
-                          agent_metadata=a.metadata(), tensors=entries,
-                          extra={"register_seconds": round(reg_took, 4), "digest_seconds": round(digest_took, 4),
-                                 "regions": len(regions),
-                                 "bytes": sum(int(e["bytes"]) for e in entries)})
+                          agent_metadata=a.metadata(), tensors=entries, extra=extra)
     publication = registry.publish(record, ttl_s=ttl_s)
     publication.verifier = self_check(entries, served, a.name)
     publication.keep_alive()

@@ -241,11 +241,11 @@ class RankLoad:
         r = p2p.pull(named, registry=registry, source_id=self.plan.source_id, rank=self.rank % p["world"], world=p["world"],
                      layout=p["layout"], timeout_s=p["timeout_s"])
         self.log.info("%s", loaded_line(self.rank, r.bytes, r.seconds, strategy="p2p"))
-        self.log.info("mxlaunch: rank %d pulled %d tensors from %s on %s over NIXL: %.3f s transfer, %d registration(s) "
-                      "in %.3f s%s", self.rank, r.tensors, r.source, r.host, r.transfer_seconds, r.registrations,
+        self.log.info("mxlaunch: rank %d pulled %d tensors from %s on %s over %s: %.3f s transfer, %d registration(s) "
+                      "in %.3f s%s", self.rank, r.tensors, r.source, r.host, r.transport, r.transfer_seconds, r.registrations,
                       r.register_seconds, f"; passed over: {'; '.join(r.skipped)}" if r.skipped else "")
         return Outcome("p2p", r.bytes, r.seconds, self.plan,
-                       {"source": r.source, "source_host": r.host, "transfer_seconds": round(r.transfer_seconds, 4),
+                       {"source": r.source, "source_host": r.host, "transport": r.transport, "transfer_seconds": round(r.transfer_seconds, 4),
                         "register_seconds": round(r.register_seconds, 4), "registrations": r.registrations,
                         "tensors": r.tensors, "phases": r.phases, "prepared": prepared})
 

@@ -188,7 +188,7 @@ class StageJob(ChunkReader):
             final = self.dest / item.rel
             self._mkdirs(final.parent)
             partial = Path(str(final) + PARTIAL_SUFFIX)
-            state = _FileState(item=item, dest=final, partial=partial, remaining=0)
+            state = _FileState(item=item, dest=final, partial=partial, remaining=item.size)  # bytes to read
             fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             self._created_files.append(partial)
             state.dest_fd = fd
@@ -197,12 +197,6 @@ class StageJob(ChunkReader):
                 if self.write_mode == "mmap" or (self._pager.enabled and item.size >= HUGE):
                     state.mapping = FileMapping(fd, item.size)
             self._files.append(state)
-        sizes = [s.item.size for s in self._files]
-        counts = [0] * len(sizes)
-        for chunk in cut_chunks(sizes, self.chunk_size, self.layouts):
-            counts[chunk.file_index] += 1
-        for state, count in zip(self._files, counts):
-            state.remaining = count
 
     def _run_chunks(self, read: Callable[[Chunk], None]) -> None:
         """Take chunks until none are left (or the job stops); `read` moves one chunk's bytes."""
@@ -213,21 +207,32 @@ class StageJob(ChunkReader):
             try:
                 if self._limiter:
                     self._limiter.acquire(chunk.length)
-                if self.ost_model is not None:
-                    self.ost_model.serve(chunk.file_index, chunk.offset, chunk.length)
                 if self._cancel.is_set():
                     return
-                read(chunk)
+                if self.ost_model is None:
+                    read(chunk)
+                elif not self._read_modelled(chunk, read):
+                    return
             finally:
                 self._scheduler.done(chunk)
             if self.on_progress:
                 self.on_progress(chunk.length)
             state = self._files[chunk.file_index]
-            with state.lock:
-                state.remaining -= 1
+            with state.lock:  # bytes, not chunks: the scheduler may hand an OST's last chunks out in pieces
+                state.remaining -= chunk.length
                 last = state.remaining == 0
             if last:
                 self._finish_file(state)
+
+    def _read_modelled(self, chunk: Chunk, read: Callable[[Chunk], None]) -> bool:
+        """Read a chunk inside its modelled OST transfer (tests and benchmarks): the bytes move while
+        the model holds the request, as a real read's arrive during it. False: cancelled, not read."""
+        assert self.ost_model is not None
+        with self.ost_model.transfer(chunk.file_index, chunk.offset, chunk.length):
+            if self._cancel.is_set():
+                return False
+            read(chunk)
+        return True
 
     def _finish_file(self, state: _FileState) -> None:
         digest = None

@@ -6,7 +6,9 @@ With Lustre layouts, chunks are cut at stripe boundaries so each touches one OST
 goes to the OST with the fewest requests in flight, under a per-OST depth bound, earliest file first.
 The bound is the readers shared by the OSTs that still have chunks to hand out: an OST needs many
 requests in flight to reach its ceiling (scripts/bench_ost_model.py), so when the last files' OSTs are
-all that is left, they get every reader.
+all that is left, they get every reader. For the same reason an OST's last chunks are handed out in
+smaller pieces (2 MiB at the least): its final requests then still fill its depth, instead of a few
+whole chunks running alone at the bottom of its curve.
 """
 
 from __future__ import annotations
@@ -19,16 +21,19 @@ from dataclasses import dataclass
 from mxlaunch.staging.lustre import Layout
 
 LOCAL_TARGET = "local"
-READERS_PER_OST = 8  # requests in flight an OST is given when the reader count is left to mxlaunch
+READERS_PER_OST = 16  # requests in flight an OST is given when the reader count is left to mxlaunch
 MAX_READERS = 128
+TAIL_PIECE = 2 << 20  # the smallest piece an OST's last chunks are cut to: whole 2 MiB pages, a 2 MiB RPC
 
 
 def readers_for_layouts(readers: int, layouts: list[Layout | None] | None) -> int:
     """Readers for files with these Lustre layouts when the user did not choose: READERS_PER_OST for each
     OST the files sit on, between `readers` (the default) and MAX_READERS. An OST's bandwidth grows with
     requests in flight (servekit saw one still rising at 64 streams; the OST model's B(n) = C(1−2^(−n/n½))
-    gives 0.94 C at 8 when n½ = 2), so 32 readers over 8 OSTs (4 each) leave a quarter of every OST idle.
-    Off Lustre (no layouts), `readers` as given."""
+    gives 0.75 C at 4, 0.94 C at 8, 0.996 C at 16 when n½ = 2): 32 readers over 8 OSTs leave a quarter of
+    every OST idle, and 8 per OST leave no room for a run's ramp and tail under 0.9 C. More readers than
+    an OST's client allows RPCs in flight (max_rpcs_in_flight, 8 by default) wait in the client: no worse
+    than 8. Off Lustre (no layouts), `readers` as given."""
     osts = {ost for layout in layouts or [] if layout is not None for ost in layout.ost_set}
     if not osts:
         return readers
@@ -83,6 +88,9 @@ class ChunkScheduler:
         self.depth = depth_per_target or max(1, math.ceil(readers / targets))
         self.per_file = per_file or readers
         self._inflight: dict[str, int] = {t: 0 for t in self._pending}
+        self._pending_bytes: dict[str, int] = {t: 0 for t in self._pending}
+        for chunk in chunks:
+            self._pending_bytes[chunk.target] += chunk.length
         self._file_inflight: dict[int, int] = {}
         self._left = len(chunks)
         self._cond = threading.Condition()
@@ -117,16 +125,40 @@ class ChunkScheduler:
                     return None
                 choice = self._pick()
                 if choice is not None:
-                    target, file_index = choice
-                    files = self._pending[target]
-                    chunk = files[file_index].popleft()
-                    if not files[file_index]:
-                        del files[file_index]
-                    self._inflight[target] += 1
-                    self._file_inflight[file_index] = self._file_inflight.get(file_index, 0) + 1
-                    self._left -= 1
-                    return chunk
+                    return self._hand_out(*choice)
                 self._cond.wait()
+
+    def _hand_out(self, target: str, file_index: int) -> Chunk:
+        """The head chunk of this target and file, or its first piece (the rest stays at the head)."""
+        files = self._pending[target]
+        chunk = files[file_index].popleft()
+        piece = self._tail_piece(chunk)
+        if piece < chunk.length:
+            files[file_index].appendleft(Chunk(file_index, chunk.offset + piece, chunk.length - piece, target))
+            chunk = Chunk(file_index, chunk.offset, piece, target)
+        else:
+            self._left -= 1
+        if not files[file_index]:
+            del files[file_index]
+        self._pending_bytes[target] -= chunk.length
+        self._inflight[target] += 1
+        self._file_inflight[file_index] = self._file_inflight.get(file_index, 0) + 1
+        return chunk
+
+    def _tail_piece(self, chunk: Chunk) -> int:
+        """Bytes of `chunk` to hand out now. Once an OST's bytes not yet handed out are fewer than its
+        depth's worth of chunks, each request takes its share of them (pending / depth, in TAIL_PIECEs),
+        so the OST's last requests are many and small and end together — not a few whole chunks, each
+        alone on the OST at the bottom of its curve. Without Lustre (one local target), whole chunks."""
+        if chunk.target == LOCAL_TARGET or chunk.length <= TAIL_PIECE:
+            return chunk.length
+        share = self._pending_bytes[chunk.target] / self.depth
+        if share >= chunk.length:
+            return chunk.length
+        end = (chunk.offset + max(TAIL_PIECE, math.ceil(share / TAIL_PIECE) * TAIL_PIECE)) // TAIL_PIECE * TAIL_PIECE
+        if end <= chunk.offset or end >= chunk.offset + chunk.length:
+            return chunk.length  # no 2 MiB boundary inside: the whole chunk
+        return end - chunk.offset
 
     def done(self, chunk: Chunk) -> None:
         with self._cond:

@@ -104,3 +104,44 @@ def test_the_stores_default_striping_is_judged(tmp_path: Path, text: str, status
     assert row.status == status and says in row.detail, row
     if status == "warn":
         assert f"lfs setstripe -c 8 -S 4M {tmp_path}" in row.fix
+
+
+STATUS = "Name:\tpython3\nCapInh:\t0000000000000000\nCapEff:\t{}\nCapBnd:\t000001ffffffffff\n"
+
+
+@pytest.mark.parametrize("capeff, caps_ok", [("000001ffffffffff", True),  # root in a privileged container
+                                             ("00000000a80425fb", False),  # Docker's default set
+                                             ("0000010000000000", True),  # CAP_CHECKPOINT_RESTORE alone
+                                             ("0000000000000000", False)])
+def test_the_engine_snapshot_row_names_each_missing_half_with_its_fix(capeff: str, caps_ok: bool) -> None:
+    from mxlaunch import engine_checkpoint as ec
+    from mxlaunch.doctor import check_engine_checkpoint
+
+    caps = ec.effective_caps(STATUS.format(capeff))
+    assert ec.assess(caps, "/usr/sbin/criu", True).caps_ok is caps_ok
+    full = ec.assess(caps, "/usr/sbin/criu", True)
+    row = check_engine_checkpoint(full)
+    assert (row.status == "ok") is caps_ok
+    if not caps_ok:
+        assert "CAP_CHECKPOINT_RESTORE" in row.detail and "--cap-add CHECKPOINT_RESTORE" in row.fix
+    bare = check_engine_checkpoint(ec.assess(caps, None, False, 12040))
+    assert bare.status == "info" and "criu is not on PATH" in bare.detail and "apt install criu" in bare.fix
+    assert "driver API 12040" in bare.detail and "driver 570" in bare.fix
+
+
+def test_the_cuda_checkpoint_api_is_read_from_libcuda_without_a_context() -> None:
+    from mxlaunch import engine_checkpoint as ec
+
+    class Lib:
+        def cuDriverGetVersion(self, out) -> int:  # noqa: N802 — the driver's name
+            out._obj.value = 13000
+            return 0
+
+    with_api = type("WithApi", (Lib,), {name: staticmethod(lambda *a: 0) for name in ec.CUDA_CHECKPOINT_SYMBOLS})
+    assert ec.cuda_checkpoint_api(lambda _: with_api()) == (True, 13000)
+    assert ec.cuda_checkpoint_api(lambda _: Lib()) == (False, 13000)
+
+    def no_driver(_: str):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    assert ec.cuda_checkpoint_api(no_driver) == (None, None)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from mxlaunch.staging.lustre import EOF_END, Component, Layout, parse_getstripe
-from mxlaunch.staging.schedule import LOCAL_TARGET, MAX_READERS, READERS_PER_OST, ChunkScheduler, cut_chunks, readers_for_layouts
+from mxlaunch.staging.schedule import (LOCAL_TARGET, MAX_READERS, READERS_PER_OST, Chunk, ChunkScheduler, cut_chunks,
+                                       readers_for_layouts)
 
 MiB = 1 << 20
 
@@ -215,7 +216,7 @@ def test_lustre_order_is_fair_across_osts_and_keeps_file_order_within_each() -> 
     layout = parse_getstripe(PFL_PLAIN)
     chunks = cut_chunks([80 * MiB], 16 * MiB, [layout])
     order = ChunkScheduler(chunks, readers=8).order()
-    assert sorted(order, key=lambda c: c.offset) == sorted(chunks, key=lambda c: c.offset)
+    assert covered(order) == covered(chunks)  # every byte once, on its chunk's OST (tails may come in pieces)
     per_target: dict[str, list[int]] = {}
     for chunk in order:
         per_target.setdefault(chunk.target, []).append(chunk.offset)
@@ -223,6 +224,50 @@ def test_lustre_order_is_fair_across_osts_and_keeps_file_order_within_each() -> 
     assert all(offsets == sorted(offsets) for offsets in per_target.values())
     # The first 7 requests cover all 7 OSTs instead of queueing on OST 0's 4 chunks first.
     assert {c.target for c in order[:7]} == set(per_target)
+
+
+def covered(chunks: list[Chunk]) -> list[tuple[int, int, int, str]]:
+    """The chunks as (file, start, end, target) runs, adjacent ranges of one target merged."""
+    runs: list[tuple[int, int, int, str]] = []
+    for c in sorted(chunks, key=lambda c: (c.file_index, c.offset)):
+        if runs and runs[-1][0] == c.file_index and runs[-1][2] == c.offset and runs[-1][3] == c.target:
+            runs[-1] = (c.file_index, runs[-1][1], c.offset + c.length, c.target)
+        else:
+            runs.append((c.file_index, c.offset, c.offset + c.length, c.target))
+    return runs
+
+
+def test_an_osts_last_chunks_go_out_in_pieces_that_fill_its_depth() -> None:
+    """One OST, 6 chunks of 4 MiB, 4 readers: the first 4 requests are whole chunks; the 8 MiB left are
+    fewer than a chunk per reader, so they go out as 2 MiB pieces (4 of them, all in flight at once)
+    instead of 2 chunks with 2 readers idle. Pieces start and end on 2 MiB boundaries (huge pages)."""
+    one = Layout([Component(0, EOF_END, 4 * MiB, 1, [3])])
+    chunks = cut_chunks([24 * MiB], 4 * MiB, [one])
+    sched = ChunkScheduler(chunks, readers=4)
+    first = [sched.take() for _ in range(4)]
+    assert [c.length for c in first] == [4 * MiB] * 4
+    for c in first:
+        sched.done(c)
+    tail = [sched.take() for _ in range(4)]
+    assert [(c.offset, c.length) for c in tail] == [(16 * MiB + i * 2 * MiB, 2 * MiB) for i in range(4)]
+    assert all(c.target == "ost3" for c in tail) and sched._pick() is None and sched._left == 0
+    assert covered(first + tail) == covered(chunks)
+
+
+def test_tail_pieces_shrink_with_what_is_left_but_not_below_2_mib() -> None:
+    """16 MiB stripes, 4 readers: a request takes the OST's pending bytes shared by its depth, rounded up
+    to 2 MiB (64 MiB pending: a whole chunk; 48: 12 MiB; ...); the last four are 2 MiB, ending together."""
+    one = Layout([Component(0, EOF_END, 16 * MiB, 1, [0])])
+    chunks = cut_chunks([64 * MiB], 16 * MiB, [one])
+    order = ChunkScheduler(chunks, readers=4).order()
+    assert [(c.offset // MiB, c.length // MiB) for c in order] == [
+        (0, 16), (16, 12), (28, 4), (32, 8), (40, 6), (46, 2), (48, 4), (52, 4), (56, 2), (58, 2), (60, 2), (62, 2)]
+    assert covered(order) == covered(chunks)
+
+
+def test_without_lustre_chunks_are_never_cut_in_pieces() -> None:
+    chunks = cut_chunks([24 * MiB], 4 * MiB)
+    assert ChunkScheduler(chunks, readers=16).order() == chunks
 
 
 def test_readers_move_to_the_osts_that_still_have_work() -> None:
@@ -268,9 +313,36 @@ def test_readers_left_to_mxlaunch_keep_every_ost_deep() -> None:
     off Lustre the default stands."""
     multi = parse_getstripe(PLAIN_MULTI)  # OSTs 0, 5, 6, 7
     assert readers_for_layouts(32, None) == 32 and readers_for_layouts(32, [None, None]) == 32
-    assert readers_for_layouts(32, [multi]) == 32  # 4 OSTs × 8: the default already covers them
-    spread = [Layout([Component(0, EOF_END, 4 << 20, 4, [i + k for k in range(4)])]) for i in range(0, 16, 4)]
-    assert readers_for_layouts(32, spread) == READERS_PER_OST * 16 == 128
+    assert readers_for_layouts(32, [multi]) == READERS_PER_OST * 4 == 64
+    assert readers_for_layouts(64, [multi]) == 64  # the default already covers them
+    spread = [Layout([Component(0, EOF_END, 4 << 20, 4, [i + k for k in range(4)])]) for i in range(0, 8, 4)]
+    assert readers_for_layouts(32, spread) == READERS_PER_OST * 8 == 128
     wide = [Layout([Component(0, EOF_END, 4 << 20, 1, [i])]) for i in range(40)]
     assert readers_for_layouts(32, wide) == MAX_READERS
     assert readers_for_layouts(200, wide) == 200  # more than the cap was asked for: kept
+
+
+@pytest.mark.parametrize("write_mode", ["mmap", "pwrite"])
+def test_a_stage_with_tail_pieces_completes_every_file_exactly(tmp_path, write_mode: str) -> None:
+    """The real reader (no model) on Lustre layouts: an OST's last chunks come in 2 MiB pieces, and a
+    file is complete when all its bytes are in, however they were cut."""
+    import os
+
+    from mxlaunch.staging.reader import StageJob
+    from mxlaunch.staging.sources import CopyItem
+
+    layouts = [Layout([Component(0, EOF_END, 4 * MiB, 1, [3])]), Layout([Component(0, EOF_END, 4 * MiB, 1, [3])])]
+    sizes = [24 * MiB, 6 * MiB + 4096]
+    order = ChunkScheduler(cut_chunks(sizes, 16 * MiB, layouts), readers=4).order()
+    assert any(c.length == 2 * MiB for c in order)  # pieces are really handed out here
+    items = []
+    for i, size in enumerate(sizes):
+        src = tmp_path / "src" / f"f{i}.bin"
+        src.parent.mkdir(exist_ok=True)
+        src.write_bytes(os.urandom(size))
+        items.append(CopyItem(src=src, rel=src.name, size=size))
+    result = StageJob(items, tmp_path / "dst", readers=4, chunk_size=16 * MiB, layouts=layouts, use_o_direct=False,
+                      write_mode=write_mode).start().wait()
+    assert [f.rel for f in result.files] == ["f0.bin", "f1.bin"]
+    for item in items:
+        assert (tmp_path / "dst" / item.rel).read_bytes() == item.src.read_bytes()

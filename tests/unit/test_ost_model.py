@@ -88,3 +88,39 @@ def test_a_stage_through_the_model_is_exact_and_counts_every_byte_on_its_ost(tmp
             expected[server] = expected.get(server, 0) + n
     got = {server: st.bytes for server, st in model.stats.items()}
     assert got.keys() == expected.keys() and all(abs(got[s] - expected[s]) < 1 for s in expected), (got, expected)
+
+
+def test_a_part_that_ends_between_wakeups_stops_sharing_its_ost_at_its_own_end() -> None:
+    """Time moves from one part's end to the next, however late the threads look: two requests on one
+    OST (B(1) = 50, B(2) = 75: 37.5 each); the first ends at 1 s, the second then runs alone at 50 and
+    ends at 1.75 s — even when nobody looks before 3 s."""
+    model = OstModel([None], OstCurve(ceiling_bps=100.0, n_half=1), link_bps=1e9)
+    model.t0 = model._last = 0.0
+    first, second = _Part("ost0", 37.5), _Part("ost0", 75.0)
+    model._parts = [first, second]
+    model._rates()
+    model._advance(3.0)
+    st = model.stats["ost0"]
+    assert first.left == 0 and second.left == 0 and st.bytes == pytest.approx(112.5)
+    assert st.busy_s == pytest.approx(1.75) and st.inflight_s == pytest.approx(2 * 1.0 + 1 * 0.75)
+    report = model.report(2.0)["ost0"]
+    assert report["mean_in_flight"] == pytest.approx(2.75 / 1.75, abs=0.01)
+    assert report["depth_timeline"][:10] == [2.0] * 10 and report["depth_timeline"][10:17] == [1.0] * 7
+
+
+def test_a_long_step_is_spread_over_the_timeline_buckets_it_spans() -> None:
+    model = OstModel([None], OstCurve(ceiling_bps=100.0, n_half=1), link_bps=1e9, bucket_s=0.5)
+    model.t0 = model._last = 0.0
+    model._parts = [_Part("ost0", 50.0)]  # alone: 50 per second for 1 s, no event in between
+    model._rates()
+    model._advance(1.0)
+    assert model.report(1.0)["ost0"]["timeline"] == [0.5, 0.5, 0.0]  # 25 bytes in each 0.5 s: half of C·0.5
+
+
+def test_a_failed_copy_leaves_no_request_in_the_model() -> None:
+    model = OstModel([parse_getstripe(PLAIN_MULTI)], OstCurve(ceiling_bps=1e9), link_bps=1e10)
+    with pytest.raises(OSError):
+        with model.transfer(0, 0, 8 * MiB):
+            assert len(model._parts) == 2  # two stripes, two OSTs
+            raise OSError("copy failed")
+    assert model._parts == []

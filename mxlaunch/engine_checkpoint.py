@@ -1,0 +1,90 @@
+"""Can this node checkpoint an initialized engine and restore it (CRIU + CUDA checkpoint)?
+
+An engine snapshot has two halves, and a node may allow one and not the other:
+- the GPU half: the CUDA driver's checkpoint API (`cuCheckpointProcessLock/Checkpoint/Restore/Unlock`,
+  driver 570+; NVIDIA's `cuda-checkpoint` tool is a thin wrapper) moves a process's GPU state into its host
+  memory and back. It needs no privilege beyond owning the process.
+- the host half: CRIU dumps the process tree to files and recreates it. It needs CAP_CHECKPOINT_RESTORE (or
+  CAP_SYS_ADMIN) and the `criu` binary; most HPC sites and unprivileged containers deny the capability.
+
+The parsing is pure (the status text and the tools' presence are injected) so tests need neither.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+CAP_SYS_ADMIN = 21
+CAP_CHECKPOINT_RESTORE = 40  # Linux 5.9+
+CUDA_CHECKPOINT_SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
+                           "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock")
+
+
+def effective_caps(status_text: str) -> int:
+    """The CapEff bit mask of a /proc/<pid>/status text (0 when absent)."""
+    found = re.search(r"^CapEff:\s*([0-9a-fA-F]+)\s*$", status_text, re.M)
+    return int(found.group(1), 16) if found else 0
+
+
+@dataclass
+class CheckpointSupport:
+    """What the node offers each half; `blockers` say what stops a full engine snapshot, each with its fix."""
+
+    caps_ok: bool
+    criu: Optional[str]
+    cuda_api: Optional[bool]  # None: no CUDA driver here to ask
+    driver_version: Optional[int] = None
+    blockers: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_half(self) -> bool:
+        return bool(self.cuda_api)
+
+    @property
+    def full(self) -> bool:
+        return not self.blockers
+
+
+def assess(caps: int, criu: Optional[str], cuda_api: Optional[bool], driver_version: Optional[int] = None) -> CheckpointSupport:
+    """Decide from the facts; every blocker is a "problem — fix" line."""
+    caps_ok = bool(caps >> CAP_CHECKPOINT_RESTORE & 1 or caps >> CAP_SYS_ADMIN & 1)
+    blockers = []
+    if not caps_ok:
+        blockers.append("no CAP_CHECKPOINT_RESTORE (nor CAP_SYS_ADMIN) in this process — CRIU cannot dump or restore "
+                        "it; ask the site for the capability (e.g. a container run with --cap-add CHECKPOINT_RESTORE)")
+    if not criu:
+        blockers.append("criu is not on PATH — install CRIU 4.0+ (Debian/Ubuntu: apt install criu)")
+    if cuda_api is False:
+        shown = f" (driver API {driver_version})" if driver_version else ""
+        blockers.append(f"the CUDA driver has no checkpoint API{shown} — it needs driver 570 or newer")
+    return CheckpointSupport(caps_ok, criu, cuda_api, driver_version, blockers)
+
+
+def cuda_checkpoint_api(load: Callable[[str], object] = ctypes.CDLL) -> tuple[Optional[bool], Optional[int]]:
+    """Whether libcuda exports the checkpoint API, and the driver's API version; (None, None) without a driver.
+    Loading libcuda does not create a CUDA context, so the launcher stays GPU-free."""
+    try:
+        lib = load("libcuda.so.1")
+    except OSError:
+        return None, None
+    version = ctypes.c_int(0)
+    try:
+        lib.cuDriverGetVersion(ctypes.byref(version))
+    except (AttributeError, OSError):
+        pass
+    return all(hasattr(lib, name) for name in CUDA_CHECKPOINT_SYMBOLS), version.value or None
+
+
+def probe(status_path: Path = Path("/proc/self/status")) -> CheckpointSupport:
+    """This process on this node."""
+    try:
+        caps = effective_caps(status_path.read_text())
+    except OSError:
+        caps = 0
+    api, version = cuda_checkpoint_api()
+    return assess(caps, shutil.which("criu"), api, version)

@@ -1,0 +1,171 @@
+"""Same-host P2P through CUDA IPC (transfer/cuda_ipc.py) against a fake driver that models memory as bytes:
+the source's allocations, their mappings in the target, the copies between them. What a GPU alone can show
+(the driver's real calls, the speed) is in docs/benchmarks.md; here: offsets, mappings closed, the fallback
+rules (nothing landed → NIXL; a failed copy → landed) and when the pull is chosen at all."""
+
+from __future__ import annotations
+
+import base64
+import types
+
+import pytest
+
+from mxlaunch.plugin import p2p
+from mxlaunch.transfer import cuda_ipc
+from mxlaunch.transfer.regions import Region
+from mxlaunch.transfer.tensor_set import Pair
+
+pytestmark = pytest.mark.unit
+
+
+class FakeDriver:
+    """A flat address space: allocations by base address; `open` maps one at a new address (a new view of the
+    same bytes, like cuIpcOpenMemHandle); `copy` moves bytes between any two addresses it knows."""
+
+    def __init__(self) -> None:
+        self.allocs: dict[int, bytearray] = {}
+        self.handles: dict[bytes, int] = {}
+        self.mapped: dict[int, int] = {}  # mapping address → source allocation base
+        self.closed: list[int] = []
+        self.fail_open = self.fail_copy = False
+        self.next_map = 0x9000_0000
+
+    def alloc(self, base: int, data: bytes) -> None:
+        self.allocs[base] = bytearray(data)
+
+    def _locate(self, addr: int) -> tuple[bytearray, int]:
+        for m, base in self.mapped.items():
+            if m <= addr < m + len(self.allocs[base]):
+                return self.allocs[base], addr - m
+        for base, buf in self.allocs.items():
+            if base <= addr < base + len(buf):
+                return buf, addr - base
+        raise OSError(f"address {addr:#x} is not mapped")
+
+    def allocation(self, addr: int) -> tuple[int, int]:
+        for base, buf in self.allocs.items():
+            if base <= addr < base + len(buf):
+                return base, len(buf)
+        raise OSError("cuMemGetAddressRange returned CUresult 1")
+
+    def export(self, addr: int) -> bytes:
+        handle = addr.to_bytes(8, "little") * 8
+        self.handles[handle] = addr
+        return handle
+
+    def open(self, handle: bytes) -> int:
+        if self.fail_open:
+            raise OSError("cuIpcOpenMemHandle returned CUresult 201")
+        self.next_map += 0x1000_0000
+        self.mapped[self.next_map] = self.handles[handle]
+        return self.next_map
+
+    def close(self, ptr: int) -> None:
+        self.closed.append(ptr)
+        self.mapped.pop(ptr)
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        if self.fail_copy:
+            raise OSError("cuMemcpyDtoDAsync returned CUresult 700")
+        sbuf, soff = self._locate(src)
+        dbuf, doff = self._locate(dst)
+        dbuf[doff:doff + nbytes] = sbuf[soff:soff + nbytes]
+
+    def wait(self, stream: int) -> None:
+        pass
+
+
+def two_allocations(driver: FakeDriver) -> tuple[list[Region], list[Pair]]:
+    """The source: two allocations of three tensors; the target: one allocation to fill."""
+    driver.alloc(0x1000, bytes(range(256)) * 4)  # 1024 bytes
+    driver.alloc(0x8000, bytes(reversed(range(256))) * 2)  # 512 bytes
+    driver.alloc(0x50000, bytes(2048))  # the target's own memory
+    regions = [Region(0x1000, 1024, 0, "cuda"), Region(0x8000, 512, 0, "cuda")]
+    pairs = [Pair("a", 0x50000, 0x1000 + 100, 300, 0, 0, "cuda", "cuda"),
+             Pair("b", 0x50000 + 300, 0x1000 + 700, 200, 0, 0, "cuda", "cuda"),
+             Pair("c", 0x50000 + 600, 0x8000 + 12, 500, 0, 0, "cuda", "cuda")]
+    return regions, pairs
+
+
+def test_a_pull_copies_each_tensor_from_its_offset_in_the_mapped_allocation_and_closes_every_mapping() -> None:
+    driver = FakeDriver()
+    regions, pairs = two_allocations(driver)
+    allocations, why = cuda_ipc.export_regions(regions, driver)
+    assert why == "" and [a["addr"] for a in allocations] == [0x1000, 0x8000]
+    stats = cuda_ipc.pull(allocations, pairs, stream=0, driver=driver)
+    target, first, second = driver.allocs[0x50000], driver.allocs[0x1000], driver.allocs[0x8000]
+    assert target[:300] == first[100:400] and target[300:500] == first[700:900] and target[600:1100] == second[12:512]
+    assert stats.bytes == 1000 and stats.allocations == 2
+    assert sorted(driver.closed) == sorted(set(driver.closed)) and len(driver.closed) == 2 and not driver.mapped
+
+
+def test_nothing_is_exported_for_a_region_that_is_not_a_whole_allocation_or_without_a_driver() -> None:
+    driver = FakeDriver()
+    driver.alloc(0x1000, bytes(1024))
+    inside = [Region(0x1000 + 64, 512, 0, "cuda")]  # e.g. a segment the allocator carved differently
+    allocations, why = cuda_ipc.export_regions(inside, driver)
+    assert allocations is None and "not one allocation" in why
+    allocations, why = cuda_ipc.export_regions([Region(0x7777_0000, 64, 0, "cuda")], driver)
+    assert allocations is None and "exports no IPC handle" in why
+    assert cuda_ipc.export_regions([Region(0x1000, 64, 0, "cpu")], driver)[0] is None
+
+
+def test_a_refused_open_lands_nothing_and_a_failed_copy_counts_as_landed() -> None:
+    driver = FakeDriver()
+    regions, pairs = two_allocations(driver)
+    allocations, _ = cuda_ipc.export_regions(regions, driver)
+    before = bytes(driver.allocs[0x50000])
+    driver.fail_open = True
+    with pytest.raises(cuda_ipc.CudaIpcError) as refused:
+        cuda_ipc.pull(allocations, pairs, stream=0, driver=driver)
+    assert refused.value.landed is False and bytes(driver.allocs[0x50000]) == before
+    driver.fail_open, driver.fail_copy = False, True
+    with pytest.raises(cuda_ipc.CudaIpcError) as failed:
+        cuda_ipc.pull(allocations, pairs, stream=0, driver=driver)
+    assert failed.value.landed is True and not driver.mapped  # the mappings are closed even then
+    outside = [Pair("x", 0x50000, 0x4000, 16, 0, 0, "cuda", "cuda")]
+    driver.fail_copy = False
+    with pytest.raises(cuda_ipc.CudaIpcError, match="outside every allocation") as stray:
+        cuda_ipc.pull(allocations, outside, stream=0, driver=driver)
+    assert stray.value.landed is False
+
+
+def record(boot: str, allocations: list[dict] | None) -> types.SimpleNamespace:
+    return types.SimpleNamespace(extra={"cuda_ipc": allocations} if allocations else {}, boot_id=boot, worker="src-1",
+                                 host="node-a")
+
+
+@pytest.mark.parametrize("case", ["other boot", "no handles", "turned off", "host memory"])
+def test_the_ipc_pull_is_chosen_only_for_gpu_memory_of_a_source_on_this_boot(case: str, monkeypatch) -> None:
+    here = p2p.boot_id()
+    allocations = [{"addr": 0x1000, "bytes": 64, "handle": base64.b64encode(b"h" * 64).decode()}]
+    pairs = [Pair("a", 0x50000, 0x1000, 64, 0, 0, "cpu" if case == "host memory" else "cuda", "cuda")]
+    rec = record("another-boot" if case == "other boot" else here, None if case == "no handles" else allocations)
+    if case == "turned off":
+        monkeypatch.setenv("MXLAUNCH_P2P_CUDA_IPC", "0")
+    called = []
+    monkeypatch.setattr(cuda_ipc, "pull", lambda *a, **k: called.append(a))
+    assert p2p._ipc_pull(rec, pairs, []) is None and not called
+
+
+def test_a_same_host_source_whose_memory_cannot_be_opened_is_pulled_over_nixl_and_says_why(monkeypatch) -> None:
+    def refused(*_a, **_k):
+        raise cuda_ipc.CudaIpcError("cannot open the source's memory: cuIpcOpenMemHandle returned CUresult 201",
+                                    landed=False)
+
+    def broke(*_a, **_k):
+        raise cuda_ipc.CudaIpcError("a copy out of the source's memory failed", landed=True)
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
+    rec = record(p2p.boot_id(), [{"addr": 0x1000, "bytes": 64, "handle": "aA=="}])
+    pairs = [Pair("a", 0x50000, 0x1000, 64, 0, 0, "cuda", "cuda")]
+    skipped: list[str] = []
+    monkeypatch.setattr(cuda_ipc, "pull", refused)
+    assert p2p._ipc_pull(rec, pairs, skipped) is None
+    assert skipped == ["src-1: CUDA IPC: cannot open the source's memory: cuIpcOpenMemHandle returned CUresult 201 "
+                       "(pulled over NIXL instead)"]
+    monkeypatch.setattr(cuda_ipc, "pull", broke)
+    with pytest.raises(p2p.RestoreError) as landed:
+        p2p._ipc_pull(rec, pairs, [])
+    assert landed.value.landed is True
