@@ -44,7 +44,7 @@ CAPTURE_VIA_SHM = "MXLAUNCH_CAPTURE_VIA_SHM"
 NIXL_UCX_PARAMS = "MXLAUNCH_NIXL_UCX_PARAMS"
 NIXL_PULL = "MXLAUNCH_NIXL_PULL"
 NIXL_PROGRESS_THREAD = "MXLAUNCH_NIXL_PROGRESS_THREAD"
-P2P_CUDA_IPC = "MXLAUNCH_P2P_CUDA_IPC"
+P2P_CUDA_IPC = "MXLAUNCH_CUDA_IPC"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -91,6 +91,7 @@ VARIABLES: dict[str, str] = {
     NIXL_PULL: "P2P: how a pull posts its READs, key=value items: prepped=1 (prepared descriptor lists), merge=0, "
                "chunk_mib=N, inflight=N, batch_mib=N (0: one request) (default chunk_mib=64,batch_mib=0; empty: 4 GiB "
                "requests, spans whole) — docs/p2p.md",
+    P2P_CUDA_IPC: "0: same-host P2P pulls go over NIXL too and sources export no CUDA IPC handles (default 1)",
     NIXL_PROGRESS_THREAD: "P2P: 0 starts NIXL agents without their progress thread (default 1)",
 }
 
@@ -332,6 +333,6 @@ def nixl_progress_thread(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def p2p_cuda_ipc(environ: Mapping[str, str] = os.environ) -> bool:
-    """False only when $MXLAUNCH_P2P_CUDA_IPC is 0: then a same-host pull goes over NIXL too, and a source
+    """False only when $MXLAUNCH_CUDA_IPC is 0: then a same-host pull goes over NIXL too, and a source
     exports no IPC handles."""
     return environ.get(P2P_CUDA_IPC, "1").strip() != "0"

@@ -57,6 +57,19 @@ class Driver:
         self.lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_Handle), ctypes.c_uint64]
         self.lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
         self.lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        self.lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+
+    def on_device(self, ordinal: int) -> None:
+        """Make the device's primary context (torch's) current in this thread: a thread that has not touched
+        CUDA yet (a source publishing from a background thread) has none, and every call would fail."""
+        current = ctypes.c_void_p(0)
+        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+        if current.value:
+            return
+        device, ctx = ctypes.c_int(0), ctypes.c_void_p(0)
+        self._check(self.lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
+        self._check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -95,6 +108,7 @@ def export_regions(regions: Sequence[Any], driver: Optional[Driver] = None) -> t
         return None, "not every region is GPU memory"
     try:
         driver = driver or Driver()
+        driver.on_device(cuda[0].dev)
         out = []
         for r in cuda:
             base, size = driver.allocation(r.addr)
@@ -122,6 +136,7 @@ def pull(allocations: Sequence[dict], pairs: Sequence[Pair], stream: int, driver
     started = time.perf_counter()
     try:
         driver = driver or Driver()
+        driver.on_device(pairs[0].local_dev if pairs else 0)
     except (OSError, AttributeError) as exc:
         raise CudaIpcError(f"no CUDA driver to open IPC handles ({exc})", landed=False) from exc
     mapped: dict[int, int] = {}  # source allocation address → its mapping here

@@ -30,6 +30,9 @@ class FakeDriver:
         self.fail_open = self.fail_copy = False
         self.next_map = 0x9000_0000
 
+    def on_device(self, ordinal: int) -> None:
+        self.device = ordinal
+
     def alloc(self, base: int, data: bytes) -> None:
         self.allocs[base] = bytearray(data)
 
@@ -142,7 +145,7 @@ def test_the_ipc_pull_is_chosen_only_for_gpu_memory_of_a_source_on_this_boot(cas
     pairs = [Pair("a", 0x50000, 0x1000, 64, 0, 0, "cpu" if case == "host memory" else "cuda", "cuda")]
     rec = record("another-boot" if case == "other boot" else here, None if case == "no handles" else allocations)
     if case == "turned off":
-        monkeypatch.setenv("MXLAUNCH_P2P_CUDA_IPC", "0")
+        monkeypatch.setenv("MXLAUNCH_CUDA_IPC", "0")
     called = []
     monkeypatch.setattr(cuda_ipc, "pull", lambda *a, **k: called.append(a))
     assert p2p._ipc_pull(rec, pairs, []) is None and not called
