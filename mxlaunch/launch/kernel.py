@@ -17,6 +17,7 @@ from mxlaunch.engines.registry import spec_engine
 from mxlaunch.kernelcache.caches import (FolderState, cache_key, cache_vars, changed, folder_state, key_fields, local_dir,
                                   side_dirs, sync_tree)
 from mxlaunch.kernelcache.archive import KernelCacheStore
+from mxlaunch.kernelcache.compile_log import CompileTally
 
 SETTLE_S = 3.0  # the folders must stay unchanged this long after ready before they are captured
 SETTLE_MAX_S = 120.0  # give up waiting for them to settle after this long
@@ -63,6 +64,7 @@ class KernelCacheRun:
         self._thread: Optional[threading.Thread] = None
         self.side_before: Dict[str, FolderState] = {}
         self.max_bytes = settings.kernel_cache_max_bytes()
+        self.tally = CompileTally()  # the engine's lines: graphs compiled afresh against loaded from its cache
 
     @property
     def active(self) -> bool:
@@ -98,6 +100,15 @@ class KernelCacheRun:
         self.emit("kernel-cache", status=result.status, reason=reason, key=key, dir=str(folder), files=result.files,
                   bytes=result.bytes, seconds=round(time.monotonic() - t0, 3), unmanaged=self.info.get("unmanaged", []))
         return dict(self.info["env"])
+
+    def judge_ready(self) -> None:
+        """At ready: a restore after which the engine compiled anyway (its log says so) is `partial`."""
+        if not self.active:
+            return
+        status, reason = self.tally.judge(self.status)
+        if status != self.status:
+            self.status = status
+            self.emit("kernel-cache", status=status, reason=reason, key=self.info.get("key"), **self.tally.counts())
 
     def start_capture(self) -> None:
         """After ready: wait for the folders to settle, then capture what is new (a background thread)."""
@@ -139,11 +150,11 @@ class KernelCacheRun:
                 if written and sync_tree(outside, folder / sub, only=written):
                     state = folder_state(folder)
             new = changed(self.before, state)
-            if not new and (self.status in ("hit", "local") or not state):  # a miss with a warm local folder still publishes it
+            if not new and (self.status in ("hit", "local", "partial") or not state):  # a miss with a warm local folder still publishes it
                 self.emit("kernel-cache-capture", status=self.status, published=False, new_files=0,
                           reason="nothing new compiled")
                 return
-            outcome = "partial" if self.status in ("hit", "local") else "miss"
+            outcome = "partial" if self.status in ("hit", "local", "partial") else "miss"
             result = self.kc_store.capture(self.info["key"], self.info["fields"], folder, self.max_bytes,
                                            model=self.model, stop=self._stop.is_set)
             self.emit("kernel-cache-capture", status=outcome, published=result.published, new_files=len(new),

@@ -294,6 +294,7 @@ class Launcher(Stopping):
     def _feed_profile(self, line: str, arrival: Optional[float] = None) -> None:
         with self._profile_lock:
             self.profiler.feed(line, arrival=time.monotonic() - self.t0 if arrival is None else arrival)
+        self.kernel.tally.feed(line)
 
     def _pump(self, proc: subprocess.Popen, log: Any) -> None:
         """The engine's output: raw bytes to engine.log, each line (\n or \r) echoed and profiled."""
@@ -398,6 +399,7 @@ class Launcher(Stopping):
         with self._profile_lock:
             timeline = self.profiler.result()
         phases = {p.name: round(p.seconds, 3) for p in timeline.phases}
+        self.kernel.judge_ready()
         self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases, kernel_cache=self.kernel.status)
         self.kernel.start_capture()
         self._start_next_zygote()

@@ -5,9 +5,11 @@ fell back to "software emulation" over tcp/lo (the H200, vLLM 0.26: 7.94 GiB in 
 device-to-device copy out of an IPC-mapped allocation ran at the GPU's own copy speed (1317 GiB/s,
 scripts/probe_same_gpu_ipc.py). Peers on other hosts, or where the driver refuses, keep NIXL.
 
-Source: one handle per region (a region is one caching-allocator segment, i.e. one cudaMalloc:
-transfer/regions.py), exported with `cuIpcGetMemHandle`; a segment the driver will not export (cuMemCreate
-memory: PyTorch's expandable segments) means no handles at all, and NIXL alone serves.
+Source: one handle per allocation holding a region (a region is the part of one caching-allocator segment,
+i.e. one cudaMalloc, that the served tensors use: transfer/regions.py), exported with `cuIpcGetMemHandle` on
+the allocation's base, which is what the driver names (a region usually starts inside its segment: a segment's
+first block is often a buffer that is not served); a segment the driver will not export (cuMemCreate memory:
+PyTorch's expandable segments) means no handles at all, and NIXL alone serves.
 Target (same boot id, so the same kernel and driver): open each handle (`cuIpcOpenMemHandle`, peer access
 enabled lazily when the source sits on another GPU), queue one `cuMemcpyDtoDAsync` per tensor on the caller's
 stream, wait, close the mappings. Bytes are then checked against the source's checksums like any pull.
@@ -109,13 +111,14 @@ def export_regions(regions: Sequence[Any], driver: Optional[Driver] = None) -> t
     try:
         driver = driver or Driver()
         driver.on_device(cuda[0].dev)
-        out = []
+        out: dict[int, dict] = {}
         for r in cuda:
             base, size = driver.allocation(r.addr)
-            if base != r.addr or size < r.bytes:  # a region must be a whole cudaMalloc for its handle to map it
-                return None, f"region at {r.addr:#x} is not one allocation (it starts {r.addr - base} bytes in)"
-            out.append({"addr": r.addr, "bytes": r.bytes, "handle": base64.b64encode(driver.export(r.addr)).decode()})
-        return out, ""
+            if r.addr + r.bytes > base + size:
+                return None, f"region at {r.addr:#x} runs {r.addr + r.bytes - base - size} bytes past its allocation"
+            if base not in out:  # the handle names the whole allocation: a region may start inside it
+                out[base] = {"addr": base, "bytes": size, "handle": base64.b64encode(driver.export(base)).decode()}
+        return sorted(out.values(), key=lambda a: a["addr"]), ""
     except (OSError, AttributeError) as exc:
         return None, f"the driver exports no IPC handle here ({exc})"
 

@@ -77,7 +77,9 @@ def test_second_node_restores_the_first_nodes_compiled_kernels(tiny_model: Path,
         assert kc2["status"] == "hit" and kc2["key"] == kc1["key"] and kc2["files"] > 0, kc2
         assert kc2["dir"] == kc1["dir"], kc2
         ready2 = second.wait_event("ready", READY_S)
-        assert ready2["kernel_cache"] == "hit"
+        # the ready status is the engine's own word (its log): files restored and a graph compiled again = partial
+        recompiled = any("saved AOT compiled function" in line for line in second.stderr_lines)
+        assert ready2["kernel_cache"] == ("partial" if recompiled else "hit"), ready2
         report = compare_gold(second.url, gold)
         assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None), report
         cap2 = second.wait_event("kernel-cache-capture", 200)

@@ -102,12 +102,26 @@ def test_a_pull_copies_each_tensor_from_its_offset_in_the_mapped_allocation_and_
     assert sorted(driver.closed) == sorted(set(driver.closed)) and len(driver.closed) == 2 and not driver.mapped
 
 
-def test_nothing_is_exported_for_a_region_that_is_not_a_whole_allocation_or_without_a_driver() -> None:
+def test_a_region_inside_an_allocation_exports_the_allocation_once_and_pulls_from_its_offset() -> None:
+    """vLLM's small weights share a caching-allocator segment whose first block is something else: the region
+    starts inside it. The handle must name the allocation's base (what the driver maps), once per allocation."""
+    driver = FakeDriver()
+    driver.alloc(0x1000, bytes(range(256)) * 4)
+    driver.alloc(0x50000, bytes(300))
+    inside = [Region(0x1000 + 64, 512, 0, "cuda"), Region(0x1000 + 640, 128, 0, "cuda")]
+    allocations, why = cuda_ipc.export_regions(inside, driver)
+    assert why == "" and [(a["addr"], a["bytes"]) for a in allocations] == [(0x1000, 1024)]
+    assert driver.handles == {base64.b64decode(allocations[0]["handle"]): 0x1000}
+    cuda_ipc.pull(allocations, [Pair("w", 0x50000, 0x1000 + 640, 100, 0, 0, "cuda", "cuda")], stream=0, driver=driver)
+    assert driver.allocs[0x50000][:100] == driver.allocs[0x1000][640:740]
+
+
+def test_nothing_is_exported_for_a_region_past_its_allocation_or_without_a_driver() -> None:
     driver = FakeDriver()
     driver.alloc(0x1000, bytes(1024))
-    inside = [Region(0x1000 + 64, 512, 0, "cuda")]  # e.g. a segment the allocator carved differently
-    allocations, why = cuda_ipc.export_regions(inside, driver)
-    assert allocations is None and "not one allocation" in why
+    across = [Region(0x1000 + 64, 1024, 0, "cuda")]  # runs into whatever follows: not one allocation
+    allocations, why = cuda_ipc.export_regions(across, driver)
+    assert allocations is None and "past its allocation" in why
     allocations, why = cuda_ipc.export_regions([Region(0x7777_0000, 64, 0, "cuda")], driver)
     assert allocations is None and "exports no IPC handle" in why
     assert cuda_ipc.export_regions([Region(0x1000, 64, 0, "cpu")], driver)[0] is None
