@@ -314,6 +314,7 @@ class Harness:
             plan = start.event("plan") or {}
             rec["planned"] = plan.get("strategy")
             rec["kernel_cache"] = (start.event("kernel-cache") or {}).get("status")
+            rec["kernel_cache_at_ready"] = (ready or {}).get("kernel_cache")  # `partial`: the engine compiled anyway
             kc_capture = start.event("kernel-cache-capture") or {}
             rec["kernel_cache_capture"] = {k: kc_capture.get(k) for k in ("status", "published", "new_files", "files",
                                                                          "bytes", "reason") if k in kc_capture}
