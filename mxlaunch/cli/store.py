@@ -35,12 +35,13 @@ def store_list(
 
     store = Store(artifact_path)
     entries = store.list()
+    where = getattr(store, "url", store.root)  # an S3 store (store/s3_store.py) by its URL
     if as_json:
-        print_json({"root": str(store.root), "snapshots": [e.to_dict() for e in entries]})
+        print_json({"root": str(where), "snapshots": [e.to_dict() for e in entries]})
         return
     # Readable at 80 columns: no borders, one space between columns, the model by name (the path is in
     # --json), the date without the time; only the model may wrap.
-    table = Table(title=f"snapshots in {escape(str(store.root))}", box=None, pad_edge=False, padding=(0, 1, 0, 0),
+    table = Table(title=f"snapshots in {escape(str(where))}", box=None, pad_edge=False, padding=(0, 1, 0, 0),
                   title_justify="left", header_style="bold underline")
     for col in ("id", "model", "engine", "tp/pp", "size", "created", "status"):
         table.add_column(col, justify="right" if col == "size" else "left", overflow="fold",
@@ -73,8 +74,8 @@ def store_verify(
     from mxlaunch.store.core import Store
 
     store = Store(artifact_path)
-    if not store.folder(source_id).is_dir():
-        raise UsageError(f"no snapshot {source_id} in {store.root}", "see `mxlaunch store list`")
+    if not store.exists(source_id):
+        raise UsageError(f"no snapshot {source_id} in {getattr(store, 'url', store.root)}", "see `mxlaunch store list`")
     with err.status(f"verifying {source_id}"):
         report = store.verify(source_id, full=not quick)
     if as_json:
@@ -104,9 +105,9 @@ def store_rm(
     store = Store(artifact_path)
     store.remove(source_id, force=force)
     if as_json:
-        print_json({"removed": source_id, "root": str(store.root)})
+        print_json({"removed": source_id, "root": str(getattr(store, "url", store.root))})
     else:
-        out.print(f"removed {source_id} from {escape(str(store.root))}", highlight=False)
+        out.print(f"removed {source_id} from {escape(str(getattr(store, 'url', store.root)))}", highlight=False)
 
 
 @store_app.command("prune")
@@ -140,10 +141,14 @@ def store_prune(
     except ValueError as exc:
         raise UsageError(f"--max-size: {exc}", "pass a size such as 2TiB or 500GiB") from exc
     store = Store(artifact_path)
-    if not store.root.is_dir():
+    if getattr(store, "remote", False):  # an S3 store: the same rules on its objects (store/s3_prune.py)
+        with err.status(f"{'looking through' if dry_run else 'pruning'} {store.url}"):
+            report = store.prune(unused_for=age, max_bytes=limit, dry_run=dry_run)
+    elif not store.root.is_dir():
         raise UsageError(f"no artifact store at {store.root}", "pass --artifact-path DIR (or set MXLAUNCH_ARTIFACT_PATH)")
-    with err.status(f"{'looking through' if dry_run else 'pruning'} {store.root}"):
-        report = prune(store, unused_for=age, max_bytes=limit, dry_run=dry_run)
+    else:
+        with err.status(f"{'looking through' if dry_run else 'pruning'} {store.root}"):
+            report = prune(store, unused_for=age, max_bytes=limit, dry_run=dry_run)
     if as_json:
         print_json(report.to_dict())
         return
@@ -159,4 +164,4 @@ def store_prune(
         out.print(table)
     peers = f" and {report.stale_peer_records} stale P2P record(s)" if report.stale_peer_records else ""
     out.print(f"{verb} {len(report.removed)} item(s), {format_bytes(report.freed)} of "
-              f"{format_bytes(report.bytes_before)} in {escape(str(store.root))}{peers}", highlight=False)
+              f"{format_bytes(report.bytes_before)} in {escape(str(report.root))}{peers}", highlight=False)

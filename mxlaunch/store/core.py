@@ -41,11 +41,45 @@ from mxlaunch.store.snapshot import (  # noqa: F401 — the store's records and 
     _check_file, _utc_now, _validate_manifest, check_relpath, default_root, model_name, xxh3_file)
 
 
+
+def build_manifest(source_id: str, capture_id: str, meta: SnapshotMeta, nranks: int, nnodes: int,
+                   ranks: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The manifest of a capture whose every rank is in (`ranks`: rank → its file records); the S3 store
+    (store/s3_store.py) publishes the same document."""
+    return {
+        "schema": SCHEMA,
+        "source_id": source_id,
+        "capture_id": capture_id,
+        "engine": meta.engine,
+        "engine_version": meta.engine_version,
+        "spec": meta.spec,
+        "identity": meta.identity,
+        "snapshot": {"format": meta.snapshot_format, "version": meta.snapshot_version},
+        "nranks": nranks,
+        "nnodes": nnodes,
+        "ranks": [{"rank": r, "files": ranks[r]} for r in range(nranks)],
+        "total_bytes": sum(f["bytes"] for files in ranks.values() for f in files),
+        "created_at": _utc_now(),
+        "created_by": {"user": _user(), "host": socket.gethostname(), "mxlaunch": __version__},
+    }
+
+
 # ---- the store ---------------------------------------------------------------------------------------------
 
 
 class Store:
-    """One artifact store root. Readers never raise on a bad snapshot: they refuse it with a reason."""
+    """One artifact store root. Readers never raise on a bad snapshot: they refuse it with a reason.
+
+    `Store("s3://bucket/prefix")` (or that in $MXLAUNCH_ARTIFACT_PATH) is an `S3Store` (store/s3_store.py):
+    the same interface on a bucket, so that every command taking --artifact-path takes an S3 URL unchanged."""
+
+    def __new__(cls, root: str | os.PathLike[str] | None = None, coordinator: Optional[Coordinator] = None,
+                **kw: Any) -> "Store":
+        if cls is Store and str(root if root is not None else default_root()).startswith("s3:/"):
+            from mxlaunch.store.s3_store import S3Store  # noqa: PLC0415 — boto3 only where an S3 store is used
+
+            return super().__new__(S3Store)
+        return super().__new__(cls)
 
     def __init__(self, root: str | os.PathLike[str] | None = None, coordinator: Optional[Coordinator] = None) -> None:
         self.root = Path(root).expanduser() if root is not None else default_root()
@@ -57,6 +91,15 @@ class Store:
         if not valid_id(source_id):
             raise UsageError(f"{source_id!r} is not a valid source id", "use an id that `mxlaunch store list` shows")
         return self.root / source_id
+
+    def exists(self, source_id: str) -> bool:
+        """Is there anything of `source_id` in the store (a snapshot, or an unpublished capture's parts)?"""
+        return self.folder(source_id).is_dir()
+
+    def capture_spool(self, run_id: str) -> Optional[Path]:
+        """A node-local folder a capture is written into before it is uploaded, when /dev/shm has no room;
+        None: the capture is written straight into the store (an S3 store returns a local folder)."""
+        return None
 
     # ---- reading ----
 
@@ -225,23 +268,7 @@ class Store:
                 return False  # a damaged marker: never publish from it
         if len(nodes) < nnodes or set(ranks) != set(range(nranks)):
             return False
-        user = _user()
-        manifest = {
-            "schema": SCHEMA,
-            "source_id": source_id,
-            "capture_id": capture_id,
-            "engine": meta.engine,
-            "engine_version": meta.engine_version,
-            "spec": meta.spec,
-            "identity": meta.identity,
-            "snapshot": {"format": meta.snapshot_format, "version": meta.snapshot_version},
-            "nranks": nranks,
-            "nnodes": nnodes,
-            "ranks": [{"rank": r, "files": ranks[r]} for r in range(nranks)],
-            "total_bytes": sum(f["bytes"] for files in ranks.values() for f in files),
-            "created_at": _utc_now(),
-            "created_by": {"user": user, "host": socket.gethostname(), "mxlaunch": __version__},
-        }
+        manifest = build_manifest(source_id, capture_id, meta, nranks, nnodes, ranks)
         why = _validate_manifest(manifest, source_id)
         if why:
             raise CheckFailed(f"capture {capture_id} of {source_id} cannot be published: {why}", "capture it again")

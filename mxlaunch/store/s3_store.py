@@ -1,0 +1,521 @@
+"""The artifact store in an S3 bucket: `--artifact-path s3://bucket/prefix` (issue 25), read and bookkeeping side.
+
+The published layout is the shared filesystem's (store/core.py), as object keys under the prefix:
+
+    <prefix>/<source_id>/manifest.json                          published last, by PUT If-None-Match: *
+    <prefix>/<source_id>/data-<capture_id>/ranks/<rank>/<file>  the snapshot's files (multipart uploads)
+    <prefix>/<source_id>/.nodes-<capture_id>/<node_rank>.json   a node's completion marker (its files, checksums)
+    <prefix>/<source_id>/.nodes-<capture_id>/<node_rank>.failed.json  a node that will not deliver its part
+    <prefix>/.claims/<source_id>.claim                          the capture claim (coord/s3.py)
+
+What differs, and why:
+
+- **No temp folder in the bucket.** A node's capture is written node-locally first (the run folder in
+  /dev/shm, else `capture_spool`, a folder on the node's disk) and uploaded once the engine is ready
+  (store/s3_capture.py): a multipart upload is invisible until it completes, so `data-<capture_id>/` only
+  ever holds whole files, and nothing reads them before the manifest names them.
+- **The publish** is one conditional PUT of the manifest (`If-None-Match: *`): of two captures racing,
+  exactly one publishes; the loser deletes its `data-<capture_id>/` (the same contract as the local link).
+- **The local mirror.** `root` is a node-local folder (`$XDG_CACHE_HOME/mxlaunch/s3-stores/<bucket>/<prefix>`)
+  for what the launcher keeps beside a store and reads as files: S3 models downloaded for the engine
+  (`.models`), the JIT kernel caches (`kernel-cache/`, so they are per node with an S3 store, not shared
+  through the bucket) and the default P2P file registry (`.peers`: same-host only; use
+  `--registry redis://…` across nodes). Its claims are S3 claims all the same.
+- **Last use** is not stamped in the bucket (that would be a PUT per launch): `store prune --unused-for`
+  counts from the manifest's upload time.
+- **Staging** reads each rank's files with parallel ranged GETs straight into /dev/shm (staging/s3_stage.py).
+
+Endpoint and credentials are boto3's (remote/s3.py `client`): AWS_ENDPOINT_URL(_S3), AWS_PROFILE, the
+AWS_* keys, instance roles. A wrong bucket, missing credentials or an unreachable endpoint is one line
+with its fix (UsageError, exit 2) as soon as the store is opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Optional
+
+import xxhash
+
+from mxlaunch import settings
+from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
+from mxlaunch.errors import CheckFailed, UsageError
+from mxlaunch.fileutil import ensure_dir
+from mxlaunch.store.capture import PendingCapture, capture_ids, new_capture_id
+from mxlaunch.store.core import Store, build_manifest
+from mxlaunch.store.snapshot import (
+    MANIFEST, LookupResult, Snapshot, SnapshotMeta, StoreEntry, VerifyReport, _validate_manifest)
+
+_ROOT = re.compile(r"^s3:/+([^/]+)(?:/(.*))?$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_DONE = re.compile(r"^(0|[1-9][0-9]{0,5})\.json$")
+_FAILED = re.compile(r"^(0|[1-9][0-9]{0,5})\.failed\.json$")
+_clients: dict[tuple, Any] = {}
+_checked: set[tuple] = set()
+_lock = threading.Lock()
+
+
+def is_s3_root(root: object) -> bool:
+    """An s3:// artifact path (also in the form pathlib leaves of it: `s3:/bucket/prefix`)."""
+    return root is not None and str(root).startswith("s3:/")
+
+
+def parse_root(root: object) -> tuple[str, str]:
+    """s3://bucket/prefix → (bucket, prefix without slashes at its ends; may be empty)."""
+    m = _ROOT.match(str(root))
+    bucket, prefix = (m.group(1), (m.group(2) or "").strip("/")) if m else ("", "")
+    if not _BUCKET.match(bucket) or (prefix and any(p in ("", ".", "..") for p in prefix.split("/"))):
+        raise UsageError(f"{root!s} is not an S3 artifact path", "give it as s3://bucket/prefix")
+    return bucket, prefix
+
+
+def mirror_root(bucket: str, prefix: str, environ: Mapping[str, str] = os.environ) -> Path:
+    """The node-local folder beside an S3 store (see the module docstring)."""
+    cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return cache / "mxlaunch" / "s3-stores" / bucket / (prefix or "_")
+
+
+def _client(environ: Mapping[str, str]) -> Any:
+    """One boto3 client per endpoint and credentials in this process (a launch opens the store several times)."""
+    from mxlaunch.remote.s3 import client  # noqa: PLC0415 — boto3 is an extra
+
+    key = tuple(environ.get(k) for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
+                                         "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION"))
+    with _lock:
+        if key not in _clients:
+            _clients[key] = client(environ)
+        return _clients[key]
+
+
+def refusal(exc: BaseException, url: str) -> UsageError:
+    """boto3's errors as one line each (what is wrong — what to do)."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError  # noqa: PLC0415
+
+    if isinstance(exc, NoCredentialsError):
+        return UsageError(f"no S3 credentials for the artifact store {url}",
+                          "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, for the bucket's account")
+    if isinstance(exc, EndpointConnectionError):
+        return UsageError(f"cannot reach the S3 endpoint of the artifact store {url} ({exc})",
+                          "check AWS_ENDPOINT_URL and the network")
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in ("NoSuchBucket", "404"):
+            return UsageError(f"the bucket of the artifact store {url} does not exist",
+                              "check the bucket's name (and AWS_ENDPOINT_URL), or create the bucket")
+        if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
+            return UsageError(f"S3 refused the artifact store {url} ({code})",
+                              "use credentials that may list, read and write the prefix (AWS_PROFILE or AWS_ACCESS_KEY_ID)")
+        return UsageError(f"S3 answered {code or 'an error'} for the artifact store {url}", "check the URL and AWS_ENDPOINT_URL")
+    return UsageError(f"cannot use the artifact store {url} ({type(exc).__name__}: {exc})",
+                      "check the URL, the credentials and AWS_ENDPOINT_URL")
+
+
+def _missing(exc: BaseException) -> bool:
+    from botocore.exceptions import ClientError  # noqa: PLC0415
+
+    return isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code", "")) in ("NoSuchKey", "404")
+
+
+class S3Store(Store):
+    """An artifact store under s3://bucket/prefix (made by `Store(url)`; see the module docstring)."""
+
+    remote = True
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, coordinator: Optional[Coordinator] = None, *,
+                 environ: Mapping[str, str] = os.environ) -> None:
+        from mxlaunch.coord.s3 import S3Coordinator  # noqa: PLC0415 — one job per module
+
+        raw = root if root is not None else settings.artifact_path(environ)
+        self.bucket, self.prefix = parse_root(raw)
+        self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.root = mirror_root(self.bucket, self.prefix, environ)
+        self.s3 = _client(environ)
+        self._check_bucket(environ)
+        self.coordinator: Coordinator = coordinator if coordinator is not None else S3Coordinator(self)
+
+    def _check_bucket(self, environ: Mapping[str, str]) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError  # noqa: PLC0415
+
+        key = (environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL"), self.bucket, id(self.s3))
+        if key in _checked:
+            return
+        try:
+            self.s3.head_bucket(Bucket=self.bucket)
+        except (BotoCoreError, ClientError) as exc:
+            raise refusal(exc, self.url) from None
+        _checked.add(key)
+
+    # ---- keys and objects ----
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def path_of(self, key: str) -> Path:
+        """A key as the plan shows a snapshot's files: `s3:/bucket/key` (pathlib keeps one slash)."""
+        return Path(f"s3://{self.bucket}/{key}")
+
+    def key_of(self, path: object) -> str:
+        """The key of a path made by `path_of`."""
+        text = str(path)
+        head = f"s3:/{self.bucket}/"
+        if not text.startswith(head):
+            raise UsageError(f"{text} is not in the artifact store {self.url}", "plan the launch again")
+        return text[len(head):]
+
+    def folder(self, source_id: str) -> Path:
+        """The node-local folder of `source_id` (its capture's temp files); the snapshot itself is in the bucket."""
+        if not valid_id(source_id):
+            raise UsageError(f"{source_id!r} is not a valid source id", "use an id that `mxlaunch store list` shows")
+        return self.root / source_id
+
+    def get_object(self, key: str, limit: int = 64 << 20) -> Optional[tuple[bytes, str, float]]:
+        """(body, ETag, last modified epoch s), or None when there is no such object."""
+        try:
+            resp = self.s3.get_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:  # noqa: BLE001
+            if _missing(exc):
+                return None
+            raise
+        body = resp["Body"].read(limit + 1)
+        if len(body) > limit:
+            raise CheckFailed(f"s3://{self.bucket}/{key} is larger than {limit} bytes", "it is not mxlaunch's record")
+        return body, str(resp.get("ETag", "")), resp["LastModified"].timestamp()
+
+    def put_json(self, key: str, doc: dict, **condition: str) -> str:
+        resp = self.s3.put_object(Bucket=self.bucket, Key=key, Body=json.dumps(doc, indent=1).encode(),
+                                  ContentType="application/json", **condition)
+        return str(resp.get("ETag", ""))
+
+    def objects(self, prefix: str) -> Iterator[dict]:
+        """Every object under `prefix` (a key prefix, usually ending in '/')."""
+        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            yield from page.get("Contents", [])
+
+    def children(self, prefix: str) -> list[str]:
+        """The names one level below `prefix/` ('folders' of the key space)."""
+        base = prefix + "/" if prefix else ""
+        out = []
+        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+            out.extend(p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", []))
+        return out
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under `prefix` and abort its unfinished multipart uploads; the count deleted."""
+        keys = [o["Key"] for o in self.objects(prefix)]
+        for i in range(0, len(keys), 1000):
+            self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        self.abort_uploads(prefix)
+        return len(keys)
+
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort the multipart uploads under `prefix` (a killed upload's parts cost storage until then)."""
+        n = 0
+        for page in self.s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
+            for up in page.get("Uploads", []) or []:
+                try:
+                    self.s3.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    n += 1
+                except Exception as exc:  # noqa: BLE001
+                    if not _missing(exc) and "NoSuchUpload" not in str(exc):
+                        raise
+        return n
+
+    # ---- reading ----
+
+    def exists(self, source_id: str) -> bool:
+        self.folder(source_id)  # validates the id
+        return any(True for _ in self.objects(self.key(source_id) + "/"))
+
+    def _load(self, source_id: str) -> tuple[Optional[Snapshot], str]:
+        if not valid_id(source_id):
+            return None, f"{source_id!r} is not a valid source id"
+        got = self.get_object(self.key(source_id, MANIFEST))
+        if got is None:
+            if self.exists(source_id):
+                return None, f"snapshot {source_id} has no manifest (its capture never finished)"
+            return None, f"no snapshot for {source_id} in {self.url}"
+        try:
+            data = json.loads(got[0])
+        except UnicodeDecodeError:
+            return None, f"snapshot {source_id}: manifest.json is not UTF-8 JSON"
+        except ValueError as exc:
+            return None, f"snapshot {source_id}: manifest.json is not valid JSON ({str(exc).splitlines()[0]})"
+        why = _validate_manifest(data, source_id)
+        if why:
+            return None, f"snapshot {source_id}: {why}"
+        return Snapshot(source_id, self.path_of(self.key(source_id)), data), ""
+
+    def _sizes(self, source_id: str) -> dict[str, int]:
+        base = self.key(source_id) + "/"
+        return {o["Key"][len(base):]: int(o["Size"]) for o in self.objects(base)}
+
+    @staticmethod
+    def _check(sizes: dict[str, int], rel: str, size: int) -> Optional[str]:
+        if rel not in sizes:
+            return f"{rel} is missing"
+        if sizes[rel] != size:
+            return f"{rel} is {sizes[rel]} bytes, the manifest says {size}"
+        return None
+
+    def _lookup(self, source_id: str) -> LookupResult:
+        snap, why = self._load(source_id)
+        if snap is None:
+            return LookupResult(None, why)
+        sizes = self._sizes(source_id)
+        for entry in snap.manifest["ranks"]:
+            for f in entry["files"]:
+                problem = self._check(sizes, f["path"], f["bytes"])
+                if problem:
+                    return LookupResult(None, f"snapshot {source_id}: rank {entry['rank']}: {problem}")
+        return LookupResult(snap, "")
+
+    def verify(self, source_id: str, full: bool = True, threads: int = 8) -> VerifyReport:
+        """Every check of `lookup` for every file; `full` reads each object back and checks its xxh3_128."""
+        report = VerifyReport(source_id, ok=False, full=full)
+        snap, why = self._load(source_id)
+        if snap is None:
+            report.problems.append(why)
+            return report
+        sizes = self._sizes(source_id)
+        to_hash: list[tuple[str, str]] = []
+        for entry in snap.manifest["ranks"]:
+            for f in entry["files"]:
+                report.files += 1
+                report.bytes += f["bytes"]
+                problem = self._check(sizes, f["path"], f["bytes"])
+                if problem:
+                    report.problems.append(f"rank {entry['rank']}: {problem}")
+                elif full:
+                    to_hash.append((f["path"], f["xxh3_128"]))
+
+        def check(item: tuple[str, str]) -> Optional[str]:
+            rel, want = item
+            digest = xxhash.xxh3_128()
+            body = self.s3.get_object(Bucket=self.bucket, Key=self.key(source_id, rel))["Body"]
+            for block in body.iter_chunks(8 << 20):
+                digest.update(block)
+            got = digest.hexdigest()
+            return None if got == want else f"{rel}: checksum {got} does not match the manifest's {want}"
+
+        if to_hash:
+            with ThreadPoolExecutor(max_workers=max(1, min(threads, len(to_hash)))) as pool:
+                report.problems.extend(p for p in pool.map(check, to_hash) if p)
+        report.ok = not report.problems
+        return report
+
+    def list(self) -> list[StoreEntry]:  # noqa: A003 — Store's name
+        """Every snapshot under the prefix with its status (ok / claimed / incomplete / refused)."""
+        entries = []
+        for sid in sorted(self.children(self.prefix)):
+            if sid.startswith(".") or sid == "kernel-cache" or not valid_id(sid):
+                continue
+            objs = list(self.objects(self.key(sid) + "/"))
+            manifest_obj = next((o for o in objs if o["Key"] == self.key(sid, MANIFEST)), None)
+            found, why = self.lookup(sid)
+            holder = self._holder(sid)
+            if found:
+                status, size, manifest = "ok", found.total_bytes, found.manifest
+            else:
+                snap, _ = self._load(sid)
+                manifest = snap.manifest if snap else None
+                status = "claimed" if holder else ("refused" if manifest_obj is not None else "incomplete")
+                size = sum(int(o["Size"]) for o in objs)
+            used = manifest_obj["LastModified"].timestamp() if manifest_obj is not None else None
+            entries.append(StoreEntry(sid, status, why, size, manifest, holder, used))
+        return entries
+
+    def stage_job(self, items: list, dest: Path, **kw: Any) -> Any:
+        """A job that stages `items` (their `src`: `path_of` keys) into `dest` (staging/s3_stage.py)."""
+        from mxlaunch.staging.s3_stage import S3StageJob  # noqa: PLC0415
+
+        return S3StageJob(self, items, dest, **kw)
+
+    # ---- writing ----
+
+    def capture_spool(self, run_id: str) -> Optional[Path]:
+        return self.root / ".spool" / run_id
+
+    def begin_capture(self, source_id: str, meta: SnapshotMeta, *, nranks: int, nnodes: int = 1, node_rank: int = 0,
+                      ranks: Optional[Iterable[int]] = None, capture_id: Optional[str] = None) -> Any:
+        """This node's part of a capture: written node-locally, uploaded by `S3CaptureWriter.upload_copy`."""
+        from mxlaunch.store.s3_capture import S3CaptureWriter  # noqa: PLC0415
+
+        folder = self.folder(source_id)
+        if nranks < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or nranks % nnodes and ranks is None:
+            raise UsageError(f"cannot split {nranks} ranks over {nnodes} nodes for node {node_rank}",
+                             "pass the node's ranks explicitly")
+        if ranks is None:
+            per = nranks // nnodes
+            ranks = range(node_rank * per, (node_rank + 1) * per)
+        my_ranks = sorted(set(ranks))
+        if not my_ranks or my_ranks[0] < 0 or my_ranks[-1] >= nranks:
+            raise UsageError(f"node {node_rank}: ranks {my_ranks} are not within 0..{nranks - 1}", "check the plan")
+        capture_id = capture_id or new_capture_id()
+        if not valid_id(capture_id):
+            raise UsageError(f"{capture_id!r} is not a valid capture id", "use letters, digits, '.', '_', '-'")
+        if self._published_capture(source_id) is not None:
+            raise CheckFailed(f"snapshot {source_id} is already published", "look it up instead of capturing")
+        tmp = ensure_dir(folder) / f".tmp-{capture_id}" / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        writer = S3CaptureWriter(self, source_id, meta, nranks, nnodes, node_rank, my_ranks, capture_id, tmp)
+        for rank in my_ranks:
+            writer.rank_dir(rank)
+        return writer
+
+    def write_marker(self, source_id: str, capture_id: str, name: str, doc: dict) -> None:
+        self.put_json(self.key(source_id, f".nodes-{capture_id}", name), doc)
+
+    def _markers(self, source_id: str, capture_id: str) -> tuple[Optional[list[str]], list[str]]:
+        names = [n for n in self.children_names(self.key(source_id, f".nodes-{capture_id}"))]
+        if not names:
+            return None, []
+        return [n for n in names if _DONE.match(n)], [n for n in names if _FAILED.match(n)]
+
+    def children_names(self, prefix: str) -> list[str]:
+        """The object names directly below `prefix/`."""
+        base = prefix + "/"
+        return sorted(o["Key"][len(base):] for o in self.objects(base) if "/" not in o["Key"][len(base):])
+
+    def try_publish(self, source_id: str, capture_id: str, meta: SnapshotMeta, nranks: int, nnodes: int) -> bool:
+        """Publish the manifest (PUT If-None-Match: *) once every node's marker is in; True only for the winner."""
+        names, failed = self._markers(source_id, capture_id)
+        if names is None or failed:
+            return False
+        ranks: dict[int, list[dict[str, Any]]] = {}
+        nodes = set()
+        for name in names:
+            got = self.get_object(self.key(source_id, f".nodes-{capture_id}", name), limit=16 << 20)
+            if got is None:
+                return False
+            try:
+                marker = json.loads(got[0])
+            except ValueError:
+                return False
+            if not isinstance(marker, dict) or marker.get("capture_id") != capture_id:
+                continue
+            nodes.add(marker.get("node_rank"))
+            try:
+                for r in marker["ranks"]:
+                    if r["rank"] in ranks:
+                        raise CheckFailed(f"capture {capture_id} of {source_id}: rank {r['rank']} was written by "
+                                          "two nodes", "give each node its own ranks")
+                    ranks[r["rank"]] = r["files"]
+            except (KeyError, TypeError):
+                return False
+        if len(nodes) < nnodes or set(ranks) != set(range(nranks)):
+            return False
+        manifest = build_manifest(source_id, capture_id, meta, nranks, nnodes, ranks)
+        why = _validate_manifest(manifest, source_id)
+        if why:
+            raise CheckFailed(f"capture {capture_id} of {source_id} cannot be published: {why}", "capture it again")
+        from mxlaunch.coord.s3 import _race_lost  # noqa: PLC0415
+
+        try:
+            self.put_json(self.key(source_id, MANIFEST), manifest, IfNoneMatch="*")
+        except Exception as exc:  # noqa: BLE001
+            if not _race_lost(exc):
+                raise
+            if self._published_capture(source_id) not in (None, "?", capture_id):
+                self.delete_prefix(self.key(source_id, f"data-{capture_id}") + "/")  # another capture won
+                self.delete_prefix(self.key(source_id, f".nodes-{capture_id}") + "/")
+            return False
+        self.delete_prefix(self.key(source_id, f".nodes-{capture_id}") + "/")
+        return True
+
+    def pending(self, source_id: str, capture_id: str) -> PendingCapture:
+        done, failed = self._markers(source_id, capture_id)
+        out = PendingCapture(done={int(n.split(".")[0]) for n in done or []})
+        for name in failed:
+            try:
+                got = self.get_object(self.key(source_id, f".nodes-{capture_id}", name), limit=1 << 20)
+                data = json.loads(got[0]) if got else {}
+                reason = str(data.get("reason", "no reason given")) if isinstance(data, dict) else "no reason given"
+            except (ValueError, CheckFailed):
+                reason = "its marker cannot be read"
+            out.failed[int(name.split(".")[0])] = reason
+        return out
+
+    def mark_node_failed(self, source_id: str, capture_id: str, node_rank: int, reason: str) -> None:
+        self.write_marker(source_id, capture_id, f"{node_rank}.failed.json",
+                          {"schema": 1, "capture_id": capture_id, "node_rank": node_rank,
+                           "host": socket.gethostname(), "reason": reason})
+
+    def discard_capture(self, source_id: str, capture_id: str) -> bool:
+        """Remove an unpublished capture: its markers first (no publisher finds a complete set any more), then
+        its data objects and unfinished uploads, and this node's local temp folder."""
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(self.folder(source_id) / f".tmp-{capture_id}", ignore_errors=True)
+        published = self._published_capture(source_id)
+        if published is not None and published in (capture_id, "?"):
+            return False
+        n = self.delete_prefix(self.key(source_id, f".nodes-{capture_id}") + "/")
+        n += self.delete_prefix(self.key(source_id, f"data-{capture_id}") + "/")
+        return n > 0
+
+    def reap_captures(self, source_id: str, keep: str) -> list[str]:
+        """Discard every unpublished capture of `source_id` but `keep` (call it holding the claim)."""
+        published = self._published_capture(source_id)
+        if published == "?":
+            return []
+        ids = self.capture_ids(source_id)
+        return sorted(cid for cid in ids - {keep, published} if self.discard_capture(source_id, cid))
+
+    def capture_ids(self, source_id: str) -> set[str]:
+        """The capture ids of the parts under `source_id` (data-, .nodes- and unfinished uploads)."""
+        base = self.key(source_id) + "/"
+        names = self.children(self.key(source_id))
+        for page in self.s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base):
+            names.extend(u["Key"][len(base):].split("/")[0] for u in page.get("Uploads", []) or [])
+        return capture_ids(names)
+
+    def _published_capture(self, source_id: str) -> Optional[str]:
+        try:
+            got = self.get_object(self.key(source_id, MANIFEST))
+        except CheckFailed:
+            return "?"
+        if got is None:
+            return None
+        try:
+            data = json.loads(got[0])
+        except ValueError:
+            return "?"
+        cid = data.get("capture_id") if isinstance(data, dict) else None
+        return cid if isinstance(cid, str) else "?"
+
+    def remove(self, source_id: str, force: bool = False) -> None:
+        """Remove a snapshot: its manifest first (gone at once for planners), then every object under it."""
+        if not self.exists(source_id):
+            raise UsageError(f"no snapshot {source_id} in {self.url}", "see `mxlaunch store list`")
+        holder = self._holder(source_id)
+        if holder is not None and not force:
+            raise CheckFailed(f"snapshot {source_id} is claimed by {holder.describe()}",
+                              "wait for the capture to finish, or pass --force")
+        self.s3.delete_object(Bucket=self.bucket, Key=self.key(source_id, MANIFEST))
+        self.delete_prefix(self.key(source_id) + "/")
+
+    def _holder(self, source_id: str) -> Optional[ClaimInfo]:
+        try:
+            return self.coordinator.holder(source_id)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def total_bytes(self) -> int:
+        return sum(int(o["Size"]) for o in self.objects(self.prefix + "/" if self.prefix else ""))
+
+    def prune(self, *, unused_for: Optional[float] = None, max_bytes: Optional[int] = None,
+              dry_run: bool = False, now: Optional[float] = None) -> Any:
+        """`store prune` on the bucket (store/s3_prune.py)."""
+        from mxlaunch.store.s3_prune import prune  # noqa: PLC0415
+
+        return prune(self, unused_for=unused_for, max_bytes=max_bytes, dry_run=dry_run, now=now)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r})"
+
