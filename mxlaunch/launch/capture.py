@@ -258,7 +258,8 @@ class CaptureSession:
                     items.append(UploadItem(rank, str(inner), path, dest / inner, path.stat().st_size))
         except (OSError, MxlaunchError) as exc:
             return self._upload_failed(getattr(exc, "message", None) or str(exc))
-        self.upload = UploadJob(items, copy=self.copy or copy_file).start()
+        upload = getattr(self.writer, "upload_copy", None)  # an S3 store's writer uploads into the bucket
+        self.upload = UploadJob(items, copy=self.copy or upload or copy_file).start()
         self._next_progress = time.monotonic() + PROGRESS_S
         self.emit("upload", ranks=self.part.ranks, bytes=self.upload.total_bytes, files=len(items),
                   source=str(self.local_root),
@@ -295,7 +296,7 @@ class CaptureSession:
         self._node_done(recorded=True)
 
     def _upload_failed(self, why: str) -> None:
-        root = self.store.root
+        root = getattr(self.store, "url", self.store.root)
         self._give_up(f"uploading snapshot rank(s) {self.part.ranks} from /dev/shm into the store failed: {why}",
                       fix=f"check free space, quota and permissions on {root} (or set MXLAUNCH_CAPTURE_VIA_SHM=off "
                           "to write straight into the store)")

@@ -235,7 +235,7 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
         snapshot_ranks = sorted({r["snapshot_rank"] for r in ranks})
         files = [f for f in found.snapshot.files_for_ranks(snapshot_ranks)
                  if fmt in SHARED_FOLDER_FORMATS or Path(f.path).suffix == ".safetensors"]
-        return plan("staged", f"snapshot {sid} found in {store.root}", files, found.snapshot.folder)
+        return plan("staged", f"snapshot {sid} found in {getattr(store, 'url', store.root)}", files, found.snapshot.folder)
     if opts.strategy == "staged":
         return plan("default", f"no usable snapshot: {found.reason}")
     if (store.root / sid / "manifest.json").exists():  # published but refused: never capture over it

@@ -103,8 +103,9 @@ class Launcher(Stopping):
         if self.plan.strategy == "capture":
             self.store = self.store or Store(self.opts.artifact_path)
             via_shm = self.plan.capture_via == "shm"  # make_plan decided (launch/capture_route.py)
+            # an S3 store takes no writes in place: without room in /dev/shm the capture goes to a node-local spool
             self.capture = CaptureSession(self.store, self.plan, self.emit,
-                                          local_root=self.shm_dir / "capture" if via_shm else None,
+                                          local_root=self.shm_dir / "capture" if via_shm else self.store.capture_spool(self.run_id),
                                           upload_at_once=self.opts.capture_only)
             why_not = self.capture.start()
             if why_not is not None:
@@ -166,6 +167,12 @@ class Launcher(Stopping):
             items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
             expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
+        store = self.store or Store(self.opts.artifact_path)
+        if getattr(store, "remote", False):  # an S3 store: parallel ranged GETs into /dev/shm (staging/s3_stage.py)
+            job = store.stage_job(items, self.shm_dir / "stage", expected=expected, reserve_bytes=reserve).start()
+            self.stage_job = job
+            self._watch_stage(job)
+            return
         readers = self.opts.readers or default_readers()
         from mxlaunch.staging.lustre import layouts_of
         from mxlaunch.staging.schedule import readers_for_layouts
@@ -177,6 +184,10 @@ class Launcher(Stopping):
                        per_file=default_per_file(readers), reserve_bytes=reserve, layouts=layouts)
         job.start()
         self.stage_job = job
+        self._watch_stage(job)
+
+    def _watch_stage(self, job: Any) -> None:
+        """Report the stage's end; a failure sends the engine to its default loader (the abort marker)."""
 
         def watch() -> None:
             try:

@@ -352,3 +352,19 @@ def test_a_wrong_checksum_fails_the_stage_and_leaves_nothing(env: dict[str, str]
     assert not dest.exists() or not any(dest.rglob("*"))
     with pytest.raises(UsageError):  # S3's own paths stay inside the store
         store.key_of("/elsewhere/x")
+
+
+@pytest.mark.parametrize("case", ["no-such-bucket", "no-credentials"])
+def test_a_launch_on_a_bad_s3_store_is_one_line_exit_2(env: dict[str, str], tmp_path: Path, case: str) -> None:
+    import sys
+
+    from tests.helpers.tiny_model import cached_model
+
+    model = cached_model(tmp_path / "models")
+    url = "s3://no-such-bucket/p" if case == "no-such-bucket" else f"s3://{BUCKET}/p"
+    if case == "no-credentials":
+        env = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    result = run_cli("launch", "--dry-run", "--artifact-path", url, "--", sys.executable, "-m",
+                     "vllm.entrypoints.openai.api_server", "--model", str(model), env=env)
+    line = one_line_error(result)
+    assert result.returncode == 2 and ("does not exist" if case == "no-such-bucket" else "AWS_ACCESS_KEY_ID") in line, line
