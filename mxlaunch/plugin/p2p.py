@@ -223,9 +223,11 @@ def _ipc_pull(rec: Any, pairs: Sequence[Any], skipped: list[str]) -> Any:
     from mxlaunch.transfer import cuda_ipc
 
     allocations = rec.extra.get("cuda_ipc")
-    if not allocations or not settings.p2p_cuda_ipc() or not rec.boot_id or rec.boot_id != boot_id():
-        return None
-    if any(p.local_kind != "cuda" for p in pairs):
+    if not settings.p2p_cuda_ipc() or not rec.boot_id or rec.boot_id != boot_id() or any(p.local_kind != "cuda" for p in pairs):
+        return None  # off, another host, or host memory: NIXL is the way, nothing to say
+    if not allocations:
+        why = rec.extra.get("cuda_ipc_why") or "it names no reason (an older mxlaunch, or MXLAUNCH_CUDA_IPC=0 there)"
+        skipped.append(f"{rec.worker}: exported no CUDA IPC handles: {why} (pulled over NIXL instead)")
         return None
     try:
         return cuda_ipc.pull(allocations, pairs, torch.cuda.current_stream().cuda_stream)
@@ -310,8 +312,8 @@ def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any,
         allocations, why = cuda_ipc.export_regions(regions)
         if allocations:
             extra["cuda_ipc"] = allocations  # same-host targets copy out of these (transfer/cuda_ipc.py)
-        else:
-            log.info("mxlaunch: P2P source exports no CUDA IPC handles (%s): same-host targets pull over NIXL", why)
+        else:  # said in the record: the target's "passed over" and the source's own line name it
+            extra["cuda_ipc_why"] = why[:300]
     record = local_record(source_id, rank, world, layout=layout, worker=a.name, run_id=run_id, device=device,
                           agent_metadata=a.metadata(), tensors=entries, extra=extra)
     publication = registry.publish(record, ttl_s=ttl_s)

@@ -247,7 +247,8 @@ class RankLoad:
         return Outcome("p2p", r.bytes, r.seconds, self.plan,
                        {"source": r.source, "source_host": r.host, "transport": r.transport, "transfer_seconds": round(r.transfer_seconds, 4),
                         "register_seconds": round(r.register_seconds, 4), "registrations": r.registrations,
-                        "tensors": r.tensors, "phases": r.phases, "prepared": prepared})
+                        "tensors": r.tensors, "phases": r.phases, "prepared": prepared,
+                        **({"passed_over": r.skipped} if r.skipped else {})})
 
     def serve(self) -> None:
         """After the loaded marker: publish this worker as a P2P source (never raises)."""
@@ -271,9 +272,12 @@ class RankLoad:
             pub = p2p.serve(what, registry=open_registry(p["registry"], None), source_id=self.plan.source_id,
                             rank=self.rank % p["world"], world=p["world"], layout=p["layout"], run_id=p["run_id"])
             extra = pub.record.extra
+            ipc = (f"CUDA IPC handles for {len(extra['cuda_ipc'])} allocation(s)" if extra.get("cuda_ipc") else
+                   f"no CUDA IPC handles ({extra['cuda_ipc_why']})" if extra.get("cuda_ipc_why") else "NIXL only")
             self.log.info("mxlaunch: rank %d serves %s GiB (%s layout) over P2P as %s: %d region(s) registered in "
-                          "%.3f s, checksums in %.3f s", self.rank, gib(extra.get("bytes", 0)), p["layout"], pub.record.worker,
-                          extra.get("regions", 0), extra.get("register_seconds", 0.0), extra.get("digest_seconds", 0.0))
+                          "%.3f s, checksums in %.3f s; %s", self.rank, gib(extra.get("bytes", 0)), p["layout"],
+                          pub.record.worker, extra.get("regions", 0), extra.get("register_seconds", 0.0),
+                          extra.get("digest_seconds", 0.0), ipc)
         except Exception as exc:  # noqa: BLE001
             self.log.warning("mxlaunch: rank %d could not become a P2P source: %s", self.rank, exc)
 

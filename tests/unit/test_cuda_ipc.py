@@ -160,9 +160,21 @@ def test_the_ipc_pull_is_chosen_only_for_gpu_memory_of_a_source_on_this_boot(cas
     rec = record("another-boot" if case == "other boot" else here, None if case == "no handles" else allocations)
     if case == "turned off":
         monkeypatch.setenv("MXLAUNCH_CUDA_IPC", "0")
-    called = []
+    called, skipped = [], []
     monkeypatch.setattr(cuda_ipc, "pull", lambda *a, **k: called.append(a))
-    assert p2p._ipc_pull(rec, pairs, []) is None and not called
+    assert p2p._ipc_pull(rec, pairs, skipped) is None and not called
+    # only a same-host GPU source that exported nothing is worth a word (its reason, from its record)
+    assert bool(skipped) == (case == "no handles") and all("exported no CUDA IPC handles" in s for s in skipped)
+
+
+def test_a_source_that_exports_no_handles_says_why_in_its_record(monkeypatch) -> None:
+    rec = record(p2p.boot_id(), None)
+    rec.extra["cuda_ipc_why"] = "region at 0x1000 runs 64 bytes past its allocation"
+    skipped: list[str] = []
+    pair = Pair("a", 0x50000, 0x1000, 64, 0, 0, "cuda", "cuda")
+    assert p2p._ipc_pull(rec, [pair], skipped) is None
+    assert skipped == ["src-1: exported no CUDA IPC handles: region at 0x1000 runs 64 bytes past its allocation "
+                       "(pulled over NIXL instead)"]
 
 
 def test_a_same_host_source_whose_memory_cannot_be_opened_is_pulled_over_nixl_and_says_why(monkeypatch) -> None:
