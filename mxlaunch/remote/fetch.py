@@ -23,7 +23,7 @@ import xxhash
 from mxlaunch.errors import CheckFailed, MxlaunchError
 from mxlaunch.fileutil import read_json, write_json_atomic
 from mxlaunch.remote import hub
-from mxlaunch.remote.ranged import CHUNK, WORKERS, Target, download
+from mxlaunch.remote.ranged import CHUNK, WORKERS, Target, check_room, download
 from mxlaunch.store.core import Store
 
 CLAIM_TTL_S = 60.0
@@ -115,10 +115,6 @@ def _download(client: httpx.Client, cache: Path, rev: hub.HubRevision, progress_
               workers: int, chunk: int, on_bytes: Callable[[int, int], None], cancelled: Callable[[], bool]) -> int:
     todo = hub.missing(cache, rev)
     total = sum(f.size for f in todo)
-    emit("download", status="start", repo=rev.repo, commit=rev.commit, files=len(todo), bytes=total,
-         endpoint=rev.endpoint, cache=str(cache),
-         message=f"downloading {len(todo)} file(s) of {rev.repo}@{rev.commit[:12]} ({total / (1 << 30):.2f} GiB) "
-                 f"with {workers} parallel ranged GETs; other launchers on this store wait for it")
     blobs: dict[str, hub.HubFile] = {}
     for f in todo:
         blobs.setdefault(f.blob, f)  # two paths with the same content: one blob
@@ -147,6 +143,11 @@ def _download(client: httpx.Client, cache: Path, rev: hub.HubRevision, progress_
 
     targets = [Target(rev.url(f), hub.blob_path(cache, rev.repo, f), f.size, check_for(f))
                for f in blobs.values() if not _blob_ok(cache, rev.repo, f)]
+    check_room(targets, chunk)  # before a word of it: a disk without room is the one line
+    emit("download", status="start", repo=rev.repo, commit=rev.commit, files=len(todo), bytes=total,
+         endpoint=rev.endpoint, cache=str(cache),
+         message=f"downloading {len(todo)} file(s) of {rev.repo}@{rev.commit[:12]} ({total / (1 << 30):.2f} GiB) "
+                 f"with {workers} parallel ranged GETs; other launchers on this store wait for it")
     try:
         got = download(client, targets, chunk=chunk, workers=workers, progress=progress, cancelled=cancelled)
     finally:

@@ -5,10 +5,15 @@ A file appears under its final name only once every chunk is in and its hash mat
 `<dest>.incomplete`, with `<dest>.incomplete.chunks` listing the chunks already written, so that an
 interrupted download (a killed launcher, a dropped connection) resumes where it stopped. A chunk that
 fails is tried again (`TRIES` times) before the download fails.
+
+Disk space is checked before the first byte (what is still to come against what the filesystem has free, per
+filesystem), and a disk that fills up during the download anyway (someone else wrote to it) ends it with one
+line; then this download's `.incomplete` files are removed, since keeping them would hold the space it lacks.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
@@ -74,6 +79,37 @@ def _record(t: Target, chunk: int) -> None:
     os.replace(tmp, t.chunks_file)
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def check_room(targets: list[Target], chunk: int = CHUNK) -> None:
+    """CheckFailed when a filesystem has less free than the bytes still to come into it (resumed chunks are
+    there already). Callers run it before they announce a download; `download` runs it again."""
+    need: dict[int, list] = {}  # st_dev → [folder, bytes still to come]
+    for t in targets:
+        t.dest.parent.mkdir(parents=True, exist_ok=True)
+        done = _resume(t, chunk)
+        todo = t.size - sum(min(chunk, t.size - i * chunk) for i in done)
+        need.setdefault(os.stat(t.dest.parent).st_dev, [t.dest.parent, 0])[1] += todo
+    for folder, todo in need.values():
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize
+        if todo > free:
+            raise CheckFailed(f"not enough disk space in {folder}: the download needs {_size(todo)} more, "
+                              f"{_size(free)} is free", "free space there, or point HF_HUB_CACHE / --artifact-path "
+                              "at a filesystem with room")
+
+
+def _discard(targets: list[Target]) -> None:
+    for t in targets:
+        for gone in (t.partial, t.chunks_file, t.chunks_file.with_name(t.chunks_file.name + ".tmp")):
+            gone.unlink(missing_ok=True)
+
+
 def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK, workers: int = WORKERS,
              progress: Callable[[int], None] = lambda n: None, cancelled: Callable[[], bool] = lambda: False) -> int:
     """Fetch every target; returns the bytes fetched now (resumed chunks are not fetched again). Raises
@@ -86,11 +122,13 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
         for t in targets:
             t.dest.parent.mkdir(parents=True, exist_ok=True)
             t._done = _resume(t, chunk)
-            if t._done:
-                progress(sum(min(chunk, t.size - i * chunk) for i in t._done))
-            else:
+            if not t._done:
                 for stale in (t.partial, t.chunks_file):
                     stale.unlink(missing_ok=True)
+        check_room(targets, chunk)
+        for t in targets:
+            if t._done:
+                progress(sum(min(chunk, t.size - i * chunk) for i in t._done))
             fd = os.open(t.partial, os.O_WRONLY | os.O_CREAT, 0o644)
             os.ftruncate(fd, t.size)
             fds[t.dest] = fd
@@ -124,6 +162,16 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
         for th in threads:
             th.join()
         if errors:
+            full = next((e for e in errors if isinstance(e, OSError) and e.errno in FULL), None)
+            if full is not None:
+                for fd in fds.values():
+                    os.close(fd)
+                fds.clear()
+                _discard(targets)
+                folder = targets[0].dest.parent
+                raise CheckFailed(f"the disk under {folder} filled up during the download ({os.strerror(full.errno)}); "
+                                  "its partial files were removed", "free space there, or point HF_HUB_CACHE / "
+                                  "--artifact-path at a filesystem with room, and run it again")
             raise errors[0]
         for t in targets:
             os.close(fds.pop(t.dest))

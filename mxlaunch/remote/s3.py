@@ -38,7 +38,7 @@ import xxhash
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.fileutil import write_json_atomic
 from mxlaunch.remote.fetch import DOWNLOADS, Emit, Fetched, once_per_store
-from mxlaunch.remote.ranged import CHUNK, WORKERS, Target, download
+from mxlaunch.remote.ranged import CHUNK, WORKERS, Target, check_room, download
 from mxlaunch.store.core import Store
 
 SCHEME = "s3://"
@@ -216,10 +216,6 @@ def _download(s3: Any, model: S3Model, folder: Path, url: str, progress_file: Pa
               chunk: int, on_bytes: Callable[[int, int], None], cancelled: Callable[[], bool]) -> int:
     total = model.total_bytes
     size_only = model.checked_by_size_only
-    emit("download", status="start", model=url, version=model.version, files=len(model.files), bytes=total,
-         dir=str(folder), message=f"downloading {len(model.files)} file(s) of {url} ({total / (1 << 30):.2f} GiB) "
-         f"with {workers} parallel ranged GETs; other launchers on this store wait for it"
-         + (f"; {size_only} file(s) checked by size only (the bucket gives no content hash for them)" if size_only else ""))
     done, last, t0, lock = [0], [0.0], time.monotonic(), threading.Lock()
 
     def progress(n: int) -> None:  # called from every download worker
@@ -242,6 +238,11 @@ def _download(s3: Any, model: S3Model, folder: Path, url: str, progress_file: Pa
         targets.append(Target(signed, dest, f.size, f.check,
                               refused_fix="check the credentials' read access to the bucket (or AWS_ENDPOINT_URL), "
                                           "then run the launch again: it resumes"))
+    check_room(targets, chunk)  # before a word of it: a disk without room is the one line
+    emit("download", status="start", model=url, version=model.version, files=len(model.files), bytes=total,
+         dir=str(folder), message=f"downloading {len(model.files)} file(s) of {url} ({total / (1 << 30):.2f} GiB) "
+         f"with {workers} parallel ranged GETs; other launchers on this store wait for it"
+         + (f"; {size_only} file(s) checked by size only (the bucket gives no content hash for them)" if size_only else ""))
     with httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0),
                       limits=httpx.Limits(max_connections=workers + 2, max_keepalive_connections=workers + 2)) as http:
         try:

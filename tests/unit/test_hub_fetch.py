@@ -201,3 +201,56 @@ def test_a_launch_leaves_what_it_should_to_the_engine(server: HubServer, tmp_pat
     assert server.requests == []
     got = download_for_command(serve, store, events()[1], environ=env_for(server, cache))
     assert got is not None and got.by == "here"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real filesystem of 3 MiB (tmpfs): a full disk without filling the machine's."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_disk_without_room_is_one_line_before_any_byte_and_leaves_nothing(server: HubServer, small_disk: Path,
+                                                                           tmp_path: Path) -> None:
+    (small_disk / "ballast").write_bytes(b"\0" * (2 << 20))  # 1 MiB left: less than the tiny model
+    cache = small_disk / "hub"
+    result = run_cli("pull", "org/tiny", "--artifact-path", str(tmp_path / "store"), env=env_for(server, cache))
+    line = one_line_error(result)
+    assert result.returncode == 1 and "not enough disk space" in line and "HF_HUB_CACHE" in line, result.stderr
+    assert not server.bytes_served.get("model.safetensors") and not list(cache.rglob("*.incomplete*"))
+
+
+def test_a_disk_that_fills_up_mid_download_ends_it_in_one_line_and_frees_its_partial_files(
+        server: HubServer, small_disk: Path, tmp_path: Path) -> None:
+    """Room at the start; another writer takes it after the first chunk: ENOSPC, named, nothing half-written left."""
+    import httpx
+
+    from mxlaunch.remote.ranged import Target, download
+
+    url = f"{server.url}/org/tiny/resolve/main/model.safetensors"
+    with httpx.Client() as client:
+        size = int(client.head(url, follow_redirects=True).headers["content-length"])
+    assert size > 4 * CHUNK and size < (2 << 20), size
+    dest = small_disk / "dl" / "model.safetensors"
+    filled: list[int] = []
+
+    def progress(n: int) -> None:  # the first bytes in: someone else fills the disk
+        if n > 0 and not filled:
+            with open(small_disk / "other-writer", "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (64 << 10))
+                except OSError:
+                    filled.append(1)
+
+    with httpx.Client(follow_redirects=True) as client, pytest.raises(CheckFailed) as full:
+        download(client, [Target(url, dest, size, lambda p: None)], chunk=CHUNK, workers=1, progress=progress)
+    assert filled and "filled up during the download" in str(full.value) and "HF_HUB_CACHE" in full.value.one_line()
+    assert not dest.exists() and not list(dest.parent.glob("*.incomplete*"))
