@@ -111,13 +111,33 @@ def _discard(targets: list[Target]) -> None:
 
 
 def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK, workers: int = WORKERS,
-             progress: Callable[[int], None] = lambda n: None, cancelled: Callable[[], bool] = lambda: False) -> int:
-    """Fetch every target; returns the bytes fetched now (resumed chunks are not fetched again). Raises
-    CheckFailed (a chunk that kept failing, a file whose hash is wrong: that file is removed) or
-    DownloadCancelled."""
+             progress: Callable[[int], None] = lambda n: None, cancelled: Callable[[], bool] = lambda: False,
+             on_file: Callable[[Target], None] = lambda t: None) -> int:
+    """Fetch every target; returns the bytes fetched now (resumed chunks are not fetched again). Chunks are
+    fetched in the targets' order, and each file is checked and renamed in as soon as its last chunk is in
+    (`on_file` is told), so a reader can take the first files while the rest arrive. Raises CheckFailed (a
+    chunk that kept failing, a file whose hash is wrong: that file is removed) or DownloadCancelled."""
     tasks: "queue.Queue[tuple[Target, int]]" = queue.Queue()
     fds: dict[Path, int] = {}
+    fds_lock = threading.Lock()
     fetched = 0
+
+    def finish(t: Target) -> None:
+        """Every chunk of `t` is in: check it, then rename it in."""
+        with fds_lock:
+            fd = fds.pop(t.dest, None)
+        if fd is not None:
+            os.close(fd)
+        wrong = t.check(t.partial)
+        if wrong is not None:
+            for gone in (t.partial, t.chunks_file):
+                gone.unlink(missing_ok=True)
+            raise CheckFailed(f"{_shown(t.url)} arrived wrong ({wrong}); it was removed",
+                              "run the launch again: it downloads the file anew")
+        os.replace(t.partial, t.dest)
+        t.chunks_file.unlink(missing_ok=True)
+        on_file(t)
+
     try:
         for t in targets:
             t.dest.parent.mkdir(parents=True, exist_ok=True)
@@ -126,15 +146,20 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
                 for stale in (t.partial, t.chunks_file):
                     stale.unlink(missing_ok=True)
         check_room(targets, chunk)
+        whole: list[Target] = []  # resumed with every chunk in
         for t in targets:
             if t._done:
                 progress(sum(min(chunk, t.size - i * chunk) for i in t._done))
             fd = os.open(t.partial, os.O_WRONLY | os.O_CREAT, 0o644)
             os.ftruncate(fd, t.size)
             fds[t.dest] = fd
-            for i in range(t.nchunks(chunk)):
-                if i not in t._done:
-                    tasks.put((t, i))
+            todo = [i for i in range(t.nchunks(chunk)) if i not in t._done]
+            for i in todo:
+                tasks.put((t, i))
+            if not todo:
+                whole.append(t)
+        for t in whole:
+            finish(t)
         errors: list[BaseException] = []
         count_lock = threading.Lock()
 
@@ -150,8 +175,11 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
                     with t._lock:
                         t._done.add(i)
                         _record(t, chunk)
+                        last = len(t._done) == t.nchunks(chunk)
                     with count_lock:
                         fetched += n
+                    if last:
+                        finish(t)
                 except BaseException as exc:  # noqa: BLE001 — the first error stops every worker
                     errors.append(exc)
 
@@ -164,29 +192,21 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
         if errors:
             full = next((e for e in errors if isinstance(e, OSError) and e.errno in FULL), None)
             if full is not None:
-                for fd in fds.values():
-                    os.close(fd)
-                fds.clear()
+                with fds_lock:
+                    for fd in fds.values():
+                        os.close(fd)
+                    fds.clear()
                 _discard(targets)
                 folder = targets[0].dest.parent
                 raise CheckFailed(f"the disk under {folder} filled up during the download ({os.strerror(full.errno)}); "
                                   "its partial files were removed", "free space there, or point HF_HUB_CACHE / "
                                   "--artifact-path at a filesystem with room, and run it again")
             raise errors[0]
-        for t in targets:
-            os.close(fds.pop(t.dest))
-            wrong = t.check(t.partial)
-            if wrong is not None:
-                for gone in (t.partial, t.chunks_file):
-                    gone.unlink(missing_ok=True)
-                raise CheckFailed(f"{_shown(t.url)} arrived wrong ({wrong}); it was removed",
-                                  "run the launch again: it downloads the file anew")
-            os.replace(t.partial, t.dest)
-            t.chunks_file.unlink(missing_ok=True)
         return fetched
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        with fds_lock:
+            for fd in fds.values():
+                os.close(fd)
 
 
 def _fetch_chunk(client: httpx.Client, t: Target, i: int, chunk: int, fd: int,

@@ -4,8 +4,9 @@ The launcher's staged restore with `--artifact-path s3://…` (store/s3_store.py
 per object and remote/ranged.py fetches it in chunks over `workers` connections, written in place into
 `<dest>.incomplete`; the file is checked against the manifest (size, then xxh3-128 of the bytes in
 /dev/shm) and only then renamed to its final name — the in-engine loader's per-file readiness works as
-with a local store. Files go one after the other, in rank order, each with every connection (the first
-rank's files are whole soonest). A dropped connection is retried per chunk (ranged.TRIES); a chunk that
+with a local store. One pool of connections takes every file's chunks in rank and file order, and a file is
+renamed in as soon as its last chunk lands (the first rank's files are whole soonest, and no connection
+idles at a file's end waiting for the file's slowest chunk). A dropped connection is retried per chunk (ranged.TRIES); a chunk that
 keeps failing, a wrong checksum, a cancel: the job fails and removes every file it made, so the engine
 falls back to its default loader and the next launch stages afresh.
 
@@ -100,15 +101,20 @@ class S3StageJob:
             with httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0),
                               limits=httpx.Limits(max_connections=self.workers + 2,
                                                   max_keepalive_connections=self.workers + 2)) as http:
-                for item in self.items:
-                    if self._cancel.is_set():
-                        raise StageCancelled("staging from S3 was cancelled")
-                    target = self._target(item)
-                    self._made += [target.dest, target.partial, target.chunks_file]
-                    download(http, [target], chunk=self.chunk, workers=self.workers, cancelled=self._cancel.is_set)
-                    self._files.append(StagedFile(item.src, target.dest, item.rel, item.size,
-                                                  time.perf_counter() - self._t0, False,
-                                                  self.expected[item.rel].get("xxh3_128")))
+                # One pool for every file, chunks taken in file order, each file renamed in as its last chunk
+                # lands: the connections never idle at a file's end, and the loader still gets file after file.
+                targets = [self._target(item) for item in self.items]
+                by_dest = {t.dest: item for t, item in zip(targets, self.items)}
+                for t in targets:
+                    self._made += [t.dest, t.partial, t.chunks_file]
+
+                def landed(t: Target) -> None:
+                    item = by_dest[t.dest]
+                    self._files.append(StagedFile(item.src, t.dest, item.rel, item.size, time.perf_counter() - self._t0,
+                                                  False, self.expected[item.rel].get("xxh3_128")))
+
+                download(http, targets, chunk=self.chunk, workers=self.workers, cancelled=self._cancel.is_set,
+                         on_file=landed)
         except DownloadCancelled:
             self._error = StageCancelled("staging from S3 was cancelled")
             self._remove()

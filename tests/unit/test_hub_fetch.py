@@ -254,3 +254,20 @@ def test_a_disk_that_fills_up_mid_download_ends_it_in_one_line_and_frees_its_par
         download(client, [Target(url, dest, size, lambda p: None)], chunk=CHUNK, workers=1, progress=progress)
     assert filled and "filled up during the download" in str(full.value) and "HF_HUB_CACHE" in full.value.one_line()
     assert not dest.exists() and not list(dest.parent.glob("*.incomplete*"))
+
+
+def test_each_file_is_renamed_in_as_its_last_chunk_lands_not_when_all_are_done(server: HubServer, tmp_path: Path) -> None:
+    """Per-file readiness (S3 staging relies on it): with one connection, the first file is whole and under its
+    name while the second has not arrived."""
+    import httpx
+
+    from mxlaunch.remote.ranged import Target, download
+
+    urls = [f"{server.url}/org/tiny/resolve/main/{name}" for name in ("model.safetensors", "config.json")]
+    with httpx.Client(follow_redirects=True) as client:
+        sizes = [int(client.head(u).headers["content-length"]) for u in urls]
+        targets = [Target(u, tmp_path / Path(u).name, n, lambda p: None) for u, n in zip(urls, sizes)]
+        seen: list[tuple[str, bool, bool]] = []
+        download(client, targets, chunk=CHUNK, workers=1,
+                 on_file=lambda t: seen.append((t.dest.name, t.dest.is_file(), targets[1].dest.exists())))
+    assert seen == [("model.safetensors", True, False), ("config.json", True, True)]

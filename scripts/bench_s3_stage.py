@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""A snapshot read out of an S3 bucket, four ways against one S3 server in the same run (issue 25): the server's
+own ceiling (parallel ranged GETs, bytes read and dropped), one boto3 stream per file written to /dev/shm,
+vLLM's `--load-format runai_streamer` reader (runai-model-streamer's SafetensorsStreamer, as vLLM's
+weight_utils.runai_safetensors_weights_iterator drives it: every tensor cloned into CPU memory), and mxlaunch's
+S3 staging (store/s3_store.py `stage_job`: parallel ranged GETs into /dev/shm, each file checked by its xxh3-128
+and renamed in). The same bytes every time: a published snapshot of random safetensors files.
+
+    pip install runai-model-streamer runai-model-streamer-s3    # for the runai way (else it is skipped)
+    python scripts/bench_s3_stage.py --size 1GiB --reps 3 --out docs/bench-results/s3_stage.json
+
+The server is moto's server mode (tests/helpers/s3_server.py) on this machine: the ceiling is its, not a real
+object store's. The ratios say how close each reader gets to what the server gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mxlaunch.remote.ranged import CHUNK, WORKERS  # noqa: E402
+from mxlaunch.staging.sources import CopyItem  # noqa: E402
+from mxlaunch.staging.upload import UploadItem, UploadJob  # noqa: E402
+from mxlaunch.store.snapshot import SnapshotMeta  # noqa: E402
+from tests.helpers.s3_server import S3Server, s3_environ  # noqa: E402
+
+BUCKET, PREFIX, SID = "bench", "store", "bench-source-id"
+GiB = 1 << 30
+META = SnapshotMeta(engine="vllm", engine_version="bench", spec={"model": "/m/bench", "tp": 1, "pp": 1},
+                    identity={"bench": True}, snapshot_format="mxlaunch-raw", snapshot_version=1)
+
+
+def parse_size(text: str) -> int:
+    units = {"GiB": GiB, "MiB": 1 << 20}
+    for unit, mult in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * mult)
+    return int(text)
+
+
+def make_files(folder: Path, total: int, nfiles: int) -> list[Path]:
+    """Random safetensors files (what runai_streamer can read): 32 MiB uint8 tensors, `total` bytes in all."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    per_file, tensor = total // nfiles, 32 << 20
+    out = []
+    for f in range(nfiles):
+        tensors = {f"t{f}.{k}": rng.integers(0, 256, size=min(tensor, per_file - k * tensor), dtype=np.uint8)
+                   for k in range(-(-per_file // tensor))}
+        path = folder / f"model-{f:05d}-of-{nfiles:05d}.safetensors"
+        save_file(tensors, str(path))
+        out.append(path)
+    return out
+
+
+def publish(store, files: list[Path]) -> list:
+    """The files as rank 0 of a published snapshot (the capture path: multipart upload, conditional manifest)."""
+    writer = store.begin_capture(SID, META, nranks=1)
+    items = [UploadItem(0, p.name, p, writer.rank_dir(0) / p.name, p.stat().st_size) for p in files]
+    job = UploadJob(items, copy=writer.upload_copy).start()
+    job.join()
+    if not job.ok:
+        raise SystemExit(f"upload failed: {job.error}")
+    for up in job.results.values():
+        writer.add_file(up.rank, up.rel, xxh3_128=up.xxh3_128)
+    if not writer.mark_node_done(publish=True):
+        raise SystemExit("the snapshot was not published")
+    found = store.lookup(SID)
+    if found.snapshot is None:
+        raise SystemExit(found.reason)
+    return found.snapshot.files_for_ranks([0])
+
+
+def keys_of(server: S3Server) -> list[tuple[str, int]]:
+    s3 = server.client()
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{PREFIX}/{SID}/data-")
+    return sorted((o["Key"], o["Size"]) for page in pages for o in page.get("Contents", []))
+
+
+def ceiling(server: S3Server, keys: list[tuple[str, int]]) -> float:
+    """WORKERS connections taking CHUNK-sized ranges of every object off one queue; bytes dropped."""
+    s3 = server.client()
+    urls = {k: s3.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": k}, ExpiresIn=3600) for k, _ in keys}
+    work = [(k, start, min(size, start + CHUNK) - 1) for k, size in keys for start in range(0, size, CHUNK)]
+    lock = threading.Lock()
+
+    def run(client: httpx.Client) -> None:
+        while True:
+            with lock:
+                if not work:
+                    return
+                key, a, b = work.pop()
+            with client.stream("GET", urls[key], headers={"range": f"bytes={a}-{b}"}) as resp:
+                for _ in resp.iter_bytes(1 << 20):
+                    pass
+
+    t0 = time.perf_counter()
+    with httpx.Client(timeout=60, limits=httpx.Limits(max_connections=WORKERS + 2)) as client:
+        threads = [threading.Thread(target=run, args=(client,)) for _ in range(WORKERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return time.perf_counter() - t0
+
+
+def single_stream(server: S3Server, keys: list[tuple[str, int]], dest: Path) -> float:
+    s3 = server.client()
+    dest.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for key, _ in keys:
+        body = s3.get_object(Bucket=BUCKET, Key=key)["Body"]
+        with open(dest / Path(key).name, "wb") as f:
+            for block in body.iter_chunks(1 << 20):
+                f.write(block)
+    took = time.perf_counter() - t0
+    shutil.rmtree(dest)
+    return took
+
+
+def runai(server: S3Server, keys: list[tuple[str, int]]) -> float | str:
+    try:
+        from runai_model_streamer import SafetensorsStreamer
+    except ImportError as exc:
+        return f"skipped: {exc}"
+    os.environ.update({k: v for k, v in server.env.items() if k.startswith("AWS_")})
+    os.environ.setdefault("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0")  # path-style URLs (moto on one port)
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    t0 = time.perf_counter()
+    n = 0
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files([f"s3://{BUCKET}/{k}" for k, _ in keys], device="cpu")
+        for _name, tensor in streamer.get_tensors():
+            n += tensor.clone().numel()  # what vLLM's iterator does with each tensor
+    took = time.perf_counter() - t0
+    if n != sum(s for _, s in keys) - sum(_header(server, k) for k, _ in keys):
+        return f"failed: {n} tensor bytes read"
+    return took
+
+
+def _header(server: S3Server, key: str) -> int:
+    """A safetensors file's header size (8 + its JSON): the bytes that are not tensor data."""
+    head = server.client().get_object(Bucket=BUCKET, Key=key, Range="bytes=0-7")["Body"].read()
+    return 8 + int.from_bytes(head, "little")
+
+
+def mxlaunch_stage(store, snap: list, dest: Path) -> float:
+    items = [CopyItem(src=f.path, rel=f"0/{Path(f.path).name}", size=f.bytes) for f in snap]
+    expected = {i.rel: {"bytes": f.bytes, "xxh3_128": f.xxh3_128} for i, f in zip(items, snap)}
+    t0 = time.perf_counter()
+    result = store.stage_job(items, dest, expected=expected).start().wait()
+    took = time.perf_counter() - t0
+    if result.bytes != sum(f.bytes for f in snap):
+        raise SystemExit(f"staged {result.bytes} bytes")
+    shutil.rmtree(dest)
+    return took
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="1GiB")
+    ap.add_argument("--files", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    total = parse_size(args.size)
+    work = Path(tempfile.mkdtemp(prefix="mx-bench-s3-"))
+    shm = Path(tempfile.mkdtemp(prefix="mx-bench-s3-", dir="/dev/shm"))
+    try:
+        with S3Server(work / "s3") as server:
+            server.client().create_bucket(Bucket=BUCKET)
+            from mxlaunch.store.s3_store import S3Store
+
+            env = s3_environ(server, XDG_CACHE_HOME=str(work / "cache"))
+            store = S3Store(f"s3://{BUCKET}/{PREFIX}", environ=env)
+            files = make_files(work / "model", total, args.files)
+            snap = publish(store, files)
+            keys = keys_of(server)
+            nbytes = sum(s for _, s in keys)
+            ways = {"ceiling (16 ranged GETs, dropped)": lambda: ceiling(server, keys),
+                    "boto3, one stream per file": lambda: single_stream(server, keys, shm / "single"),
+                    "runai_streamer (vLLM's reader)": lambda: runai(server, keys),
+                    "mxlaunch S3 staging": lambda: mxlaunch_stage(store, snap, shm / "stage")}
+            times: dict[str, list] = {w: [] for w in ways}
+            for rep in range(args.reps):  # interleaved: each rep runs every way once
+                for way, fn in ways.items():
+                    took = fn()
+                    times[way].append(took)
+                    shown = f"{nbytes / GiB / took:.3f} GiB/s" if isinstance(took, float) else took
+                    print(f"rep {rep}: {way}: {shown}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    results = {}
+    for way, seen in times.items():
+        nums = [t for t in seen if isinstance(t, float)]
+        results[way] = ({"seconds": [round(t, 3) for t in nums], "gibps_median": round(nbytes / GiB / statistics.median(nums), 3)}
+                        if nums else {"note": seen[0]})
+    ceil = results["ceiling (16 ranged GETs, dropped)"]["gibps_median"]
+    mx = results["mxlaunch S3 staging"]["gibps_median"]
+    ratios = {"mxlaunch / ceiling": round(mx / ceil, 3)}
+    for way in ("boto3, one stream per file", "runai_streamer (vLLM's reader)"):
+        if "gibps_median" in results[way]:
+            ratios[f"mxlaunch / {way}"] = round(mx / results[way]["gibps_median"], 3)
+    doc = {"schema": 1, "date": dt.date.today().isoformat(), "machine": f"{platform.node() and 'this VM'}: "
+           f"{os.cpu_count()} cores", "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+           "bytes": nbytes, "files": len(keys), "reps": args.reps, "results": results, "ratios": ratios}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps({"results": results, "ratios": ratios}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
