@@ -1,6 +1,7 @@
 """What every coordinator offers: claims with a lease, so N replicas racing on a new model capture it once.
 
-A backend (the shared filesystem in `file.py`, later Redis) implements `Coordinator`; the launcher and
+A backend (the shared filesystem in `file.py`, an S3 bucket in `s3.py`) implements `Coordinator`, its claims
+on `LeasedClaim` (the lease's thread and state; the backend says how a beat and a release are written); the launcher and
 the store only talk to these protocols. A claim is an optimisation, not the safety net: the store's
 manifest publish is exactly-once on its own, so even two captures of one source id publish one snapshot.
 """
@@ -8,8 +9,9 @@ manifest publish is exactly-once on its own, so even two captures of one source 
 from __future__ import annotations
 
 import re
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Protocol, runtime_checkable
 
 SCHEMA = 1
@@ -90,6 +92,93 @@ class Claim(Protocol):
     def keep_alive(self, interval_s: float | None = None) -> None: ...
 
     def release(self) -> None: ...
+
+
+class LeasedClaim:
+    """A claim this process holds, its lease kept by a daemon thread. A backend writes the record: `_beat(info)`
+    (True: written; False: the claim is no longer this process's), and may refuse a beat it knows is lost
+    before writing (`_still_mine`). `transient` are the errors a beat survives (the next one retries)."""
+
+    transient: tuple[type[BaseException], ...] = (OSError,)
+
+    def __init__(self, info: ClaimInfo) -> None:
+        self._info = info
+        self.source_id = info.source_id
+        self.token = info.token
+        self._lost = threading.Event()
+        self._released = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def info(self) -> ClaimInfo:
+        return self._info
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def _still_mine(self, now: float) -> bool:
+        if now >= self._info.expires_at:
+            self._lost.set()  # expired: a racer may take over from now on
+            return False
+        return True
+
+    def _beat(self, info: ClaimInfo) -> bool:
+        raise NotImplementedError
+
+    def _write(self, info: ClaimInfo) -> bool:
+        if self._beat(info):
+            self._info = info
+            return True
+        self._lost.set()
+        return False
+
+    def heartbeat(self) -> bool:
+        """Extend the lease by ttl_s. False (and `lost`) once the lease ran out or another launcher took it."""
+        with self._lock:
+            if self._released or self.lost or not self._still_mine(time.time()):
+                return False
+            return self._write(replace(self._info, expires_at=time.time() + self._info.ttl_s))
+
+    def keep_alive(self, interval_s: float | None = None) -> None:
+        """Heartbeat from a daemon thread every interval (default ttl/3) until release() or the claim is lost."""
+        if self._thread is not None:
+            return
+        interval = self._info.ttl_s / 3 if interval_s is None else interval_s
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    if not self.heartbeat():
+                        return
+                except self.transient:
+                    continue  # the next beat retries before the lease ends
+
+        self._thread = threading.Thread(target=loop, name=f"mxlaunch-claim-{self.source_id}", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Give the claim back (idempotent); a lost or expired claim is left alone."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            if not self.lost and self._still_mine(time.time()):
+                try:
+                    self._write(replace(self._info, expires_at=0.0, released=True))
+                except self.transient:
+                    pass  # the lease then simply runs out
+
+    def __enter__(self) -> "LeasedClaim":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @runtime_checkable

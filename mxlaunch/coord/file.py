@@ -22,13 +22,11 @@ import errno
 import os
 import secrets
 import socket
-import threading
 import time
 from pathlib import Path
-from dataclasses import replace
 from typing import Any, Optional
 
-from mxlaunch.coord.base import ClaimInfo, valid_id
+from mxlaunch.coord.base import ClaimInfo, LeasedClaim, valid_id
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.fileutil import (  # noqa: F401 — the claims use them; older callers import them from here
     MAX_JSON_BYTES, boot_id, ensure_dir, pid_alive, process_start_time, read_json, secure, shared_gid, unique_name,
@@ -41,85 +39,27 @@ CLAIMS_DIR = ".claims"
 _UNREADABLE_STALE_S = 30.0  # a record that cannot be parsed counts as held until it is this old (+ grace)
 
 
-class FileClaim:
+class FileClaim(LeasedClaim):
     """A claim this process holds on the shared filesystem (generation `gen` of its source id)."""
 
     def __init__(self, coordinator: "FileCoordinator", info: ClaimInfo, gen: int) -> None:
+        super().__init__(info)
         self._coord = coordinator
-        self._info = info
         self.gen = gen
-        self.source_id = info.source_id
-        self.token = info.token
-        self._lost = threading.Event()
-        self._released = False
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    @property
-    def info(self) -> ClaimInfo:
-        return self._info
-
-    @property
-    def lost(self) -> bool:
-        return self._lost.is_set()
 
     @property
     def path(self) -> Path:
         return self._coord.gen_path(self.source_id, self.gen)
 
     def _still_mine(self, now: float) -> bool:
-        if now >= self._info.expires_at or self._coord.gen_path(self.source_id, self.gen + 1).exists():
-            self._lost.set()  # expired (a racer may take over from now on) or already taken over
+        if self._coord.gen_path(self.source_id, self.gen + 1).exists():
+            self._lost.set()  # already taken over
             return False
+        return super()._still_mine(now)
+
+    def _beat(self, info: ClaimInfo) -> bool:
+        write_json_atomic(self.path, info.to_json())
         return True
-
-    def heartbeat(self) -> bool:
-        """Extend the lease by ttl_s. False (and `lost`) once the lease ran out or a newer claim exists."""
-        with self._lock:
-            if self._released or self.lost or not self._still_mine(time.time()):
-                return False
-            info = replace(self._info, expires_at=time.time() + self._info.ttl_s)
-            write_json_atomic(self.path, info.to_json())
-            self._info = info
-            return True
-
-    def keep_alive(self, interval_s: float | None = None) -> None:
-        """Heartbeat from a daemon thread every interval (default ttl/3) until release() or the claim is lost."""
-        if self._thread is not None:
-            return
-        interval = self._info.ttl_s / 3 if interval_s is None else interval_s
-
-        def loop() -> None:
-            while not self._stop.wait(interval):
-                try:
-                    if not self.heartbeat():
-                        return
-                except OSError:
-                    continue  # a transient filesystem error: the next beat retries before the lease ends
-
-        self._thread = threading.Thread(target=loop, name=f"mxlaunch-claim-{self.source_id}", daemon=True)
-        self._thread.start()
-
-    def release(self) -> None:
-        """Give the claim back (idempotent); a lost or expired claim is left alone."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-            if not self.lost and self._still_mine(time.time()):
-                info = replace(self._info, expires_at=0.0, released=True)
-                write_json_atomic(self.path, info.to_json())
-                self._info = info
-
-    def __enter__(self) -> "FileClaim":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class FileCoordinator:

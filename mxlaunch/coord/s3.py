@@ -26,12 +26,10 @@ import json
 import os
 import secrets
 import socket
-import threading
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from mxlaunch.coord.base import ClaimInfo, valid_id
+from mxlaunch.coord.base import ClaimInfo, LeasedClaim, valid_id
 from mxlaunch.errors import UsageError
 from mxlaunch.fileutil import boot_id, pid_alive, process_start_time
 
@@ -50,87 +48,25 @@ def _race_lost(exc: BaseException) -> bool:
     return isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code", "")) in _RACE_LOST
 
 
-class S3Claim:
-    """A claim this process holds; `etag` is the ETag of the record it last wrote."""
+class S3Claim(LeasedClaim):
+    """A claim this process holds; `etag` is the ETag of the record it last wrote (every write is a PUT
+    If-Match that ETag: a take-over in between makes it fail, and the claim is lost)."""
+
+    transient = (Exception,)  # a beat that failed for any other reason than a lost race: S3's errors vary
 
     def __init__(self, coordinator: "S3Coordinator", info: ClaimInfo, etag: str) -> None:
+        super().__init__(info)
         self._coord = coordinator
-        self._info = info
         self.etag = etag
-        self.source_id = info.source_id
-        self.token = info.token
-        self._lost = threading.Event()
-        self._released = False
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
 
-    @property
-    def info(self) -> ClaimInfo:
-        return self._info
-
-    @property
-    def lost(self) -> bool:
-        return self._lost.is_set()
-
-    def _swap(self, info: ClaimInfo) -> bool:
+    def _beat(self, info: ClaimInfo) -> bool:
         try:
             self.etag = self._coord.put(self.source_id, info, {"IfMatch": self.etag})
         except Exception as exc:  # noqa: BLE001
             if _race_lost(exc):
-                self._lost.set()
                 return False
             raise
-        self._info = info
         return True
-
-    def heartbeat(self) -> bool:
-        """Extend the lease by ttl_s. False (and `lost`) once the lease ran out or another launcher took it."""
-        with self._lock:
-            if self._released or self.lost:
-                return False
-            if time.time() >= self._info.expires_at:
-                self._lost.set()  # expired: a racer may have taken over (or may from now on)
-                return False
-            return self._swap(replace(self._info, expires_at=time.time() + self._info.ttl_s))
-
-    def keep_alive(self, interval_s: float | None = None) -> None:
-        """Heartbeat from a daemon thread every interval (default ttl/3) until release() or the claim is lost."""
-        if self._thread is not None:
-            return
-        interval = self._info.ttl_s / 3 if interval_s is None else interval_s
-
-        def loop() -> None:
-            while not self._stop.wait(interval):
-                try:
-                    if not self.heartbeat():
-                        return
-                except Exception:  # noqa: BLE001 — a transient S3 error: the next beat retries before the lease ends
-                    continue
-
-        self._thread = threading.Thread(target=loop, name=f"mxlaunch-s3claim-{self.source_id}", daemon=True)
-        self._thread.start()
-
-    def release(self) -> None:
-        """Give the claim back (idempotent); a lost or expired claim is left alone."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-            if not self.lost and time.time() < self._info.expires_at:
-                try:
-                    self._swap(replace(self._info, expires_at=0.0, released=True))
-                except Exception:  # noqa: BLE001 — the lease then simply runs out
-                    pass
-
-    def __enter__(self) -> "S3Claim":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class S3Coordinator:
