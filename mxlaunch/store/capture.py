@@ -13,7 +13,7 @@ import stat
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from mxlaunch.fileutil import ensure_dir, read_json, secure, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
@@ -228,6 +228,32 @@ def reap_captures(folder: Path, keep: str, published: Optional[str]) -> list[str
 
 def new_capture_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(4)
+
+
+def node_part(nranks: int, nnodes: int, node_rank: int, ranks: Optional[Iterable[int]],
+              capture_id: Optional[str]) -> tuple[list[int], str]:
+    """This node's ranks of a capture (`ranks`, else an even contiguous split) and the capture id (a new one
+    unless given), checked: UsageError names what does not fit. Both stores begin a capture with it."""
+    from mxlaunch.coord.base import valid_id  # noqa: PLC0415 — store/ may use coord/, not the other way
+
+    if nranks < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or nranks % nnodes and ranks is None:
+        raise UsageError(f"cannot split {nranks} ranks over {nnodes} nodes for node {node_rank}",
+                         "pass the node's ranks explicitly")
+    if ranks is None:
+        per = nranks // nnodes
+        ranks = range(node_rank * per, (node_rank + 1) * per)
+    my_ranks = sorted(set(ranks))
+    if not my_ranks or my_ranks[0] < 0 or my_ranks[-1] >= nranks:
+        raise UsageError(f"node {node_rank}: ranks {my_ranks} are not within 0..{nranks - 1}", "check the plan")
+    capture_id = capture_id or new_capture_id()
+    if not valid_id(capture_id):
+        raise UsageError(f"{capture_id!r} is not a valid capture id", "use letters, digits, '.', '_', '-'")
+    return my_ranks, capture_id
+
+
+def node_tmp(folder: Path, capture_id: str) -> Path:
+    """A node's own temp folder of a capture (host, pid and a random part: never two writers in one)."""
+    return folder / f".tmp-{capture_id}" / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _user() -> str:

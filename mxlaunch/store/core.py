@@ -35,7 +35,8 @@ from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.fileutil import ensure_dir, last_used, read_json, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.store.capture import (
-    CaptureWriter, PendingCapture, _du, _user, discard_capture, new_capture_id, node_markers, reap_captures, write_failed)
+    CaptureWriter, PendingCapture, _du, _user, discard_capture, node_markers, node_part, node_tmp,
+    reap_captures, write_failed)
 from mxlaunch.store.snapshot import (  # noqa: F401 — the store's records and checks, importable from here
     ALLOWED_SUFFIXES, MANIFEST, SCHEMA, LookupResult, Snapshot, SnapshotFile, SnapshotMeta, StoreEntry, VerifyReport,
     _check_file, _utc_now, _validate_manifest, check_relpath, default_root, model_name, xxh3_file)
@@ -220,22 +221,11 @@ class Store:
         """Start this node's part of a capture. All nodes of one capture must pass the same `capture_id`
         (e.g. the claim holder's `extra["capture_id"]`); `ranks` defaults to an even contiguous split."""
         folder = self.folder(source_id)
-        if nranks < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or nranks % nnodes and ranks is None:
-            raise UsageError(f"cannot split {nranks} ranks over {nnodes} nodes for node {node_rank}",
-                             "pass the node's ranks explicitly")
-        if ranks is None:
-            per = nranks // nnodes
-            ranks = range(node_rank * per, (node_rank + 1) * per)
-        my_ranks = sorted(set(ranks))
-        if not my_ranks or my_ranks[0] < 0 or my_ranks[-1] >= nranks:
-            raise UsageError(f"node {node_rank}: ranks {my_ranks} are not within 0..{nranks - 1}", "check the plan")
-        capture_id = capture_id or new_capture_id()
-        if not valid_id(capture_id):
-            raise UsageError(f"{capture_id!r} is not a valid capture id", "use letters, digits, '.', '_', '-'")
+        my_ranks, capture_id = node_part(nranks, nnodes, node_rank, ranks, capture_id)
         if (folder / MANIFEST).exists():
             raise CheckFailed(f"snapshot {source_id} is already published", "look it up instead of capturing")
         ensure_dir(folder)
-        tmp = folder / f".tmp-{capture_id}" / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = node_tmp(folder, capture_id)
         writer = CaptureWriter(self, source_id, meta, nranks, nnodes, node_rank, my_ranks, capture_id, tmp)
         for rank in my_ranks:
             writer.rank_dir(rank)  # the plugin writes <capture_dir>/<rank>/*.safetensors straight away

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +47,7 @@ from mxlaunch import settings
 from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.fileutil import ensure_dir
-from mxlaunch.store.capture import PendingCapture, capture_ids, new_capture_id
+from mxlaunch.store.capture import PendingCapture, capture_ids, node_part, node_tmp
 from mxlaunch.store.core import Store, build_manifest
 from mxlaunch.store.snapshot import (
     MANIFEST, LookupResult, Snapshot, SnapshotMeta, StoreEntry, VerifyReport, _validate_manifest)
@@ -348,21 +347,10 @@ class S3Store(Store):
         from mxlaunch.store.s3_capture import S3CaptureWriter  # noqa: PLC0415
 
         folder = self.folder(source_id)
-        if nranks < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or nranks % nnodes and ranks is None:
-            raise UsageError(f"cannot split {nranks} ranks over {nnodes} nodes for node {node_rank}",
-                             "pass the node's ranks explicitly")
-        if ranks is None:
-            per = nranks // nnodes
-            ranks = range(node_rank * per, (node_rank + 1) * per)
-        my_ranks = sorted(set(ranks))
-        if not my_ranks or my_ranks[0] < 0 or my_ranks[-1] >= nranks:
-            raise UsageError(f"node {node_rank}: ranks {my_ranks} are not within 0..{nranks - 1}", "check the plan")
-        capture_id = capture_id or new_capture_id()
-        if not valid_id(capture_id):
-            raise UsageError(f"{capture_id!r} is not a valid capture id", "use letters, digits, '.', '_', '-'")
+        my_ranks, capture_id = node_part(nranks, nnodes, node_rank, ranks, capture_id)
         if self._published_capture(source_id) is not None:
             raise CheckFailed(f"snapshot {source_id} is already published", "look it up instead of capturing")
-        tmp = ensure_dir(folder) / f".tmp-{capture_id}" / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = node_tmp(ensure_dir(folder), capture_id)
         writer = S3CaptureWriter(self, source_id, meta, nranks, nnodes, node_rank, my_ranks, capture_id, tmp)
         for rank in my_ranks:
             writer.rank_dir(rank)
