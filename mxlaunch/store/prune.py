@@ -106,19 +106,7 @@ def prune(store: Store, *, unused_for: Optional[float] = None, max_bytes: Option
     report.items += _trash(root, now) + _trash(caches.root, now)
     report.items += _leftover_captures(store)
     kept = _in_use(store, caches)
-    if unused_for is not None:
-        for item in kept:
-            if item.last_used is not None and item.last_used < now - unused_for:
-                item.why = f"unused for {_age(now - item.last_used)} (--unused-for {_age(unused_for)})"
-                report.items.append(item)
-    if max_bytes is not None:
-        size = report.bytes_before - sum(i.bytes for i in report.items)
-        for item in sorted((i for i in kept if i not in report.items), key=lambda i: i.last_used or 0.0):
-            if size <= max_bytes:
-                break
-            item.why = f"least recently used ({_age(now - (item.last_used or now))} ago), store over --max-size"
-            report.items.append(item)
-            size -= item.bytes
+    report.items += by_age_and_size(kept, report, now, unused_for, max_bytes)
     for item in report.items:
         _carry_out(store, caches, item, dry_run)
     if not dry_run:  # what the removals above emptied, and what was empty already
@@ -252,3 +240,25 @@ def _rmdir_empty(folder: Path) -> None:
         raise RuntimeError("no longer empty")
     (folder / LAST_USED).unlink(missing_ok=True)
     folder.rmdir()
+
+
+def by_age_and_size(kept: list, report: "PruneReport", now: float, unused_for: Optional[float],
+                    max_bytes: Optional[int], since: str = "unused for {age}") -> list:
+    """Of the items in use, those to prune: unused for longer than `unused_for`, then the least recently used
+    until the store fits `max_bytes` (what `report` already prunes counted out). Both stores prune by it; an
+    S3 store counts `since` its upload."""
+    out: list = []
+    if unused_for is not None:
+        for item in kept:
+            if item.last_used is not None and item.last_used < now - unused_for:
+                item.why = f"{since.format(age=_age(now - item.last_used))} (--unused-for {_age(unused_for)})"
+                out.append(item)
+    if max_bytes is not None:
+        size = report.bytes_before - sum(i.bytes for i in report.items) - sum(i.bytes for i in out)
+        for item in sorted((i for i in kept if i not in out), key=lambda i: i.last_used or 0.0):
+            if size <= max_bytes:
+                break
+            item.why = f"least recently used ({_age(now - (item.last_used or now))} ago), store over --max-size"
+            out.append(item)
+            size -= item.bytes
+    return out

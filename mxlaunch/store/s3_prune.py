@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from mxlaunch.coord.base import valid_id
-from mxlaunch.store.prune import Item, PruneReport, _age
+from mxlaunch.store.prune import Item, PruneReport, by_age_and_size
 from mxlaunch.store.snapshot import MANIFEST
 
 if TYPE_CHECKING:
@@ -47,19 +47,8 @@ def prune(store: "S3Store", *, unused_for: Optional[float] = None, max_bytes: Op
             size = sum(int(o["Size"]) for o in objs if o["Key"].startswith(store.key(sid, f"data-{published}") + "/"))
             kept.append(Item("snapshot", sid, store.path_of(store.key(sid)), size + int(manifest["Size"]), "",
                              last_used=manifest["LastModified"].timestamp()))
-    if unused_for is not None:
-        for item in kept:
-            if item.last_used is not None and item.last_used < now - unused_for:
-                item.why = f"uploaded {_age(now - item.last_used)} ago (--unused-for {_age(unused_for)}; an S3 store counts from the upload)"
-                report.items.append(item)
-    if max_bytes is not None:
-        size = report.bytes_before - sum(i.bytes for i in report.items)
-        for item in sorted((i for i in kept if i not in report.items), key=lambda i: i.last_used or 0.0):
-            if size <= max_bytes:
-                break
-            item.why = f"oldest ({_age(now - (item.last_used or now))}), store over --max-size"
-            report.items.append(item)
-            size -= item.bytes
+    report.items += by_age_and_size(kept, report, now, unused_for, max_bytes,
+                                    since="uploaded {age} ago; an S3 store counts from the upload")
     for item in report.items:
         if item.skipped or dry_run:
             continue
