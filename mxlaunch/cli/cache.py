@@ -20,9 +20,9 @@ cache_app = typer.Typer(
 
 def _caches(artifact_path: Optional[Path]):  # noqa: ANN202 — a KernelCacheStore (imported lazily)
     from mxlaunch.kernelcache.archive import KernelCacheStore
-    from mxlaunch.store.core import Store
+    from mxlaunch.store.opener import open_store
 
-    store = Store(artifact_path)
+    store = open_store(artifact_path)
     return KernelCacheStore(store.root, store.coordinator)
 
 

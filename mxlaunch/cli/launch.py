@@ -68,9 +68,9 @@ def launch(
     command = list(command or [])
     if not dry_run and not no_download and strategy != "default":  # a new hub id or an S3 model: once per store, then planned
         from mxlaunch.remote.localize import localize_command
-        from mxlaunch.store.core import Store
+        from mxlaunch.store.opener import open_store
 
-        command = localize_command(command, Store(artifact_path), emit)
+        command = localize_command(command, open_store(artifact_path), emit)
     plan = make_plan(command, opts)
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
         err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)

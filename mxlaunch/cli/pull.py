@@ -28,7 +28,7 @@ def pull(
     from mxlaunch.errors import UsageError
     from mxlaunch.remote import hub
     from mxlaunch.remote.fetch import ensure_model
-    from mxlaunch.store.core import Store
+    from mxlaunch.store.opener import open_store
 
     if workers < 1:
         raise UsageError(f"--workers {workers} must be at least 1", "give a positive number of parallel GETs")
@@ -44,9 +44,9 @@ def pull(
             err.print(f"[bold cyan]mxlaunch[/] {event}: {escape(plain_fields(fields))}", highlight=False)
 
     if s3.is_s3_url(model):
-        got = s3.ensure_model(model, Store(artifact_path), emit, workers=workers)
+        got = s3.ensure_model(model, open_store(artifact_path), emit, workers=workers)
     else:
-        got = ensure_model(model, revision, Store(artifact_path), emit, cache=cache_dir, workers=workers)
+        got = ensure_model(model, revision, open_store(artifact_path), emit, cache=cache_dir, workers=workers)
     if as_json:
         print_json({"model": model, "path": str(got.path), "commit": got.commit, "by": got.by,
                     "bytes": got.bytes, "seconds": round(got.seconds, 3)})

@@ -31,9 +31,9 @@ def store_list(
     from rich.table import Table
 
     from mxlaunch.staging.capacity import format_bytes
-    from mxlaunch.store.core import Store
+    from mxlaunch.store.opener import open_store
 
-    store = Store(artifact_path)
+    store = open_store(artifact_path)
     entries = store.list()
     where = getattr(store, "url", store.root)  # an S3 store (store/s3_store.py) by its URL
     if as_json:
@@ -71,9 +71,9 @@ def store_verify(
     """Check a snapshot: manifest, ranks, paths inside the store, sizes and xxh3_128 checksums (exit 1 on failure)."""
     from mxlaunch.errors import CheckFailed, UsageError
     from mxlaunch.staging.capacity import format_bytes
-    from mxlaunch.store.core import Store
+    from mxlaunch.store.opener import open_store
 
-    store = Store(artifact_path)
+    store = open_store(artifact_path)
     if not store.exists(source_id):
         raise UsageError(f"no snapshot {source_id} in {getattr(store, 'url', store.root)}", "see `mxlaunch store list`")
     with err.status(f"verifying {source_id}"):
@@ -100,9 +100,9 @@ def store_rm(
     as_json: bool = json_option("Print the result as JSON."),
 ) -> None:
     """Remove a snapshot (refused while a capture holds its claim, unless --force)."""
-    from mxlaunch.store.core import Store
+    from mxlaunch.store.opener import open_store
 
-    store = Store(artifact_path)
+    store = open_store(artifact_path)
     store.remove(source_id, force=force)
     if as_json:
         print_json({"removed": source_id, "root": str(getattr(store, "url", store.root))})
@@ -129,7 +129,7 @@ def store_prune(
 
     from mxlaunch.errors import UsageError
     from mxlaunch.staging.capacity import format_bytes, parse_size
-    from mxlaunch.store.core import Store
+    from mxlaunch.store.opener import open_store
     from mxlaunch.store.prune import parse_duration, prune
 
     try:
@@ -140,7 +140,7 @@ def store_prune(
         limit = parse_size(max_size) if max_size is not None else None
     except ValueError as exc:
         raise UsageError(f"--max-size: {exc}", "pass a size such as 2TiB or 500GiB") from exc
-    store = Store(artifact_path)
+    store = open_store(artifact_path)
     if getattr(store, "remote", False):  # an S3 store: the same rules on its objects (store/s3_prune.py)
         with err.status(f"{'looking through' if dry_run else 'pruning'} {store.url}"):
             report = store.prune(unused_for=age, max_bytes=limit, dry_run=dry_run)

@@ -31,6 +31,7 @@ from mxlaunch.launch.kernel import plan_kernel_cache
 from mxlaunch.launch.p2p import P2PDecision, decide_p2p
 from mxlaunch.slurm import adapt_launch
 from mxlaunch.store.core import SnapshotFile, Store
+from mxlaunch.store.opener import open_store
 
 STRATEGIES = LAUNCH_STRATEGIES
 SNAPSHOT_FORMAT = RAW
@@ -159,7 +160,7 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     """Decide the strategy, where a capture goes and the kernel cache. Takes no claim and writes nothing (the dry
     run prints exactly this)."""
     plan = _decide(argv, opts, store)
-    store = store or Store(opts.artifact_path)
+    store = store or open_store(opts.artifact_path)
     if plan.strategy == "capture":
         route = decide_capture_route(plan, store.root)
         plan.capture_via, plan.capture_via_reason, plan.capture_bytes = route.via, route.reason, route.bytes
@@ -219,7 +220,7 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
     if not plugin_reachable(argv, engine.plugin_group):
         return plan("default", "mxlaunch is not installed in the engine's Python, so its loader plugin cannot load "
                                "(pip install mxlaunch there)")
-    store = store or Store(opts.artifact_path)
+    store = store or open_store(opts.artifact_path)
     if fmt == RAW and opts.strategy != "default":
         offer = decide_p2p(enabled=opts.p2p, registry_url=opts.registry, store_root=store.root, source_id=sid,
                            device_type=device, world=spec.tp * spec.pp,

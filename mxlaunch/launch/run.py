@@ -41,6 +41,7 @@ from mxlaunch.launch.stop_watchdog import StopWatchdog
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
 from mxlaunch.slurm import default_readers
 from mxlaunch.store.core import Store
+from mxlaunch.store.opener import open_store
 
 
 class Launcher(Stopping):
@@ -80,7 +81,7 @@ class Launcher(Stopping):
         self.stage_error: Optional[str] = None
         self._profile_lock = threading.Lock()
         self._shm_before: set[str] = set()
-        kc = store or Store(opts.artifact_path)  # JIT kernel caches: restored before the engine, captured after ready
+        kc = store or open_store(opts.artifact_path)  # JIT kernel caches: restored before the engine, captured after ready
         self.kernel = KernelCacheRun(plan.kernel_cache, KernelCacheStore(kc.root, kc.coordinator), emit, model=plan.spec.model)
         self.store_root = kc.root
         from mxlaunch.profile.profiler import StartupProfiler
@@ -101,7 +102,7 @@ class Launcher(Stopping):
                     wait_timeout_s=self.opts.ready_timeout, snapshot_format=self.plan.snapshot_format,
                     p2p=self.plan.p2p.block(self.run_id) if self.plan.p2p else None)
         if self.plan.strategy == "capture":
-            self.store = self.store or Store(self.opts.artifact_path)
+            self.store = self.store or open_store(self.opts.artifact_path)
             via_shm = self.plan.capture_via == "shm"  # make_plan decided (launch/capture_route.py)
             # an S3 store takes no writes in place: without room in /dev/shm the capture goes to a node-local spool
             self.capture = CaptureSession(self.store, self.plan, self.emit,
@@ -167,7 +168,7 @@ class Launcher(Stopping):
             items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
             expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
-        store = self.store or Store(self.opts.artifact_path)
+        store = self.store or open_store(self.opts.artifact_path)
         if getattr(store, "remote", False):  # an S3 store: parallel ranged GETs into /dev/shm (staging/s3_stage.py)
             job = store.stage_job(items, self.shm_dir / "stage", expected=expected, reserve_bytes=reserve).start()
             self.stage_job = job

@@ -71,16 +71,8 @@ def build_manifest(source_id: str, capture_id: str, meta: SnapshotMeta, nranks: 
 class Store:
     """One artifact store root. Readers never raise on a bad snapshot: they refuse it with a reason.
 
-    `Store("s3://bucket/prefix")` (or that in $MXLAUNCH_ARTIFACT_PATH) is an `S3Store` (store/s3_store.py):
-    the same interface on a bucket, so that every command taking --artifact-path takes an S3 URL unchanged."""
-
-    def __new__(cls, root: str | os.PathLike[str] | None = None, coordinator: Optional[Coordinator] = None,
-                **kw: Any) -> "Store":
-        if cls is Store and str(root if root is not None else default_root()).startswith("s3:/"):
-            from mxlaunch.store.s3_store import S3Store  # noqa: PLC0415 — boto3 only where an S3 store is used
-
-            return super().__new__(S3Store)
-        return super().__new__(cls)
+    `store/opener.py` `open_store` gives an `S3Store` (store/s3_store.py) for `s3://bucket/prefix` instead:
+    the same interface on a bucket, so that every command taking --artifact-path takes an S3 URL."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None, coordinator: Optional[Coordinator] = None) -> None:
         self.root = Path(root).expanduser() if root is not None else default_root()

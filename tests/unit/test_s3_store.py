@@ -17,7 +17,7 @@ from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.staging.sources import CopyItem
 from mxlaunch.staging.upload import UploadCancelled, UploadItem, UploadJob
 from mxlaunch.store import s3_capture
-from mxlaunch.store.core import Store
+from mxlaunch.store.opener import open_store as store_at
 from mxlaunch.store.snapshot import SnapshotMeta, xxh3_file
 from tests.helpers.cli import one_line_error, run_cli
 
@@ -88,10 +88,10 @@ def uploads(server: S3Server, prefix: str) -> list[str]:
 def test_store_of_an_s3_url_is_an_s3_store(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert isinstance(Store(f"s3://{BUCKET}/a"), S3Store)
-    assert isinstance(Store(Path(f"s3://{BUCKET}/a")), S3Store)  # pathlib's "s3:/..." (typer's Path options)
+    assert isinstance(store_at(f"s3://{BUCKET}/a"), S3Store)
+    assert isinstance(store_at(Path(f"s3://{BUCKET}/a")), S3Store)  # pathlib's "s3:/..." (typer's Path options)
     monkeypatch.setenv("MXLAUNCH_ARTIFACT_PATH", f"s3://{BUCKET}/b")
-    got = Store()
+    got = store_at()
     assert isinstance(got, S3Store) and got.url == f"s3://{BUCKET}/b"
     assert got.root == Path(env["XDG_CACHE_HOME"]) / "mxlaunch" / "s3-stores" / BUCKET / "b"
 
