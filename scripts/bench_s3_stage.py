@@ -91,7 +91,11 @@ class SeaweedServer:
         import signal
 
         os.killpg(self._proc.pid, signal.SIGTERM)
-        self._proc.wait(20)
+        try:
+            self._proc.wait(20)
+        except Exception:  # noqa: BLE001 — it did not stop in time
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
         self._log.close()
 
     def client(self):  # noqa: ANN201 — a boto3 client
