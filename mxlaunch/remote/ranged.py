@@ -14,7 +14,9 @@ line; then this download's `.incomplete` files are removed, since keeping them w
 from __future__ import annotations
 
 import errno
+import http.client
 import json
+import mmap
 import os
 import queue
 import threading
@@ -26,6 +28,7 @@ from typing import Callable, Optional
 import httpx
 
 from mxlaunch.errors import CheckFailed, MxlaunchError
+from mxlaunch.remote import direct
 
 CHUNK = 16 << 20
 WORKERS = 16
@@ -45,6 +48,7 @@ class Target:
     size: int
     check: Callable[[Path], Optional[str]]  # None when the file is right, else what is wrong
     refused_fix: str = "check the hub id and HF_TOKEN, or try again later"  # what to do when the server refuses
+    direct: bool = False  # a presigned URL: read into the file's mapping over http.client (remote/direct.py)
     _done: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -119,13 +123,16 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
     chunk that kept failing, a file whose hash is wrong: that file is removed) or DownloadCancelled."""
     tasks: "queue.Queue[tuple[Target, int]]" = queue.Queue()
     fds: dict[Path, int] = {}
+    maps: dict[Path, mmap.mmap] = {}  # direct targets: the .incomplete file's pages, written in place
     fds_lock = threading.Lock()
     fetched = 0
 
     def finish(t: Target) -> None:
         """Every chunk of `t` is in: check it, then rename it in."""
         with fds_lock:
-            fd = fds.pop(t.dest, None)
+            fd, mapped = fds.pop(t.dest, None), maps.pop(t.dest, None)
+        if mapped is not None:
+            mapped.close()
         if fd is not None:
             os.close(fd)
         wrong = t.check(t.partial)
@@ -150,9 +157,11 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
         for t in targets:
             if t._done:
                 progress(sum(min(chunk, t.size - i * chunk) for i in t._done))
-            fd = os.open(t.partial, os.O_WRONLY | os.O_CREAT, 0o644)
+            fd = os.open(t.partial, os.O_RDWR | os.O_CREAT, 0o644)
             os.ftruncate(fd, t.size)
             fds[t.dest] = fd
+            if t.direct and t.size and direct.usable(t.url):
+                maps[t.dest] = mmap.mmap(fd, t.size)
             todo = [i for i in range(t.nchunks(chunk)) if i not in t._done]
             for i in todo:
                 tasks.put((t, i))
@@ -164,6 +173,13 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
         count_lock = threading.Lock()
 
         def work() -> None:
+            conns: direct.Conns = {}  # this thread's connections for direct targets
+            try:
+                fetch_all(conns)
+            finally:
+                direct.close_all(conns)
+
+        def fetch_all(conns: direct.Conns) -> None:
             nonlocal fetched
             while not errors:
                 try:
@@ -171,7 +187,11 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
                 except queue.Empty:
                     return
                 try:
-                    n = _fetch_chunk(client, t, i, chunk, fds[t.dest], progress, cancelled)
+                    mapped = maps.get(t.dest)
+                    if mapped is not None:
+                        n = _fetch_direct(conns, t, i, chunk, mapped, fds[t.dest], progress, cancelled)
+                    else:
+                        n = _fetch_chunk(client, t, i, chunk, fds[t.dest], progress, cancelled)
                     with t._lock:
                         t._done.add(i)
                         _record(t, chunk)
@@ -193,6 +213,9 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
             full = next((e for e in errors if isinstance(e, OSError) and e.errno in FULL), None)
             if full is not None:
                 with fds_lock:
+                    for mapped in maps.values():
+                        mapped.close()
+                    maps.clear()
                     for fd in fds.values():
                         os.close(fd)
                     fds.clear()
@@ -205,8 +228,51 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
         return fetched
     finally:
         with fds_lock:
+            for mapped in maps.values():
+                mapped.close()
             for fd in fds.values():
                 os.close(fd)
+
+
+def _fetch_direct(conns: direct.Conns, t: Target, i: int, chunk: int, mapped: mmap.mmap, fd: int,
+                  progress: Callable[[int], None], cancelled: Callable[[], bool]) -> int:
+    """`_fetch_chunk` over remote/direct.py: the chunk read straight into the file's mapping."""
+    start = i * chunk
+    want = min(t.size, start + chunk) - start
+    ranged = t.size > chunk or i > 0
+    last: Optional[BaseException] = None
+    for attempt in range(TRIES):
+        if cancelled():
+            raise DownloadCancelled(f"the download of {_shown(t.url)} was stopped", "run the launch again: it resumes")
+        counted = [0]
+
+        def seen(n: int) -> None:
+            counted[0] += n
+            progress(n)
+
+        view = memoryview(mapped)[start:start + want]
+        try:
+            return direct.read_range(conns, t.url, start, view, fd, ranged, seen, cancelled)
+        except direct.Refused as exc:
+            if exc.ignored_range:
+                raise CheckFailed(f"{_shown(t.url)} ignored the byte range (HTTP {exc.status})",
+                                  "use a server that serves byte ranges (S3 and its peers do)") from exc
+            raise CheckFailed(f"{_shown(t.url)} answered HTTP {exc.status}", t.refused_fix) from exc
+        except InterruptedError as exc:
+            raise DownloadCancelled(f"the download of {_shown(t.url)} was stopped", "run the launch again: it resumes") from exc
+        except OSError as exc:
+            if exc.errno in FULL:
+                raise
+            last = exc
+        except http.client.HTTPException as exc:
+            last = exc
+        finally:
+            view.release()
+        direct.drop(conns, t.url)
+        progress(-counted[0])
+        time.sleep(0.2 * (attempt + 1))
+    raise CheckFailed(f"the download of {_shown(t.url)} failed {TRIES} times ({type(last).__name__}: {last})",
+                      "check the connection to the server and run it again: it resumes where it stopped")
 
 
 def _fetch_chunk(client: httpx.Client, t: Target, i: int, chunk: int, fd: int,

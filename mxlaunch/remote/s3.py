@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Optional
 import httpx
 import xxhash
 
-from mxlaunch.errors import CheckFailed, UsageError
+from mxlaunch.errors import UsageError
 from mxlaunch.fileutil import write_json_atomic
 from mxlaunch.remote.fetch import DOWNLOADS, Emit, Fetched, once_per_store
 from mxlaunch.remote.ranged import CHUNK, WORKERS, Target, check_room, download
@@ -237,7 +237,7 @@ def _download(s3: Any, model: S3Model, folder: Path, url: str, progress_file: Pa
                                            ExpiresIn=URL_TTL_S)
         targets.append(Target(signed, dest, f.size, f.check,
                               refused_fix="check the credentials' read access to the bucket (or AWS_ENDPOINT_URL), "
-                                          "then run the launch again: it resumes"))
+                                          "then run the launch again: it resumes", direct=True))
     check_room(targets, chunk)  # before a word of it: a disk without room is the one line
     emit("download", status="start", model=url, version=model.version, files=len(model.files), bytes=total,
          dir=str(folder), message=f"downloading {len(model.files)} file(s) of {url} ({total / (1 << 30):.2f} GiB) "

@@ -94,7 +94,8 @@ class S3StageJob:
             return None if digest == want.get("xxh3_128") else f"xxh3_128 {digest}, the manifest says {want.get('xxh3_128')}"
 
         return Target(url, self.dest / item.rel, item.size, check,
-                      refused_fix="check the credentials' read access to the store's bucket (or AWS_ENDPOINT_URL)")
+                      refused_fix="check the credentials' read access to the store's bucket (or AWS_ENDPOINT_URL)",
+                      direct=True)
 
     def _run(self) -> None:
         try:
