@@ -27,7 +27,7 @@ import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from mxlaunch import __version__
 from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
@@ -124,14 +124,24 @@ class Store:
             return None, f"snapshot {source_id}: {why}"
         return Snapshot(source_id, folder, data), ""
 
+    def _file_checker(self, source_id: str, snap: Snapshot) -> Callable[[str, int], Optional[str]]:
+        """A function (path in the manifest, bytes) → what is wrong with that file, or None. The S3 store
+        lists the objects once and checks against that."""
+        folder_real = Path(os.path.realpath(self.root)) / source_id
+        return lambda rel, size: _check_file(folder_real, snap.folder, rel, size)
+
+    def _file_xxh3(self, source_id: str, snap: Snapshot, rel: str) -> str:
+        """A file's xxh3_128 read back from where the store keeps it (OSError when it cannot be read)."""
+        return xxh3_file(snap.folder / rel)
+
     def _lookup(self, source_id: str) -> LookupResult:
         snap, why = self._load(source_id)
         if snap is None:
             return LookupResult(None, why)
-        folder_real = Path(os.path.realpath(self.root)) / source_id
+        problem_of = self._file_checker(source_id, snap)
         for entry in snap.manifest["ranks"]:
             for f in entry["files"]:
-                problem = _check_file(folder_real, snap.folder, f["path"], f["bytes"])
+                problem = problem_of(f["path"], f["bytes"])
                 if problem:
                     return LookupResult(None, f"snapshot {source_id}: rank {entry['rank']}: {problem}")
         return LookupResult(snap, "")
@@ -143,13 +153,13 @@ class Store:
         if snap is None:
             report.problems.append(why)
             return report
-        folder_real = Path(os.path.realpath(self.root)) / source_id
+        problem_of = self._file_checker(source_id, snap)
         to_hash: list[tuple[str, str]] = []
         for entry in snap.manifest["ranks"]:
             for f in entry["files"]:
                 report.files += 1
                 report.bytes += f["bytes"]
-                problem = _check_file(folder_real, snap.folder, f["path"], f["bytes"])
+                problem = problem_of(f["path"], f["bytes"])
                 if problem:
                     report.problems.append(f"rank {entry['rank']}: {problem}")
                 elif full:
@@ -158,7 +168,7 @@ class Store:
             def check(item: tuple[str, str]) -> Optional[str]:
                 rel, want = item
                 try:
-                    got = xxh3_file(snap.folder / rel)
+                    got = self._file_xxh3(source_id, snap, rel)
                 except OSError as exc:
                     return f"{rel}: {exc.strerror or exc}"
                 return None if got == want else f"{rel}: checksum {got} does not match the manifest's {want}"

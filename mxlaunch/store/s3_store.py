@@ -37,9 +37,8 @@ import os
 import re
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import xxhash
 
@@ -50,7 +49,7 @@ from mxlaunch.fileutil import ensure_dir
 from mxlaunch.store.capture import PendingCapture, capture_ids, node_part, node_tmp
 from mxlaunch.store.core import Store, build_manifest
 from mxlaunch.store.snapshot import (
-    MANIFEST, LookupResult, Snapshot, SnapshotMeta, StoreEntry, VerifyReport, _validate_manifest)
+    MANIFEST, Snapshot, SnapshotMeta, StoreEntry, _validate_manifest)
 
 _ROOT = re.compile(r"^s3:/+([^/]+)(?:/(.*))?$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
@@ -263,51 +262,21 @@ class S3Store(Store):
             return f"{rel} is {sizes[rel]} bytes, the manifest says {size}"
         return None
 
-    def _lookup(self, source_id: str) -> LookupResult:
-        snap, why = self._load(source_id)
-        if snap is None:
-            return LookupResult(None, why)
-        sizes = self._sizes(source_id)
-        for entry in snap.manifest["ranks"]:
-            for f in entry["files"]:
-                problem = self._check(sizes, f["path"], f["bytes"])
-                if problem:
-                    return LookupResult(None, f"snapshot {source_id}: rank {entry['rank']}: {problem}")
-        return LookupResult(snap, "")
+    def _file_checker(self, source_id: str, snap: Snapshot) -> Callable[[str, int], Optional[str]]:
+        sizes = self._sizes(source_id)  # one listing for every file
+        return lambda rel, size: self._check(sizes, rel, size)
 
-    def verify(self, source_id: str, full: bool = True, threads: int = 8) -> VerifyReport:
-        """Every check of `lookup` for every file; `full` reads each object back and checks its xxh3_128."""
-        report = VerifyReport(source_id, ok=False, full=full)
-        snap, why = self._load(source_id)
-        if snap is None:
-            report.problems.append(why)
-            return report
-        sizes = self._sizes(source_id)
-        to_hash: list[tuple[str, str]] = []
-        for entry in snap.manifest["ranks"]:
-            for f in entry["files"]:
-                report.files += 1
-                report.bytes += f["bytes"]
-                problem = self._check(sizes, f["path"], f["bytes"])
-                if problem:
-                    report.problems.append(f"rank {entry['rank']}: {problem}")
-                elif full:
-                    to_hash.append((f["path"], f["xxh3_128"]))
+    def _file_xxh3(self, source_id: str, snap: Snapshot, rel: str) -> str:
+        from botocore.exceptions import BotoCoreError, ClientError  # noqa: PLC0415
 
-        def check(item: tuple[str, str]) -> Optional[str]:
-            rel, want = item
-            digest = xxhash.xxh3_128()
+        digest = xxhash.xxh3_128()
+        try:
             body = self.s3.get_object(Bucket=self.bucket, Key=self.key(source_id, rel))["Body"]
             for block in body.iter_chunks(8 << 20):
                 digest.update(block)
-            got = digest.hexdigest()
-            return None if got == want else f"{rel}: checksum {got} does not match the manifest's {want}"
-
-        if to_hash:
-            with ThreadPoolExecutor(max_workers=max(1, min(threads, len(to_hash)))) as pool:
-                report.problems.extend(p for p in pool.map(check, to_hash) if p)
-        report.ok = not report.problems
-        return report
+        except (BotoCoreError, ClientError) as exc:
+            raise OSError(f"cannot be read back from the bucket ({exc})") from exc
+        return digest.hexdigest()
 
     def list(self) -> list[StoreEntry]:  # noqa: A003 — Store's name
         """Every snapshot under the prefix with its status (ok / claimed / incomplete / refused)."""
