@@ -128,25 +128,27 @@ def client(environ: Mapping[str, str] = os.environ) -> Any:
                           config=Config(signature_version="s3v4", retries={"max_attempts": 3, "mode": "standard"}))
 
 
-def _refusal(exc: BaseException, url: str) -> UsageError:
-    """boto3's errors as one line each: what is wrong and what to do."""
+def refusal(exc: BaseException, subject: str, *, may: str = "list and read") -> UsageError:
+    """boto3's errors as one line each (what is wrong — what to do); `subject` names what was asked for (a model
+    folder's URL, "the artifact store s3://…"), `may` what its credentials must be allowed to do."""
     from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError  # noqa: PLC0415
 
     if isinstance(exc, NoCredentialsError):
-        return UsageError(f"no S3 credentials for {url}",
+        return UsageError(f"no S3 credentials for {subject}",
                           "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, for the bucket's account")
     if isinstance(exc, EndpointConnectionError):
-        return UsageError(f"cannot reach the S3 endpoint for {url} ({exc})",
-                          "check AWS_ENDPOINT_URL and the network")
+        return UsageError(f"cannot reach the S3 endpoint of {subject} ({exc})", "check AWS_ENDPOINT_URL and the network")
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))
-        if code == "NoSuchBucket":
-            return UsageError(f"bucket of {url} does not exist", "check the bucket's name (and AWS_ENDPOINT_URL)")
+        if code in ("NoSuchBucket", "404"):
+            return UsageError(f"the bucket of {subject} does not exist",
+                              "check the bucket's name (and AWS_ENDPOINT_URL), or create the bucket")
         if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
-            return UsageError(f"S3 refused {url} ({code})",
-                              "use credentials that may list and read the prefix (AWS_PROFILE or AWS_ACCESS_KEY_ID)")
-        return UsageError(f"S3 answered {code or 'an error'} for {url}", "check the URL and AWS_ENDPOINT_URL")
-    return UsageError(f"cannot list {url} ({type(exc).__name__}: {exc})", "check the URL and AWS_ENDPOINT_URL")
+            return UsageError(f"S3 refused {subject} ({code})",
+                              f"use credentials that may {may} the prefix (AWS_PROFILE or AWS_ACCESS_KEY_ID)")
+        return UsageError(f"S3 answered {code or 'an error'} for {subject}", "check the URL and AWS_ENDPOINT_URL")
+    return UsageError(f"cannot use {subject} ({type(exc).__name__}: {exc})",
+                      "check the URL, the credentials and AWS_ENDPOINT_URL")
 
 
 def list_model(s3: Any, url: str) -> S3Model:
@@ -159,7 +161,7 @@ def list_model(s3: Any, url: str) -> S3Model:
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
             found.extend(o for o in page.get("Contents", []) if not o["Key"].endswith("/"))
     except (BotoCoreError, ClientError) as exc:
-        raise _refusal(exc, url) from None
+        raise refusal(exc, url) from None
     if not found:
         raise UsageError(f"no objects below {url}", "check the path: it must name the model's folder (config.json inside)")
     if not any(o["Key"] == f"{prefix}/config.json" for o in found):
@@ -173,7 +175,7 @@ def list_model(s3: Any, url: str) -> S3Model:
         try:
             head = s3.head_object(Bucket=bucket, Key=o["Key"], ChecksumMode="ENABLED")
         except (BotoCoreError, ClientError) as exc:
-            raise _refusal(exc, url) from None
+            raise refusal(exc, url) from None
         sha = head.get("ChecksumSHA256")
         sha_hex = base64.b64decode(sha).hex() if sha and "-" not in sha else None
         plain = head.get("ServerSideEncryption") not in ("aws:kms", "aws:kms:dsse") and not head.get("SSECustomerAlgorithm")

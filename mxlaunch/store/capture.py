@@ -251,6 +251,30 @@ def node_part(nranks: int, nnodes: int, node_rank: int, ranks: Optional[Iterable
     return my_ranks, capture_id
 
 
+def ranks_of_markers(markers: Iterable[Optional[object]], source_id: str, capture_id: str
+                     ) -> Optional[tuple[set, dict[int, list[dict[str, Any]]]]]:
+    """The nodes that marked their part of `capture_id` done and every rank's files, from their markers (None for
+    one that could not be read). None: a marker unreadable or damaged — never publish from it. CheckFailed: two
+    nodes wrote one rank. Both stores publish from it."""
+    ranks: dict[int, list[dict[str, Any]]] = {}
+    nodes: set = set()
+    for marker in markers:
+        if marker is None:
+            return None  # vanished (published meanwhile) or unreadable: not complete from here
+        if not isinstance(marker, dict) or marker.get("capture_id") != capture_id:
+            continue
+        nodes.add(marker.get("node_rank"))
+        try:
+            for r in marker["ranks"]:
+                if r["rank"] in ranks:
+                    raise CheckFailed(f"capture {capture_id} of {source_id}: rank {r['rank']} was written by "
+                                      "two nodes", "give each node its own ranks")
+                ranks[r["rank"]] = r["files"]
+        except (KeyError, TypeError):
+            return None
+    return nodes, ranks
+
+
 def node_tmp(folder: Path, capture_id: str) -> Path:
     """A node's own temp folder of a capture (host, pid and a random part: never two writers in one)."""
     return folder / f".tmp-{capture_id}" / f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"

@@ -35,7 +35,7 @@ from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.fileutil import ensure_dir, last_used, read_json, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.store.capture import (
-    CaptureWriter, PendingCapture, _du, _user, discard_capture, node_markers, node_part, node_tmp,
+    CaptureWriter, PendingCapture, _du, _user, discard_capture, node_markers, node_part, node_tmp, ranks_of_markers,
     reap_captures, write_failed)
 from mxlaunch.store.snapshot import (  # noqa: F401 — the store's records and checks, importable from here
     ALLOWED_SUFFIXES, MANIFEST, SCHEMA, LookupResult, Snapshot, SnapshotFile, SnapshotMeta, StoreEntry, VerifyReport,
@@ -240,24 +240,17 @@ class Store:
         names, failed = node_markers(markers_dir)
         if names is None or failed:
             return False  # no markers yet, or a node said it will not deliver its part
-        ranks: dict[int, list[dict[str, Any]]] = {}
-        nodes = set()
-        for name in names:
+
+        def read(name: str) -> Optional[object]:
             try:
-                marker = read_json(markers_dir / name)
+                return read_json(markers_dir / name)
             except (OSError, ValueError):
-                return False  # vanished (published meanwhile) or unreadable: not complete from here
-            if not isinstance(marker, dict) or marker.get("capture_id") != capture_id:
-                continue
-            nodes.add(marker.get("node_rank"))
-            try:
-                for r in marker["ranks"]:
-                    if r["rank"] in ranks:
-                        raise CheckFailed(f"capture {capture_id} of {source_id}: rank {r['rank']} was written by "
-                                          "two nodes", "give each node its own ranks")
-                    ranks[r["rank"]] = r["files"]
-            except (KeyError, TypeError):
-                return False  # a damaged marker: never publish from it
+                return None
+
+        gathered = ranks_of_markers((read(n) for n in names), source_id, capture_id)
+        if gathered is None:
+            return False
+        nodes, ranks = gathered
         if len(nodes) < nnodes or set(ranks) != set(range(nranks)):
             return False
         manifest = build_manifest(source_id, capture_id, meta, nranks, nnodes, ranks)

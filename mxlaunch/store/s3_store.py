@@ -46,7 +46,7 @@ from mxlaunch import settings
 from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.fileutil import ensure_dir
-from mxlaunch.store.capture import PendingCapture, capture_ids, node_part, node_tmp
+from mxlaunch.store.capture import PendingCapture, capture_ids, node_part, node_tmp, ranks_of_markers
 from mxlaunch.store.core import Store, build_manifest
 from mxlaunch.store.snapshot import (
     MANIFEST, Snapshot, SnapshotMeta, StoreEntry, _validate_manifest)
@@ -93,26 +93,10 @@ def _client(environ: Mapping[str, str]) -> Any:
 
 
 def refusal(exc: BaseException, url: str) -> UsageError:
-    """boto3's errors as one line each (what is wrong — what to do)."""
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError  # noqa: PLC0415
+    """boto3's errors on the store as one line each (remote/s3.py's, naming the store)."""
+    from mxlaunch.remote.s3 import refusal as s3_refusal  # noqa: PLC0415
 
-    if isinstance(exc, NoCredentialsError):
-        return UsageError(f"no S3 credentials for the artifact store {url}",
-                          "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, for the bucket's account")
-    if isinstance(exc, EndpointConnectionError):
-        return UsageError(f"cannot reach the S3 endpoint of the artifact store {url} ({exc})",
-                          "check AWS_ENDPOINT_URL and the network")
-    if isinstance(exc, ClientError):
-        code = str(exc.response.get("Error", {}).get("Code", ""))
-        if code in ("NoSuchBucket", "404"):
-            return UsageError(f"the bucket of the artifact store {url} does not exist",
-                              "check the bucket's name (and AWS_ENDPOINT_URL), or create the bucket")
-        if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
-            return UsageError(f"S3 refused the artifact store {url} ({code})",
-                              "use credentials that may list, read and write the prefix (AWS_PROFILE or AWS_ACCESS_KEY_ID)")
-        return UsageError(f"S3 answered {code or 'an error'} for the artifact store {url}", "check the URL and AWS_ENDPOINT_URL")
-    return UsageError(f"cannot use the artifact store {url} ({type(exc).__name__}: {exc})",
-                      "check the URL, the credentials and AWS_ENDPOINT_URL")
+    return s3_refusal(exc, f"the artifact store {url}", may="list, read and write")
 
 
 def _missing(exc: BaseException) -> bool:
@@ -344,27 +328,18 @@ class S3Store(Store):
         names, failed = self._markers(source_id, capture_id)
         if names is None or failed:
             return False
-        ranks: dict[int, list[dict[str, Any]]] = {}
-        nodes = set()
-        for name in names:
+
+        def read(name: str) -> Optional[object]:
             got = self.get_object(self.key(source_id, f".nodes-{capture_id}", name), limit=16 << 20)
-            if got is None:
-                return False
             try:
-                marker = json.loads(got[0])
+                return None if got is None else json.loads(got[0])
             except ValueError:
-                return False
-            if not isinstance(marker, dict) or marker.get("capture_id") != capture_id:
-                continue
-            nodes.add(marker.get("node_rank"))
-            try:
-                for r in marker["ranks"]:
-                    if r["rank"] in ranks:
-                        raise CheckFailed(f"capture {capture_id} of {source_id}: rank {r['rank']} was written by "
-                                          "two nodes", "give each node its own ranks")
-                    ranks[r["rank"]] = r["files"]
-            except (KeyError, TypeError):
-                return False
+                return None
+
+        gathered = ranks_of_markers((read(n) for n in names), source_id, capture_id)
+        if gathered is None:
+            return False
+        nodes, ranks = gathered
         if len(nodes) < nnodes or set(ranks) != set(range(nranks)):
             return False
         manifest = build_manifest(source_id, capture_id, meta, nranks, nnodes, ranks)
