@@ -106,7 +106,7 @@ def _missing(exc: BaseException) -> bool:
 
 
 class S3Store(Store):
-    """An artifact store under s3://bucket/prefix (made by `store/opener.py` `open_store(url)`; see the module docstring)."""
+    """An artifact store under s3://bucket/prefix (store/opener.py `open_store(url)` makes it; module docstring)."""
 
     remote = True
 
