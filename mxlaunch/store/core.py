@@ -65,6 +65,24 @@ def build_manifest(source_id: str, capture_id: str, meta: SnapshotMeta, nranks: 
     }
 
 
+def manifest_from_markers(markers: Iterable[Optional[object]], source_id: str, capture_id: str, meta: SnapshotMeta,
+                          nranks: int, nnodes: int) -> Optional[dict[str, Any]]:
+    """The manifest to publish once every node's marker (None: one unreadable) covers every rank; None while the
+    capture is not complete or a marker is damaged. CheckFailed when it could never be published. Both stores
+    publish what this returns (each its own way)."""
+    gathered = ranks_of_markers(markers, source_id, capture_id)
+    if gathered is None:
+        return None
+    nodes, ranks = gathered
+    if len(nodes) < nnodes or set(ranks) != set(range(nranks)):
+        return None
+    manifest = build_manifest(source_id, capture_id, meta, nranks, nnodes, ranks)
+    why = _validate_manifest(manifest, source_id)
+    if why:
+        raise CheckFailed(f"capture {capture_id} of {source_id} cannot be published: {why}", "capture it again")
+    return manifest
+
+
 # ---- the store ---------------------------------------------------------------------------------------------
 
 
@@ -247,16 +265,9 @@ class Store:
             except (OSError, ValueError):
                 return None
 
-        gathered = ranks_of_markers((read(n) for n in names), source_id, capture_id)
-        if gathered is None:
+        manifest = manifest_from_markers((read(n) for n in names), source_id, capture_id, meta, nranks, nnodes)
+        if manifest is None:
             return False
-        nodes, ranks = gathered
-        if len(nodes) < nnodes or set(ranks) != set(range(nranks)):
-            return False
-        manifest = build_manifest(source_id, capture_id, meta, nranks, nnodes, ranks)
-        why = _validate_manifest(manifest, source_id)
-        if why:
-            raise CheckFailed(f"capture {capture_id} of {source_id} cannot be published: {why}", "capture it again")
         won = write_json_atomic(folder / MANIFEST, manifest, exclusive=True)
         if won:
             shutil.rmtree(markers_dir, ignore_errors=True)

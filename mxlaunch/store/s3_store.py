@@ -46,8 +46,8 @@ from mxlaunch import settings
 from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.fileutil import ensure_dir
-from mxlaunch.store.capture import PendingCapture, capture_ids, node_part, node_tmp, ranks_of_markers
-from mxlaunch.store.core import Store, build_manifest
+from mxlaunch.store.capture import PendingCapture, capture_ids, node_part, node_tmp
+from mxlaunch.store.core import Store, manifest_from_markers
 from mxlaunch.store.snapshot import (
     MANIFEST, Snapshot, SnapshotMeta, StoreEntry, _validate_manifest)
 
@@ -336,16 +336,9 @@ class S3Store(Store):
             except ValueError:
                 return None
 
-        gathered = ranks_of_markers((read(n) for n in names), source_id, capture_id)
-        if gathered is None:
+        manifest = manifest_from_markers((read(n) for n in names), source_id, capture_id, meta, nranks, nnodes)
+        if manifest is None:
             return False
-        nodes, ranks = gathered
-        if len(nodes) < nnodes or set(ranks) != set(range(nranks)):
-            return False
-        manifest = build_manifest(source_id, capture_id, meta, nranks, nnodes, ranks)
-        why = _validate_manifest(manifest, source_id)
-        if why:
-            raise CheckFailed(f"capture {capture_id} of {source_id} cannot be published: {why}", "capture it again")
         from mxlaunch.coord.s3 import _race_lost  # noqa: PLC0415
 
         try:
