@@ -67,6 +67,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_launch_runs import REPO, Option, _stop, free_port, read_log  # noqa: E402
 
 API = "vllm.entrypoints.openai.api_server"
+# --engine sglang: SGLang 0.5.16's kit (docs/sglang-gpu.md) has no FA3, so its attention is FlashInfer's
+ENGINE = {"name": "vllm", "attention": "flashinfer"}
+# the engine core's (vLLM) or the TP-0 scheduler's (SGLang) first line: the second process is up
+CORE_MARK = {"vllm": "EngineCore", "sglang": "TP0"}
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
 ENGINE_OPTIONS = {"prefetch": ("--safetensors-load-strategy", "prefetch"),
                   "fastsafetensors": ("--load-format", "fastsafetensors"),
@@ -123,7 +127,26 @@ def wipe_jit_caches() -> list[str]:
     return gone
 
 
+def autotune_choices() -> dict[str, str]:
+    """Inductor's run-time autotuning results (`<kernel hash>.best_config`: the Triton launch config it timed
+    fastest) in every JIT cache: a reduction's block sizes fix its summation order, so two fresh compiles that
+    chose differently serve different numbers. Compared start by start to tell timing from configuration."""
+    found: dict[str, str] = {}
+    for folder in jit_cache_dirs():
+        for path in folder.rglob("*.best_config") if folder.is_dir() else []:
+            try:
+                found[path.stem] = path.read_text()
+            except OSError:
+                continue
+    return found
+
+
 def engine_argv(model: Path, port: int, util: float, extra: tuple[str, ...] = ()) -> list[str]:
+    if ENGINE["name"] == "sglang":
+        graphs = () if COMPILE["on"] else ("--disable-cuda-graph",)
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--dtype", "bfloat16", *graphs,
+                "--context-length", "2048", "--mem-fraction-static", f"{util:g}", "--attention-backend", ENGINE["attention"],
+                "--sampling-backend", "pytorch", "--host", "127.0.0.1", "--port", str(port), *extra]
     eager = () if COMPILE["on"] else ("--enforce-eager",)
     return [sys.executable, "-m", API, "--model", str(model), "--dtype", "bfloat16", *eager,
             "--max-model-len", "2048", "--gpu-memory-utilization", f"{util:g}", "--host", "127.0.0.1",
@@ -163,7 +186,7 @@ class Start:
                     continue
                 if self.first_line_s is None and not text.startswith(("{", "mxlaunch")):  # the engine's, not ours
                     self.first_line_s = now
-                if self.engine_core_s is None and "EngineCore" in text:
+                if self.engine_core_s is None and CORE_MARK[ENGINE["name"]] in text:
                     self.engine_core_s = now
 
     def event(self, name: str) -> Optional[dict]:
@@ -305,9 +328,11 @@ class Harness:
         text = log.read_text(errors="replace")
         rec["log_times"] = {name: float(m.group(1)) for name, pattern in LOG_TIMES.items()
                             if (m := re.search(pattern, text))}
-        opt = Option(rec["name"], "vllm", launch=() if launcher else None, once=rec["name"] == "capture")
+        opt = Option(rec["name"], ENGINE["name"], launch=() if launcher else None, once=rec["name"] == "capture")
         rec.update(read_log(opt, text, start.events))
         rec.update(first_line_s=start.first_line_s, engine_core_s=start.engine_core_s, log=str(log))
+        if COMPILE["on"]:
+            rec["autotune"] = autotune_choices()
         ready = start.event("ready")
         rec["phases"] = (ready or {}).get("phases") or profile_phases(log)
         if launcher:
@@ -422,7 +447,12 @@ def main() -> int:
     ap.add_argument("--util", type=float, default=0.7, help="--gpu-memory-utilization (p2p: half each)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds to ready, per start")
     ap.add_argument("--out", type=Path, required=True, help="the JSON record (every run so far in the work folder)")
-    ap.add_argument("--compile", action="store_true", help="vLLM's default compile and CUDA graphs (no --enforce-eager)")
+    ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help="sglang: SGLang's kit "
+                    "(docs/sglang-gpu.md), FlashInfer attention, PyTorch sampling")
+    ap.add_argument("--sglang-attention", choices=("flashinfer", "triton"), default="flashinfer", help="SGLang's "
+                    "--attention-backend (flashinfer: a fresh node JIT-builds its kernels in the first request, ~3 min)")
+    ap.add_argument("--compile", action="store_true", help="vLLM's default compile and CUDA graphs (no --enforce-eager; "
+                    "SGLang: CUDA graphs, no --disable-cuda-graph)")
     ap.add_argument("--fresh-node", action="store_true", help="remove this machine's JIT kernel caches before every "
                     "start (the store stays): each start as on a node that never ran the model")
     ap.add_argument("--record-each", action="store_true", help="also record every start's own answers "
@@ -440,14 +470,18 @@ def main() -> int:
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model),
                         "--size", args.size], check=True)
     COMPILE["on"] = args.compile
+    ENGINE["name"], ENGINE["attention"] = args.engine, args.sglang_attention
+    if args.engine == "sglang" and {"p2p", "zygote", "default-fork", *ENGINE_OPTIONS} & set(scenarios):
+        ap.error("--engine sglang runs default, capture, staged and staged-spawn only")
     RECORD_EACH["on"] = args.record_each
     if args.flashinfer_sampler:
         ENV.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
     harness = Harness(args.work, model, args.util, args.timeout)
     harness.fresh_node = args.fresh_node
-    import vllm  # noqa: PLC0415 — only for its version, in the engine's environment
+    import importlib  # noqa: PLC0415 — only for its version, in the engine's environment
 
-    doc = {"schema": 1, "engine": "vllm", "engine_version": vllm.__version__, "gpu": gpu_name(),
+    version = importlib.import_module(ENGINE["name"]).__version__
+    doc = {"schema": 1, "engine": ENGINE["name"], "engine_version": version, "gpu": gpu_name(),
            "date": dt.date.today().isoformat(), "model": {"size": args.size,
            "bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))},
            "env": ENV, "command": shlex.join([sys.executable, *sys.argv]), "runs": harness.runs}
@@ -467,6 +501,13 @@ def print_table(runs: list[dict]) -> None:
         shown = ["—" if v is None else f"{v:.2f}" for v in cells]
         note = r.get("verify") or r.get("skipped") or r.get("error") or "—"
         print(f"| {r['name']} | {r.get('strategy')} | " + " | ".join(shown) + f" | {note} |")
+    tuned = [r for r in runs if r.get("autotune")]
+    for r in tuned[1:]:  # each compile start's autotune choices against the first one's
+        first, own = tuned[0]["autotune"], r["autotune"]
+        common = set(first) & set(own)
+        differ = sorted(k for k in common if first[k] != own[k])
+        print(f"autotune {tuned[0]['name']} vs {r['name']}: {len(common)} kernels in both, {len(differ)} chose "
+              f"differently, {len(set(own) - set(first))} only in the later one")
 
 
 if __name__ == "__main__":

@@ -128,8 +128,9 @@ def loader_class() -> type:
     if _loader_cls is not None:
         return _loader_cls
 
-    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.model_loader.loader import DefaultModelLoader, device_loading_context
 
+    from mxlaunch.plugin import sglang_weight_steps
     from mxlaunch.plugin.load_step import build_and_load, effective_plan
     from mxlaunch.plugin.rank_load import RankLoad
 
@@ -160,12 +161,12 @@ def loader_class() -> type:
             # DefaultModelLoader.load_model calls this through self; `weights` is a lazy iterator over
             # the checkpoint that a staged restore never starts (no checkpoint reads).
             def default_load() -> None:
-                DefaultModelLoader.load_weights_only(model, weights, target_device)
+                sglang_weight_steps.load_only(DefaultModelLoader, model, weights, target_device)
 
             self._rank_load = RankLoad(model, effective_plan(self, self._plan), self._rank, default_load, engine="SGLang", log=log,
                                        layout=_layout)
             self._outcome = self._rank_load.run()
-            DefaultModelLoader.postprocess_weights(model, target_device)
+            sglang_weight_steps.postprocess(DefaultModelLoader, model, target_device, device_loading_context)
 
     MxlaunchSGLangLoader.__module__ = __name__
     MxlaunchSGLangLoader.__qualname__ = "MxlaunchSGLangLoader"
