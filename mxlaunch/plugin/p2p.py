@@ -182,27 +182,31 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
             continue
         phases["match"] = time.perf_counter() - t0
         ipc = _ipc_pull(rec, pairs, skipped)
+        over_nixl = pairs if ipc is None else ipc[1]  # with IPC: only what is not GPU memory on both sides
+        stats = ipc[0] if ipc is not None else None
+        transport, reg_took, registrations = "CUDA IPC", 0.0, 0
         if ipc is not None:
-            stats, transport, reg_took, registrations = ipc, "CUDA IPC", 0.0, 0
-            phases["connect"], phases["transfer"] = ipc.open_seconds, ipc.transfer_seconds
-        else:
-            transport = "NIXL"
+            phases["connect"], phases["transfer"] = ipc[0].open_seconds, ipc[0].transfer_seconds
+        if over_nixl:
+            transport = "CUDA IPC + NIXL" if ipc is not None else "NIXL"
             try:
                 t0 = time.perf_counter()
                 regions = regions_for([t for _, t in named])
                 phases["regions"] = time.perf_counter() - t0
                 reg_took = register_once(regions)
                 phases["register"] = reg_took
-                stats = agent().pull(base64.b64decode(rec.agent_metadata), pairs, timeout_s=timeout_s, on_batch=on_batch)
-                phases["connect"], phases["transfer"] = stats.connect_seconds, stats.transfer_seconds
+                nixl = agent().pull(base64.b64decode(rec.agent_metadata), over_nixl, timeout_s=timeout_s, on_batch=on_batch)
+                phases["connect"] = phases.get("connect", 0.0) + nixl.connect_seconds
+                phases["transfer"] = phases.get("transfer", 0.0) + nixl.transfer_seconds
                 registrations = agent().registrations
             except NixlUnavailable as exc:
-                raise RestoreError(str(exc), landed=False) from exc
+                raise RestoreError(str(exc), landed=ipc is not None) from exc
             except TransferError as exc:
-                if exc.landed:
+                if exc.landed or ipc is not None:
                     raise RestoreError(f"the transfer from {who} failed after bytes landed: {exc}", landed=True) from exc
                 skipped.append(f"{who}: {exc}")
                 continue
+            stats = nixl if stats is None else _Moved(stats.bytes + nixl.bytes, stats.transfer_seconds + nixl.transfer_seconds)
         t0 = time.perf_counter()
         bad = mismatches(named, rec.tensors)
         phases["verify"] = time.perf_counter() - t0
@@ -217,20 +221,30 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
                        landed=False)
 
 
+@dataclass
+class _Moved:
+    """What a pull moved, whichever transports carried it."""
+
+    bytes: int
+    transfer_seconds: float
+
+
 def _ipc_pull(rec: Any, pairs: Sequence[Any], skipped: list[str]) -> Any:
-    """The pull through CUDA IPC when the source is on this host and exported handles; None to use NIXL (why
-    is added to `skipped`). RestoreError(landed=True) if a copy failed after it began."""
+    """The GPU-to-GPU pairs copied through CUDA IPC when the source is on this host and exported handles:
+    (stats, the pairs left for NIXL), or None to use NIXL for all (why is added to `skipped`).
+    RestoreError(landed=True) if a copy failed after it began."""
     from mxlaunch.transfer import cuda_ipc
 
     allocations = rec.extra.get("cuda_ipc")
-    if not settings.p2p_cuda_ipc() or not rec.boot_id or rec.boot_id != boot_id() or any(p.local_kind != "cuda" for p in pairs):
+    gpu, rest = cuda_ipc.split(pairs)
+    if not settings.p2p_cuda_ipc() or not rec.boot_id or rec.boot_id != boot_id() or not gpu:
         return None  # off, another host, or host memory: NIXL is the way, nothing to say
     if not allocations:
         why = rec.extra.get("cuda_ipc_why") or "it names no reason (an older mxlaunch, or MXLAUNCH_CUDA_IPC=0 there)"
         skipped.append(f"{rec.worker}: exported no CUDA IPC handles: {why} (pulled over NIXL instead)")
         return None
     try:
-        return cuda_ipc.pull(allocations, pairs, torch.cuda.current_stream().cuda_stream)
+        return cuda_ipc.pull(allocations, gpu, torch.cuda.current_stream().cuda_stream), rest
     except cuda_ipc.CudaIpcError as exc:
         if exc.landed:
             raise RestoreError(f"the CUDA IPC copy from {rec.worker} on {rec.host} failed after bytes landed: {exc}",
@@ -312,6 +326,9 @@ def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any,
         allocations, why = cuda_ipc.export_regions(regions)
         if allocations:
             extra["cuda_ipc"] = allocations  # same-host targets copy out of these (transfer/cuda_ipc.py)
+            host = [e["name"] for e in entries if e.get("device") != "cuda"]
+            if host:  # these few stay on NIXL; named so a reader sees what they are
+                extra["cuda_ipc_host_tensors"] = {"count": len(host), "names": host[:5]}
         else:  # said in the record: the target's "passed over" and the source's own line name it
             extra["cuda_ipc_why"] = why[:300]
     record = local_record(source_id, rank, world, layout=layout, worker=a.name, run_id=run_id, device=device,

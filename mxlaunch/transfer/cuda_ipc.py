@@ -104,10 +104,12 @@ class Driver:
 
 
 def export_regions(regions: Sequence[Any], driver: Optional[Driver] = None) -> tuple[Optional[list[dict]], str]:
-    """One handle per CUDA region, as the record's `cuda_ipc` list: (allocations, "") or (None, why not)."""
+    """One handle per allocation holding a GPU region, as the record's `cuda_ipc` list: (allocations, "") or
+    (None, why not). Host-memory regions are left out (a served set may hold a few: vLLM 0.26 keeps some
+    buffers in host memory); a target copies those over NIXL and the rest through the handles."""
     cuda = [r for r in regions if r.kind == "cuda"]
-    if not cuda or len(cuda) != len(regions):
-        return None, "not every region is GPU memory"
+    if not cuda:
+        return None, "no served region is GPU memory"
     try:
         driver = driver or Driver()
         driver.on_device(cuda[0].dev)
@@ -121,6 +123,12 @@ def export_regions(regions: Sequence[Any], driver: Optional[Driver] = None) -> t
         return sorted(out.values(), key=lambda a: a["addr"]), ""
     except (OSError, AttributeError) as exc:
         return None, f"the driver exports no IPC handle here ({exc})"
+
+
+def split(pairs: Sequence[Pair]) -> tuple[list[Pair], list[Pair]]:
+    """(GPU-to-GPU pairs, the rest): the first go through the handles, the rest over NIXL."""
+    gpu = [p for p in pairs if p.local_kind == "cuda" and p.remote_kind == "cuda"]
+    return gpu, [p for p in pairs if not (p.local_kind == "cuda" and p.remote_kind == "cuda")]
 
 
 @dataclass

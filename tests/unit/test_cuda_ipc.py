@@ -198,3 +198,15 @@ def test_a_same_host_source_whose_memory_cannot_be_opened_is_pulled_over_nixl_an
     with pytest.raises(p2p.RestoreError) as landed:
         p2p._ipc_pull(rec, pairs, [])
     assert landed.value.landed is True
+
+
+def test_host_memory_regions_are_left_to_nixl_and_the_gpu_ones_still_exported() -> None:
+    """vLLM 0.26 serves a few tensors from host memory (seen on the H200: 'not every region is GPU memory')."""
+    driver = FakeDriver()
+    regions, pairs = two_allocations(driver)
+    allocations, why = cuda_ipc.export_regions([*regions, Region(0x7000_0000, 64, 0, "cpu")], driver)
+    assert why == "" and [a["addr"] for a in allocations] == [0x1000, 0x8000]
+    host = Pair("rope", 0x6000_0000, 0x7000_0000, 64, 0, 0, "cpu", "cpu")
+    gpu, rest = cuda_ipc.split([*pairs, host])
+    assert gpu == pairs and rest == [host]
+    assert cuda_ipc.export_regions([Region(0x7000_0000, 64, 0, "cpu")], driver) == (None, "no served region is GPU memory")

@@ -92,6 +92,39 @@ def test_processed_layout_pull_is_exact_and_the_target_serves_without_registerin
         pub.unpublish()
 
 
+def test_a_same_host_pull_copies_gpu_pairs_through_ipc_and_only_the_rest_over_nixl(tmp_path, sources, monkeypatch) -> None:
+    """vLLM 0.26 serves a few tensors from host memory: the IPC half and the NIXL half make one exact pull."""
+    from mxlaunch.transfer import cuda_ipc
+
+    sources("--layout", "processed")
+    target = build(7)
+    mine, gold = dict(processed_tensors(target)), dict(processed_tensors(build(0)))
+    over_nixl: list = []
+    over_ipc: list = []
+
+    def ipc_half(rec, pairs, skipped):  # stands in for the driver's copies: the even pairs, from the gold
+        gpu, rest = pairs[::2], pairs[1::2]
+        over_ipc.extend(gpu)
+        with torch.no_grad():
+            for pair in gpu:
+                mine[pair.name].copy_(gold[pair.name])
+        return cuda_ipc.IpcStats(sum(p.bytes for p in gpu), 0.0, 0.001, 1), rest
+
+    real_pull = p2p.agent().pull
+
+    def counted(metadata, pairs, **kw):
+        over_nixl.extend(pairs)
+        return real_pull(metadata, pairs, **kw)
+
+    monkeypatch.setattr(p2p, "_ipc_pull", ipc_half)
+    monkeypatch.setattr(p2p.agent(), "pull", counted)
+    result = p2p.pull(processed_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
+                      layout="processed")
+    assert equal_to_seed0(target) and result.transport == "CUDA IPC + NIXL"
+    assert over_ipc and over_nixl and {p.name for p in over_ipc}.isdisjoint(p.name for p in over_nixl)
+    assert result.tensors == len(over_ipc) + len(over_nixl) and result.bytes == sum(p.bytes for p in over_ipc + over_nixl)
+
+
 def test_raw_layout_pull_then_post_processing_reproduces_the_source(tmp_path, sources) -> None:
     sources("--layout", "raw")
     target = build(7, post=False)
