@@ -9,7 +9,8 @@ Source: one handle per allocation holding a region (a region is the part of one 
 i.e. one cudaMalloc, that the served tensors use: transfer/regions.py), exported with `cuIpcGetMemHandle` on
 the allocation's base, which is what the driver names (a region usually starts inside its segment: a segment's
 first block is often a buffer that is not served); a segment the driver will not export (cuMemCreate memory:
-PyTorch's expandable segments) means no handles at all, and NIXL alone serves.
+PyTorch's expandable segments) means no handles at all, and NIXL alone serves. Host-memory regions get no handle:
+vLLM 0.26 on the H200 served a few tensors from host memory beside its GPU weights, and those alone go over NIXL.
 Target (same boot id, so the same kernel and driver): open each handle (`cuIpcOpenMemHandle`, peer access
 enabled lazily when the source sits on another GPU), queue one `cuMemcpyDtoDAsync` per tensor on the caller's
 stream, wait, close the mappings. Bytes are then checked against the source's checksums like any pull.
