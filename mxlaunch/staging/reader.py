@@ -31,9 +31,10 @@ from mxlaunch.staging.ost_model import OstModel
 from mxlaunch.staging.schedule import Chunk, ChunkScheduler, cut_chunks
 from mxlaunch.staging.chunk_io import ChunkReader
 from mxlaunch.staging.records import (  # noqa: F401 — callers import these from here
-    _O_DIRECT, ALIGN, DEFAULT_CHUNK, WORKER, WRITE_MODES, StageCancelled, StagedFile, StageResult, _FileState, _hash_file_buffered,
+    _O_DIRECT, ALIGN, DEFAULT_CHUNK, WORKER, WRITE_MODES, StageCancelled, StagedFile, StageResult, _FileState,
     _RateLimiter)
 from mxlaunch.staging.sources import PARTIAL_SUFFIX, CopyItem
+from mxlaunch.store.snapshot import xxh3_file
 
 class StageJob(ChunkReader):
     """Copy `items` into `dest` with `readers` threads; observe files as they complete.
@@ -246,7 +247,7 @@ class StageJob(ChunkReader):
                     "the source is corrupt or changed; re-stage from a good copy",
                 )
         if self.verify_source and state.item.size:
-            src_digest = _hash_file_buffered(state.item.src)
+            src_digest = xxh3_file(state.item.src)
             if src_digest != digest:
                 raise CheckFailed(f"{state.item.rel}: copy differs from its source", "re-run the stage")
         self._close_file(state)

@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import xxhash
 
 from mxlaunch.errors import MxlaunchError
 from mxlaunch.staging.hugepages import FileMapping
@@ -108,9 +107,3 @@ def _prefault(buf: mmap.mmap) -> None:
         buf.write(b"\0" * len(buf))
 
 
-def _hash_file_buffered(path: Path) -> str:
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as fh:
-        while block := fh.read(DEFAULT_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()

@@ -25,8 +25,9 @@ import httpx
 from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
 from mxlaunch.remote.ranged import CHUNK, WORKERS, DownloadCancelled, Target, download
 from mxlaunch.staging.capacity import capacity_of, format_bytes
-from mxlaunch.staging.records import StageCancelled, StagedFile, StageResult, _hash_file_buffered
+from mxlaunch.staging.records import StageCancelled, StagedFile, StageResult
 from mxlaunch.staging.sources import CopyItem
+from mxlaunch.store.snapshot import xxh3_file
 
 if TYPE_CHECKING:
     from mxlaunch.store.s3_store import S3Store
@@ -90,7 +91,7 @@ class S3StageJob:
             size = path.stat().st_size
             if size != item.size:
                 return f"{size} bytes, the manifest says {item.size}"
-            digest = _hash_file_buffered(path)
+            digest = xxh3_file(path)
             return None if digest == want.get("xxh3_128") else f"xxh3_128 {digest}, the manifest says {want.get('xxh3_128')}"
 
         return Target(url, self.dest / item.rel, item.size, check,
