@@ -48,6 +48,9 @@ _TIMED = re.compile(
 )
 _AUTO_VLLM_AFTER = 20  # vLLM-format lines with no SGLang line: it is vLLM (SGLang may import vLLM)
 SILENCE_S = 10.0  # a start-up gap this long between two engine lines is reported (`silences`)
+# the server's access-log line for a readiness poll (SGLang answers /health with 503 until its warm-up request is
+# done, and logs every poll): such lines do not end a silence
+_POLL = re.compile(r'"(?:GET|HEAD) /(?:health|health_generate|model_info|get_model_info|v1/models|ping|ready)\S* HTTP/')
 
 
 class StartupProfiler:
@@ -80,6 +83,7 @@ class StartupProfiler:
         self.silences: List[Silence] = []
         self._last_line: Optional[Tuple[float, str]] = None  # the last engine line: when, its message
         self._hints: List[str] = []  # what earlier lines said runs silently later (LogFormat.silent_work)
+        self._armed: Dict[str, str] = {}  # such work that starts only at a later line: what → that line's pattern
 
     # ---- input ----------------------------------------------------------------------------------
 
@@ -172,13 +176,22 @@ class StartupProfiler:
         """An engine line after SILENCE_S or more without one: the gap is reported, named by what an earlier
         line said would run silently (vLLM: "Using FlashInfer for top-p & top-k sampling" → its JIT build)."""
         assert self.fmt is not None and self.t0 is not None
+        if _POLL.search(message):  # a client asking "ready yet?" is not the engine making progress
+            return
         if self._last_line is not None and when - self._last_line[0] >= SILENCE_S:
             likely = "; ".join(self._hints) or None
             self.silences.append(Silence(self._last_line[0] - self.t0, when - self._last_line[0],
                                          self._last_line[1][:100], likely))
-        for pattern, what in getattr(self.fmt, "silent_work", ()):
+        for pattern, what, *after in getattr(self.fmt, "silent_work", ()):
             if what not in self._hints and re.search(pattern, message):
+                if after:  # it runs only once a later line is seen (SGLang: the warm-up request, after HTTP is up)
+                    self._armed.setdefault(what, after[0])
+                else:
+                    self._hints.append(what)
+        for what, after_line in list(self._armed.items()):
+            if re.search(after_line, message):
                 self._hints.append(what)
+                del self._armed[what]
         self._last_line = (when, message.strip())
 
     def record(self, ev: PhaseEvent, when: Optional[float] = None) -> None:

@@ -23,6 +23,7 @@ OURS = Path(__file__).resolve().parent / "fixtures_logs"
 SGLANG_TP4 = REAL / "sglang-0.5.x-apertus8b-tp4-gpu.log"
 SGLANG_WORKER = REAL / "sglang-0.5.x-llama70b-tp8-2node-worker.log"
 VLLM_011 = REAL / "vllm-0.11.0-gpu-qwen3-vl-30b-a3b-tp4.log"
+SGLANG_H200_FIRST = REAL / "sglang-0.5.16-h200-flashinfer-first-start.log"
 VLLM_CPU = REAL / "vllm-0.32-cpu-tiny-llama.log"
 VLLM_026_FRESH = REAL / "vllm-0.26-h200-compile-fresh-node.log"
 
@@ -91,6 +92,19 @@ def test_a_silent_jit_build_is_named_by_the_gap_it_leaves() -> None:
     assert gap.after.startswith("Free memory on device") and "FlashInfer's JIT build of its sampler" in gap.likely
     assert run.to_dict()["silences"][2]["seconds"] == 96.0
     assert all(x.likely is None for x in profile_file(VLLM_011).silences)  # no such announcement there
+
+
+def test_sglangs_warm_up_jit_build_is_named_through_the_health_polls_it_answers_503() -> None:
+    """SGLang 0.5.16 on a fresh H200 node: HTTP is up at 22 s, then its warm-up request JIT-builds FlashInfer's
+    attention kernels for 181 s while the client's /health polls are answered 503 (and logged). The polls do not
+    end the silence; the gap is named by the attention backend the server args chose, and only the gap after HTTP
+    came up (the scheduler's imports before it are not FlashInfer's build)."""
+    run, ph = phases(SGLANG_H200_FIRST)
+    assert (run.engine, run.ready) == ("sglang", True) and ph["weight_loading"] == 4.89
+    build = [x for x in run.silences if x.likely]
+    assert [(x.at, x.seconds) for x in build] == [(22.0, 182.0)]  # 17:43:20 Uvicorn running → 17:46:22 prefill
+    assert build[0].after.startswith("INFO:     Uvicorn running on") and "FlashInfer's JIT build" in build[0].likely
+    assert all(x.likely is None for x in run.silences if x.at < 22.0)
 
 
 def test_vllm_cpu_real_log() -> None:
