@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -154,10 +155,13 @@ def keys_of(server: S3Server) -> list[tuple[str, int]]:
     return sorted((o["Key"], o["Size"]) for page in pages for o in page.get("Contents", []))
 
 
-def ceiling(server, keys: list[tuple[str, int]]) -> float:
+def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None) -> float:
     """What the server gives: WORKERS connections (the standard library's http.client, the client's cheapest
-    reads) taking CHUNK-sized ranges of every object off one queue, each read into a scratch buffer and dropped."""
+    reads) taking CHUNK-sized ranges of every object off one queue, each read into a scratch buffer and dropped.
+    With `keep_in` (a /dev/shm folder) each range is read into its file's mapping instead and kept, unchecked:
+    the floor of any reader that lands the bytes in tmpfs (page allocation included), with nothing else done."""
     import http.client
+    import mmap
     from urllib.parse import urlsplit
 
     s3 = server.client()
@@ -165,6 +169,15 @@ def ceiling(server, keys: list[tuple[str, int]]) -> float:
             for k, _ in keys}
     work = [(k, start, min(size, start + CHUNK) - 1) for k, size in keys for start in range(0, size, CHUNK)]
     lock = threading.Lock()
+    maps: dict[str, memoryview] = {}
+    t0 = time.perf_counter()
+    if keep_in is not None:
+        keep_in.mkdir(parents=True)
+        for k, size in keys:
+            fd = os.open(keep_in / Path(k).name, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(fd, size)
+            maps[k] = memoryview(mmap.mmap(fd, size))
+            os.close(fd)
 
     def run() -> None:
         first = next(iter(urls.values()))
@@ -179,19 +192,24 @@ def ceiling(server, keys: list[tuple[str, int]]) -> float:
             conn.request("GET", f"{urls[key].path}?{urls[key].query}", headers={"Range": f"bytes={a}-{b}"})
             resp = conn.getresponse()
             left = b - a + 1
+            land = maps[key][a:b + 1] if maps else None
             while left:
-                n = resp.readinto(scratch[:min(left, len(scratch))])
+                into = land[b - a + 1 - left:] if land is not None else scratch[:min(left, len(scratch))]
+                n = resp.readinto(into[:4 << 20])
                 if not n:
                     raise SystemExit("the server ended a range early")
                 left -= n
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=run) for _ in range(WORKERS)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    if keep_in is not None:
+        maps.clear()
+        shutil.rmtree(keep_in)
+    return took
 
 
 def single_stream(server: S3Server, keys: list[tuple[str, int]], dest: Path) -> float:
@@ -252,6 +270,7 @@ def main() -> int:
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--server", choices=("seaweedfs", "moto"), default="seaweedfs")
+    ap.add_argument("--only", default="", help="comma-separated parts of the ways' names to run (e.g. ceiling,mxlaunch)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     total = parse_size(args.size)
@@ -269,29 +288,43 @@ def main() -> int:
             keys = keys_of(server)
             nbytes = sum(s for _, s in keys)
             ways = {"ceiling (16 ranged GETs, http.client, dropped)": lambda: ceiling(server, keys),
+                    "landing ceiling (the same, kept in /dev/shm, unchecked)": lambda: ceiling(server, keys, shm / "kept"),
                     "boto3, one stream per file": lambda: single_stream(server, keys, shm / "single"),
                     "runai_streamer (vLLM's reader)": lambda: runai(server, keys),
                     "mxlaunch S3 staging": lambda: mxlaunch_stage(store, snap, shm / "stage")}
+            if args.only:
+                ways = {w: fn for w, fn in ways.items() if any(o in w for o in args.only.split(","))}
             times: dict[str, list] = {w: [] for w in ways}
+            cpu: dict[str, list] = {w: [] for w in ways}
             for rep in range(args.reps):  # interleaved: each rep runs every way once
                 for way, fn in ways.items():
+                    before = resource.getrusage(resource.RUSAGE_SELF)
                     took = fn()
+                    after = resource.getrusage(resource.RUSAGE_SELF)
                     times[way].append(took)
+                    cpu[way].append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
                     shown = f"{nbytes / GiB / took:.3f} GiB/s" if isinstance(took, float) else took
-                    print(f"rep {rep}: {way}: {shown}", flush=True)
+                    print(f"rep {rep}: {way}: {shown}, client CPU {cpu[way][-1]:.2f} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     results = {}
     for way, seen in times.items():
         nums = [t for t in seen if isinstance(t, float)]
-        results[way] = ({"seconds": [round(t, 3) for t in nums], "gibps_median": round(nbytes / GiB / statistics.median(nums), 3)}
+        # the client's own CPU seconds per GiB (every thread of this process): what it costs the cores it shares
+        # with the server, steadier than the wall time on a loaded machine
+        per_gib = [c / (nbytes / GiB) for c, t in zip(cpu[way], seen) if isinstance(t, float)]
+        results[way] = ({"seconds": [round(t, 3) for t in nums], "gibps_median": round(nbytes / GiB / statistics.median(nums), 3),
+                         "client_cpu_s_per_gib_median": round(statistics.median(per_gib), 3)}
                         if nums else {"note": seen[0]})
-    ceil = results["ceiling (16 ranged GETs, http.client, dropped)"]["gibps_median"]
-    mx = results["mxlaunch S3 staging"]["gibps_median"]
-    ratios = {"mxlaunch / ceiling": round(mx / ceil, 3)}
+    ceil = results.get("ceiling (16 ranged GETs, http.client, dropped)", {}).get("gibps_median")
+    mx = results.get("mxlaunch S3 staging", {}).get("gibps_median")
+    ratios = {"mxlaunch / ceiling": round(mx / ceil, 3)} if ceil and mx else {}
+    kept = results.get("landing ceiling (the same, kept in /dev/shm, unchecked)", {}).get("gibps_median")
+    if kept and mx:
+        ratios["mxlaunch / landing ceiling"] = round(mx / kept, 3)
     for way in ("boto3, one stream per file", "runai_streamer (vLLM's reader)"):
-        if "gibps_median" in results[way]:
+        if mx and "gibps_median" in results.get(way, {}):
             ratios[f"mxlaunch / {way}"] = round(mx / results[way]["gibps_median"], 3)
     doc = {"schema": 1, "date": dt.date.today().isoformat(), "machine": f"{platform.node() and 'this VM'}: "
            f"{os.cpu_count()} cores", "server": args.server, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

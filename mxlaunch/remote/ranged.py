@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import http.client
 import json
-import mmap
 import os
 import queue
 import threading
@@ -29,6 +28,7 @@ import httpx
 
 from mxlaunch.errors import CheckFailed, MxlaunchError
 from mxlaunch.remote import direct
+from mxlaunch.staging.hugepages import FileMapping, HugePager
 
 CHUNK = 16 << 20
 WORKERS = 16
@@ -49,6 +49,8 @@ class Target:
     check: Callable[[Path], Optional[str]]  # None when the file is right, else what is wrong
     refused_fix: str = "check the hub id and HF_TOKEN, or try again later"  # what to do when the server refuses
     direct: bool = False  # a presigned URL: read into the file's mapping over http.client (remote/direct.py)
+    # a direct target's check on its bytes where they landed (the mapping), instead of reading the file back
+    check_view: Optional[Callable[[memoryview], Optional[str]]] = None
     _done: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -116,14 +118,17 @@ def _discard(targets: list[Target]) -> None:
 
 def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK, workers: int = WORKERS,
              progress: Callable[[int], None] = lambda n: None, cancelled: Callable[[], bool] = lambda: False,
-             on_file: Callable[[Target], None] = lambda t: None) -> int:
+             on_file: Callable[[Target], None] = lambda t: None, pager: Optional[HugePager] = None) -> int:
     """Fetch every target; returns the bytes fetched now (resumed chunks are not fetched again). Chunks are
     fetched in the targets' order, and each file is checked and renamed in as soon as its last chunk is in
     (`on_file` is told), so a reader can take the first files while the rest arrive. Raises CheckFailed (a
-    chunk that kept failing, a file whose hash is wrong: that file is removed) or DownloadCancelled."""
+    chunk that kept failing, a file whose hash is wrong: that file is removed) or DownloadCancelled.
+
+    `pager` (destinations on tmpfs): each direct chunk's 2 MiB blocks are collapsed into huge pages before
+    its bytes land, as the local staging does (staging/hugepages.py), while that is cheaper than 4 KiB pages."""
     tasks: "queue.Queue[tuple[Target, int]]" = queue.Queue()
     fds: dict[Path, int] = {}
-    maps: dict[Path, mmap.mmap] = {}  # direct targets: the .incomplete file's pages, written in place
+    maps: dict[Path, FileMapping] = {}  # direct targets: the .incomplete file's pages, written in place
     fds_lock = threading.Lock()
     fetched = 0
 
@@ -131,11 +136,15 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
         """Every chunk of `t` is in: check it, then rename it in."""
         with fds_lock:
             fd, mapped = fds.pop(t.dest, None), maps.pop(t.dest, None)
-        if mapped is not None:
-            mapped.close()
-        if fd is not None:
-            os.close(fd)
-        wrong = t.check(t.partial)
+        try:  # the bytes are checked where they landed when they are mapped: no second pass through the file
+            wrong = t.check_view(mapped.view) if mapped is not None and t.check_view else None
+        finally:
+            if mapped is not None:
+                mapped.close()
+            if fd is not None:
+                os.close(fd)
+        if mapped is None or not t.check_view:
+            wrong = t.check(t.partial)
         if wrong is not None:
             for gone in (t.partial, t.chunks_file):
                 gone.unlink(missing_ok=True)
@@ -161,7 +170,7 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
             os.ftruncate(fd, t.size)
             fds[t.dest] = fd
             if t.direct and t.size and direct.usable(t.url):
-                maps[t.dest] = mmap.mmap(fd, t.size)
+                maps[t.dest] = FileMapping(fd, t.size)
             todo = [i for i in range(t.nchunks(chunk)) if i not in t._done]
             for i in todo:
                 tasks.put((t, i))
@@ -189,7 +198,7 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
                 try:
                     mapped = maps.get(t.dest)
                     if mapped is not None:
-                        n = _fetch_direct(conns, t, i, chunk, mapped, fds[t.dest], progress, cancelled)
+                        n = _fetch_direct(conns, t, i, chunk, mapped, fds[t.dest], progress, cancelled, pager)
                     else:
                         n = _fetch_chunk(client, t, i, chunk, fds[t.dest], progress, cancelled)
                     with t._lock:
@@ -234,8 +243,8 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
                 os.close(fd)
 
 
-def _fetch_direct(conns: direct.Conns, t: Target, i: int, chunk: int, mapped: mmap.mmap, fd: int,
-                  progress: Callable[[int], None], cancelled: Callable[[], bool]) -> int:
+def _fetch_direct(conns: direct.Conns, t: Target, i: int, chunk: int, mapped: FileMapping, fd: int,
+                  progress: Callable[[int], None], cancelled: Callable[[], bool], pager: Optional[HugePager]) -> int:
     """`_fetch_chunk` over remote/direct.py: the chunk read straight into the file's mapping."""
     start = i * chunk
     want = min(t.size, start + chunk) - start
@@ -250,8 +259,10 @@ def _fetch_direct(conns: direct.Conns, t: Target, i: int, chunk: int, mapped: mm
             counted[0] += n
             progress(n)
 
-        view = memoryview(mapped)[start:start + want]
+        view = mapped.view[start:start + want]
         try:
+            if pager is not None and attempt == 0:
+                pager.prepare(mapped, fd, start, start + want)  # ENOSPC here is a full disk, as below
             return direct.read_range(conns, t.url, start, view, fd, ranged, seen, cancelled)
         except direct.Refused as exc:
             if exc.ignored_range:

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import httpx
+import xxhash
 
 from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
 from mxlaunch.remote.ranged import CHUNK, WORKERS, DownloadCancelled, Target, download
-from mxlaunch.staging.capacity import capacity_of, format_bytes
+from mxlaunch.staging.capacity import MEMORY_BACKED_FS, capacity_of, format_bytes, fs_type_of
+from mxlaunch.staging.hugepages import HugePager
 from mxlaunch.staging.records import StageCancelled, StagedFile, StageResult
 from mxlaunch.staging.sources import CopyItem
 from mxlaunch.store.snapshot import xxh3_file
@@ -52,6 +54,7 @@ class S3StageJob:
         self._error: Optional[BaseException] = None
         self._files: list[StagedFile] = []
         self._made: list[Path] = []
+        self._huge: tuple[int, Optional[str]] = (0, None)  # bytes in 2 MiB pages, why not (more)
         self._t0 = 0.0
         self._seconds = 0.0
         self._thread: Optional[threading.Thread] = None
@@ -94,9 +97,13 @@ class S3StageJob:
             digest = xxh3_file(path)
             return None if digest == want.get("xxh3_128") else f"xxh3_128 {digest}, the manifest says {want.get('xxh3_128')}"
 
+        def check_view(view: memoryview) -> Optional[str]:  # the mapping the bytes landed in: no read-back
+            digest = xxhash.xxh3_128(view).hexdigest()
+            return None if digest == want.get("xxh3_128") else f"xxh3_128 {digest}, the manifest says {want.get('xxh3_128')}"
+
         return Target(url, self.dest / item.rel, item.size, check,
                       refused_fix="check the credentials' read access to the store's bucket (or AWS_ENDPOINT_URL)",
-                      direct=True)
+                      direct=True, check_view=check_view)
 
     def _run(self) -> None:
         try:
@@ -115,8 +122,12 @@ class S3StageJob:
                     self._files.append(StagedFile(item.src, t.dest, item.rel, item.size, time.perf_counter() - self._t0,
                                                   False, self.expected[item.rel].get("xxh3_128")))
 
+                # tmpfs: 2 MiB pages while they cost less than 4 KiB ones (0.9 CPU s/GiB: bytes land in the mapping)
+                pager = HugePager(max_cpu_s_per_gib=0.9) if fs_type_of(self.dest) in MEMORY_BACKED_FS - {"ramfs"} else None
                 download(http, targets, chunk=self.chunk, workers=self.workers, cancelled=self._cancel.is_set,
-                         on_file=landed)
+                         on_file=landed, pager=pager)
+                if pager is not None:
+                    self._huge = (pager.collapsed, pager.reason)
         except DownloadCancelled:
             self._error = StageCancelled("staging from S3 was cancelled")
             self._remove()
@@ -157,7 +168,8 @@ class S3StageJob:
             raise CheckFailed(f"staging from {self.store.url} failed ({type(err).__name__}: {err})",
                               "the engine loads with its default loader; check the store with `mxlaunch store verify`")
         total = sum(f.bytes for f in self._files)
-        return StageResult(list(self._files), total, self._seconds, self.workers, self.chunk, False)
+        return StageResult(list(self._files), total, self._seconds, self.workers, self.chunk, False,
+                           huge_bytes=self._huge[0], huge_note=self._huge[1])
 
     def __repr__(self) -> str:  # pragma: no cover
         return f"S3StageJob({len(self.items)} files → {self.dest})"
