@@ -284,6 +284,8 @@ class Harness:
         self.runs.append(rec)
         self.record_path.write_text(json.dumps(self.runs, indent=1))
         shown = {k: rec.get(k) for k in ("ready_s", "weight_s", "first_line_s", "engine_core_s", "verify", "error")}
+        if rec.get("loaded_event"):  # p2p: which way the bytes came (NIXL, CUDA IPC, CUDA IPC + NIXL)
+            shown["transport"] = rec["loaded_event"].get("transport")
         print(f"gpu_engine_e2e: {scenario}: {shown}", flush=True)
         return rec
 
