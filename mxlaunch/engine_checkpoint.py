@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -50,7 +51,18 @@ class CheckpointSupport:
         return not self.blockers
 
 
-def assess(caps: int, criu: Optional[str], cuda_api: Optional[bool], driver_version: Optional[int] = None) -> CheckpointSupport:
+CRIU_FIX = ("install CRIU 4.0+ (Debian 13: apt install criu; elsewhere scripts/build_criu_kit.sh "
+            "builds one with its libraries)")
+
+
+def criu_version(text: str) -> Optional[tuple[int, ...]]:
+    """The version `criu --version` prints ("Version: 4.1.1"), or None."""
+    found = re.search(r"Version:\s*([0-9]+(?:\.[0-9]+)*)", text)
+    return tuple(int(x) for x in found.group(1).split(".")) if found else None
+
+
+def assess(caps: int, criu: Optional[str], cuda_api: Optional[bool], driver_version: Optional[int] = None,
+           criu_ver: Optional[tuple[int, ...]] = None) -> CheckpointSupport:
     """Decide from the facts; every blocker is a "problem — fix" line."""
     caps_ok = bool(caps >> CAP_CHECKPOINT_RESTORE & 1 or caps >> CAP_SYS_ADMIN & 1)
     blockers = []
@@ -58,7 +70,11 @@ def assess(caps: int, criu: Optional[str], cuda_api: Optional[bool], driver_vers
         blockers.append("no CAP_CHECKPOINT_RESTORE (nor CAP_SYS_ADMIN) in this process — CRIU cannot dump or restore "
                         "it; ask the site for the capability (e.g. a container run with --cap-add CHECKPOINT_RESTORE)")
     if not criu:
-        blockers.append("criu is not on PATH — install CRIU 4.0+ (Debian/Ubuntu: apt install criu)")
+        blockers.append(f"criu is not on PATH — {CRIU_FIX}")
+    elif criu_ver is not None and criu_ver < (4,):
+        # seen on the H200 machine and here: Debian 12's 3.17.1 fails `criu check` on 6.x kernels
+        # ("vdso: Unexpected rt vDSO area bounds"); a 4.1.1 build passes it on the same kernel
+        blockers.append(f"criu {'.'.join(map(str, criu_ver))} is older than 4.0 and fails on recent kernels — {CRIU_FIX}")
     if cuda_api is False:
         shown = f" (driver API {driver_version})" if driver_version else ""
         blockers.append(f"the CUDA driver has no checkpoint API{shown} — it needs driver 570 or newer")
@@ -87,4 +103,12 @@ def probe(status_path: Path = Path("/proc/self/status")) -> CheckpointSupport:
     except OSError:
         caps = 0
     api, version = cuda_checkpoint_api()
-    return assess(caps, shutil.which("criu"), api, version)
+    criu = shutil.which("criu")
+    return assess(caps, criu, api, version, criu_version(_run_quietly([criu, "--version"])) if criu else None)
+
+
+def _run_quietly(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""

@@ -129,6 +129,20 @@ def test_the_engine_snapshot_row_names_each_missing_half_with_its_fix(capeff: st
     assert "driver API 12040" in bare.detail and "driver 570" in bare.fix
 
 
+def test_a_criu_older_than_4_is_a_blocker_with_the_kit_as_fix() -> None:
+    """Debian 12's criu 3.17.1 is on PATH there but fails `criu check` on 6.x kernels; a 4.1.1 build passes."""
+    from mxlaunch import engine_checkpoint as ec
+    from mxlaunch.doctor import check_engine_checkpoint
+
+    assert ec.criu_version("Version: 3.17.1\n") == (3, 17, 1) and ec.criu_version("Version: 4.1.1\nGitID: x") == (4, 1, 1)
+    assert ec.criu_version("") is None
+    caps = ec.effective_caps(STATUS.format("000001ffffffffff"))
+    old = check_engine_checkpoint(ec.assess(caps, "/usr/sbin/criu", True, 13000, (3, 17, 1)))
+    assert old.status == "info" and "criu 3.17.1 is older than 4.0" in old.detail
+    assert "scripts/build_criu_kit.sh" in old.fix
+    assert check_engine_checkpoint(ec.assess(caps, "/usr/sbin/criu", True, 13000, (4, 1, 1))).status == "ok"
+
+
 def test_the_cuda_checkpoint_api_is_read_from_libcuda_without_a_context() -> None:
     from mxlaunch import engine_checkpoint as ec
 
