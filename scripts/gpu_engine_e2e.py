@@ -119,9 +119,20 @@ def jit_cache_dirs() -> list[Path]:
             Path(tempfile.gettempdir()) / "torchinductor_root"]
 
 
+def shown(path: Path | str) -> str:
+    """A path for the record without this machine's home folder in it."""
+    home, text = str(Path.home()), str(path)
+    return "~" if text == home else text.replace(home + "/", "~/")
+
+
+def shown_argv(argv: list[str]) -> str:
+    """A command for the record: the interpreter as `python3`, the home folder as `~`."""
+    return shown(shlex.join(["python3" if a == sys.executable else a for a in argv]))
+
+
 def wipe_jit_caches() -> list[str]:
     """--fresh-node: every start as on a node that never ran the model (the store stays)."""
-    gone = [str(d) for d in jit_cache_dirs() if d.exists()]
+    gone = [shown(d) for d in jit_cache_dirs() if d.exists()]
     for d in jit_cache_dirs():
         shutil.rmtree(d, ignore_errors=True)
     return gone
@@ -308,7 +319,7 @@ class Harness:
         env = FORK_ENV if scenario == "default-fork" else None
         start = Start(argv, log, events, env)
         rec: dict = {"name": scenario, "strategy": {"default-fork": "default", "staged-spawn": "staged"}.get(scenario, scenario),
-                     "command": ("VLLM_WORKER_MULTIPROC_METHOD=fork " if env else "") + shlex.join(argv)}
+                     "command": ("VLLM_WORKER_MULTIPROC_METHOD=fork " if env else "") + shown_argv(argv)}
         try:
             rec["ready_s"] = start.wait_ready(port, self.timeout)
             if scenario == "capture":
@@ -383,7 +394,7 @@ class Harness:
             time.sleep(0.2)
         evict(self.model, self.store)
         second, port, log = start("zygote")
-        rec: dict = {"name": "zygote", "strategy": "staged", "command": shlex.join(second.proc.args)}
+        rec: dict = {"name": "zygote", "strategy": "staged", "command": shown_argv(second.proc.args)}
         try:
             rec["ready_s"] = second.wait_ready(port, self.timeout)
             second.wait_event("loaded", 30)
@@ -415,7 +426,7 @@ class Harness:
             evict(self.model, self.store)
             argv = mx("launch", "--json", "--artifact-path", str(self.store), "--",
                       *engine_argv(self.model, dst_port, half))
-            rec["command"] = shlex.join(argv)
+            rec["command"] = shown_argv(argv)
             dst = Start(argv, dst_log, dst_log.with_suffix(".events.jsonl"))
             rec["ready_s"] = dst.wait_ready(dst_port, self.timeout)
             dst.wait_event("loaded", 30)
@@ -486,7 +497,7 @@ def main() -> int:
     doc = {"schema": 1, "engine": ENGINE["name"], "engine_version": version, "gpu": gpu_name(),
            "date": dt.date.today().isoformat(), "model": {"size": args.size,
            "bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))},
-           "env": ENV, "command": shlex.join([sys.executable, *sys.argv]), "runs": harness.runs}
+           "env": ENV, "command": shown_argv([sys.executable, *sys.argv]), "runs": harness.runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for scenario in scenarios:  # the record is rewritten after every start: a run cut short keeps what it did
         harness.run(scenario)

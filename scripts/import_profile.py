@@ -21,22 +21,20 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def parse(text: str) -> list[tuple[int, int, int, str]]:
-    """(self µs, cumulative µs, depth, module) per `import time:` line."""
+def parse(text: str) -> list[tuple[int, str]]:
+    """(self µs, module) per `import time:` line."""
     rows = []
     for line in text.splitlines():
-        if not line.startswith("import time:") or "self [us]" in line:
-            continue
-        own, cumulative, name = line[len("import time:"):].split("|", 2)
-        depth = (len(name) - len(name.lstrip()) - 1) // 2
-        rows.append((int(own), int(cumulative), depth, name.strip()))
+        if line.startswith("import time:") and "self [us]" not in line:
+            own, _, name = line[len("import time:"):].split("|", 2)
+            rows.append((int(own), name.strip()))
     return rows
 
 
-def summarize(rows: list[tuple[int, int, int, str]], top: int = 15) -> dict:
+def summarize(rows: list[tuple[int, str]], top: int = 15) -> dict:
     by_package: dict[str, int] = defaultdict(int)
     by_engine_part: dict[str, int] = defaultdict(int)
-    for own, _, _, name in rows:
+    for own, name in rows:
         by_package[name.split(".")[0]] += own
         if name.split(".")[0] in ("vllm", "sglang"):
             by_engine_part[".".join(name.split(".")[:2])] += own

@@ -187,7 +187,7 @@ def pull(named: Sequence[tuple[str, torch.Tensor]], *, registry: Any, source_id:
         transport, reg_took, registrations = "CUDA IPC", 0.0, 0
         if ipc is not None:
             phases["connect"], phases["transfer"] = ipc[0].open_seconds, ipc[0].transfer_seconds
-        if over_nixl:
+        if ipc is None or over_nixl:
             transport = "CUDA IPC + NIXL" if ipc is not None else "NIXL"
             try:
                 t0 = time.perf_counter()

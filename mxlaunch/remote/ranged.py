@@ -136,14 +136,15 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
         """Every chunk of `t` is in: check it, then rename it in."""
         with fds_lock:
             fd, mapped = fds.pop(t.dest, None), maps.pop(t.dest, None)
-        try:  # the bytes are checked where they landed when they are mapped: no second pass through the file
-            wrong = t.check_view(mapped.view) if mapped is not None and t.check_view else None
+        on_mapping = mapped is not None and t.check_view is not None  # checked where the bytes landed: no read-back
+        try:
+            wrong = t.check_view(mapped.view) if on_mapping else None
         finally:
             if mapped is not None:
                 mapped.close()
             if fd is not None:
                 os.close(fd)
-        if mapped is None or not t.check_view:
+        if not on_mapping:
             wrong = t.check(t.partial)
         if wrong is not None:
             for gone in (t.partial, t.chunks_file):

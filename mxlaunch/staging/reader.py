@@ -24,8 +24,8 @@ from typing import Callable, Iterator
 import xxhash
 
 from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
-from mxlaunch.staging.capacity import MEMORY_BACKED_FS, capacity_of, format_bytes, fs_type_of
-from mxlaunch.staging.hugepages import HUGE, FileMapping, HugePager
+from mxlaunch.staging.capacity import capacity_of, format_bytes
+from mxlaunch.staging.hugepages import HUGE, FileMapping, HugePager, tmpfs_pager
 from mxlaunch.staging.lustre import Layout
 from mxlaunch.staging.ost_model import OstModel
 from mxlaunch.staging.schedule import Chunk, ChunkScheduler, cut_chunks
@@ -181,8 +181,9 @@ class StageJob(ChunkReader):
 
     def _prepare_files(self) -> None:
         self._mkdirs(self.dest)
-        if self.huge_pages and fs_type_of(self.dest) in MEMORY_BACKED_FS - {"ramfs"}:
-            self._pager = HugePager(max_cpu_s_per_gib=0.9 if self.write_mode == "mmap" else 0.3)
+        pager = tmpfs_pager(self.dest, lands_in_mapping=self.write_mode == "mmap") if self.huge_pages else None
+        if pager is not None:
+            self._pager = pager
         elif self.huge_pages:
             self._pager.reason = "the destination is not tmpfs"
         for item in self.items:

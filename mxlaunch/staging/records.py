@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from mxlaunch.errors import MxlaunchError
 from mxlaunch.staging.hugepages import FileMapping
 from mxlaunch.staging.sources import CopyItem
@@ -105,5 +104,3 @@ def _prefault(buf: mmap.mmap) -> None:
         buf.madvise(23)  # MADV_POPULATE_WRITE
     except (OSError, ValueError):
         buf.write(b"\0" * len(buf))
-
-

@@ -25,8 +25,8 @@ import xxhash
 
 from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
 from mxlaunch.remote.ranged import CHUNK, WORKERS, DownloadCancelled, Target, download
-from mxlaunch.staging.capacity import MEMORY_BACKED_FS, capacity_of, format_bytes, fs_type_of
-from mxlaunch.staging.hugepages import HugePager
+from mxlaunch.staging.capacity import capacity_of, format_bytes
+from mxlaunch.staging.hugepages import tmpfs_pager
 from mxlaunch.staging.records import StageCancelled, StagedFile, StageResult
 from mxlaunch.staging.sources import CopyItem
 from mxlaunch.store.snapshot import xxh3_file
@@ -94,11 +94,12 @@ class S3StageJob:
             size = path.stat().st_size
             if size != item.size:
                 return f"{size} bytes, the manifest says {item.size}"
-            digest = xxh3_file(path)
-            return None if digest == want.get("xxh3_128") else f"xxh3_128 {digest}, the manifest says {want.get('xxh3_128')}"
+            return verdict(xxh3_file(path))
 
         def check_view(view: memoryview) -> Optional[str]:  # the mapping the bytes landed in: no read-back
-            digest = xxhash.xxh3_128(view).hexdigest()
+            return verdict(xxhash.xxh3_128(view).hexdigest())
+
+        def verdict(digest: str) -> Optional[str]:
             return None if digest == want.get("xxh3_128") else f"xxh3_128 {digest}, the manifest says {want.get('xxh3_128')}"
 
         return Target(url, self.dest / item.rel, item.size, check,
@@ -122,8 +123,7 @@ class S3StageJob:
                     self._files.append(StagedFile(item.src, t.dest, item.rel, item.size, time.perf_counter() - self._t0,
                                                   False, self.expected[item.rel].get("xxh3_128")))
 
-                # tmpfs: 2 MiB pages while they cost less than 4 KiB ones (0.9 CPU s/GiB: bytes land in the mapping)
-                pager = HugePager(max_cpu_s_per_gib=0.9) if fs_type_of(self.dest) in MEMORY_BACKED_FS - {"ramfs"} else None
+                pager = tmpfs_pager(self.dest, lands_in_mapping=True)  # 2 MiB pages while cheaper than 4 KiB ones
                 download(http, targets, chunk=self.chunk, workers=self.workers, cancelled=self._cancel.is_set,
                          on_file=landed, pager=pager)
                 if pager is not None:

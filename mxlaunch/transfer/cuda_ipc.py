@@ -128,8 +128,11 @@ def export_regions(regions: Sequence[Any], driver: Optional[Driver] = None) -> t
 
 def split(pairs: Sequence[Pair]) -> tuple[list[Pair], list[Pair]]:
     """(GPU-to-GPU pairs, the rest): the first go through the handles, the rest over NIXL."""
-    gpu = [p for p in pairs if p.local_kind == "cuda" and p.remote_kind == "cuda"]
-    return gpu, [p for p in pairs if not (p.local_kind == "cuda" and p.remote_kind == "cuda")]
+    gpu: list[Pair] = []
+    rest: list[Pair] = []
+    for p in pairs:
+        (gpu if p.local_kind == "cuda" and p.remote_kind == "cuda" else rest).append(p)
+    return gpu, rest
 
 
 @dataclass
