@@ -28,7 +28,7 @@ from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.fileutil import mark_used, process_start_time, write_json_atomic
-from mxlaunch.launch import process, zygote
+from mxlaunch.launch import port, process, zygote
 from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.cleanup import SegmentRecord, reap_stale_runs, shm_entries, shm_user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
@@ -74,6 +74,7 @@ class Launcher(Stopping):
         self.budget = BudgetReader()  # KillWait, read in the background (scontrol) while the engine starts
         self.segments: Optional[SegmentRecord] = None
         self.ready_at: Optional[float] = None
+        self.bind_failure: Optional[str] = None  # the engine's HTTP server could not bind its port (launch/port.py)
         self.t0 = time.monotonic()
         self.started_wall = time.time()
         self.loaded: set[int] = set()
@@ -228,6 +229,8 @@ class Launcher(Stopping):
         if watchdog is not None:
             watchdog.start()
         try:
+            if serves_http(self.plan.spec) and self.plan.spec.port:  # before anything is staged or started
+                port.check_free(self.plan.spec.host, self.plan.spec.port)
             self._prepare()
             argv = self.plan.argv
             self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
@@ -319,6 +322,8 @@ class Launcher(Stopping):
         def line(text: str, arrival: float) -> None:
             self.echo(text)
             self._feed_profile(text, arrival)
+            if self.ready_at is None and self.plan.spec.port and self.bind_failure is None:
+                self.bind_failure = port.bind_failure(text, self.plan.spec.port)
 
         process.read_lines(proc.stdout.fileno(), line, self.t0, on_chunk=chunk)
 
@@ -341,6 +346,12 @@ class Launcher(Stopping):
                 self._check_markers()
                 if code is not None:
                     return self._engine_exited(code)
+                if self.bind_failure is not None and self.ready_at is None:  # SGLang hangs after it: stop it now
+                    self.stop_reason = self.bind_failure
+                    self.emit("error", message=f"{self.bind_failure} — another process took the port after "
+                                               "mxlaunch checked it; stop it or pass the engine another --port")
+                    self._stop_engine()
+                    return 1
                 if self.ready_at is None and http:
                     if _healthy(client, url):
                         self.ready_at = time.monotonic()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,11 +31,40 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"
 _LIVE: set["ServerProcess"] = set()
 
 
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the kernel's choice; a tiny race with other users is possible)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now and lies *outside* the kernel's ephemeral range.
+
+    Why outside: a server binds its port seconds after the test picked it (SGLang ~20 s, after its imports),
+    and in between every outgoing connection and every `bind(0)` (NIXL/UCX listeners, ZMQ, httpx clients,
+    other engines) is handed ports from the ephemeral range — CI once lost a run to exactly that. Below the
+    range only an explicit bind can take a port, and each pick is random, bind-checked and never given twice
+    by this process."""
+    low, high = _ephemeral_range()
+    pool = (10000, low - 1) if low > 12000 else (high + 1, 65535)
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randint(*pool)
+        if port in _GIVEN:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {pool[0]}-{pool[1]} after 200 tries")
 
 
 def vllm_argv(

@@ -3,10 +3,11 @@
 It prints real vLLM 0.32 (CPU) start-up lines with sleeps in between, starts a child process in its
 own process group (as engines do: EngineCore, workers), and then serves until it is told to stop.
 
-    fake_vllm_engine.py [--mode ready|crash|hang] [--child-pid-file F] [--stubborn]
+    fake_vllm_engine.py [--mode ready|crash|hang|port-taken] [--port N] [--child-pid-file F] [--stubborn]
 
 ready: reaches "Application startup complete." and waits; crash: exits 3 while loading weights;
-hang: stops printing before ready. --stubborn: the child ignores SIGINT and SIGTERM (needs SIGKILL).
+hang: stops printing before ready; port-taken: prints uvicorn's failure to bind --port (the line SGLang
+0.5.23 printed in CI) and then hangs as SGLang did. --stubborn: the child ignores SIGINT and SIGTERM (needs SIGKILL).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def line(proc: str, msg: str, where: str = "core.py:100") -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", default="ready", choices=["ready", "crash", "hang"])
+    ap.add_argument("--mode", default="ready", choices=["ready", "crash", "hang", "port-taken"])
+    ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--child-pid-file")
     ap.add_argument("--stubborn", action="store_true")
     args = ap.parse_args()
@@ -65,6 +67,12 @@ def main() -> int:
     line("APIServer", "Starting vLLM server on http://0.0.0.0:8011", "entry.py:140")
     sys.stdout.write("INFO:     Started server process [%d]\nINFO:     Waiting for application startup.\n" % os.getpid())
     sys.stdout.write("INFO:     Application startup complete.\n")
+    if args.mode == "port-taken":
+        sys.stdout.write(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {args.port}): "
+                         "address already in use\nINFO:     Waiting for application shutdown.\n")
+        sys.stdout.flush()
+        time.sleep(600)
+        return 0
     sys.stdout.flush()
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     time.sleep(600)
