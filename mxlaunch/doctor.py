@@ -255,6 +255,19 @@ def check_engine_checkpoint(support: "engine_checkpoint.CheckpointSupport | None
                  "; ".join(b.split(" — ", 1)[1] for b in support.blockers if " — " in b))
 
 
+def check_zygote_images(verdict: "tuple[str | None, str] | None" = None) -> Check:
+    """Whether `launch --zygote` can dump its warm interpreter and restore it on a node's first start (CRIU 4+,
+    CAP_CHECKPOINT_RESTORE; no GPU involved: the zygote never touches CUDA)."""
+    from mxlaunch.launch import criu
+
+    binary, why = verdict or criu.why_not()
+    if binary:
+        return Check("zygote images (CRIU)", OK, f"criu at {binary}: a --zygote start restores the imported engine "
+                                                   "instead of importing it, once an image is in the store")
+    return Check("zygote images (CRIU)", INFO, f"off: {why}",
+                 "optional: --zygote then forks restarts only; a node's first start imports the engine")
+
+
 def check_gds() -> Check:
     found = any(Path(p).exists() for p in ("/etc/cufile.json", "/dev/nvidia-fs0", "/proc/driver/nvidia-fs"))
     return Check("GPUDirect Storage", OK if found else INFO, "present" if found else "not found",
@@ -303,6 +316,7 @@ def run_checks(path: Path, probe_torch: bool = True) -> list[Check]:
     rows += check_registry(path)
     rows.append(check_gds())
     rows.append(check_engine_checkpoint())
+    rows.append(check_zygote_images())
     rows.append(check_slurm())
     rows += check_engines()
     return rows

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,8 +101,10 @@ def probe(status_path: Path = Path("/proc/self/status")) -> CheckpointSupport:
         caps = effective_caps(status_path.read_text())
     except OSError:
         caps = 0
+    from mxlaunch.launch.criu import criu_binary  # noqa: PLC0415 — launch/criu.py imports this module
+
     api, version = cuda_checkpoint_api()
-    criu = shutil.which("criu")
+    criu = criu_binary()
     return assess(caps, criu, api, version, criu_version(_run_quietly([criu, "--version"])) if criu else None)
 
 

@@ -14,6 +14,11 @@
 #      tarball), WORK_DIR (default /tmp/criu-build), SKIP_APT=1 to skip apt.
 set -euo pipefail
 
+# apt-get, one at a time: the test suite's set-up steps (Redis, Slurm, the CRIU kit) may install side by side,
+# and a second apt-get fails at once on dpkg's lock
+apt_get() { flock /tmp/mxlaunch-apt.lock apt-get -o DPkg::Lock::Timeout=600 "$@"; }
+
+
 REPO_ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KIT_DIR=${1:-$REPO_ROOT/.criu4-kit}
 CRIU_VERSION=${CRIU_VERSION:-4.1.1}
@@ -32,8 +37,8 @@ log() { echo "[build_criu_kit] $*" >&2; }
 if [[ ${SKIP_APT:-0} != 1 ]]; then
   log "installing build dependencies"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends \
+  apt_get update -qq
+  apt_get install -y -qq --no-install-recommends \
     build-essential pkg-config curl xz-utils ca-certificates \
     libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler \
     python3-protobuf libnl-3-dev libnet1-dev libcap-dev libgnutls28-dev \

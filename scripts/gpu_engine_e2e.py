@@ -20,6 +20,9 @@ Scenarios (each one start, vLLM `python3 -m vllm.entrypoints.openai.api_server`,
   default-fork     the engine alone with VLLM_WORKER_MULTIPROC_METHOD=fork (the fork without mxlaunch)
   zygote           a restart: one staged start with `--zygote` (it starts a warm interpreter once ready),
                    then the recorded one, forked from that interpreter; the zygote is stopped after
+  zygote-image     a node's first start: one staged start with `--zygote` leaves a zygote and, once it has
+                   imported, its CRIU image in the store (MXLAUNCH_CRIU: the kit of scripts/build_criu_kit.sh);
+                   the zygote is stopped, and the recorded start restores it from the image and forks
   p2p              a staged source with P2P on, then a second server on the same GPU pulling from it over
                    NIXL (each with half the --gpu-memory-utilization); the record is the puller's
   prefetch         vLLM `--safetensors-load-strategy prefetch`
@@ -77,8 +80,9 @@ ENGINE_OPTIONS = {"prefetch": ("--safetensors-load-strategy", "prefetch"),
                   "instanttensor": ("--load-format", "instanttensor")}
 # the engine's start-up (issue 24): the same weight path with and without the launcher's start-up cuts
 FORK_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-SCENARIOS = ("default", "default-fork", "capture", "staged", "staged-spawn", "zygote", "p2p", *ENGINE_OPTIONS)
-LAUNCHED = ("capture", "staged", "staged-spawn", "zygote")
+SCENARIOS = ("default", "default-fork", "capture", "staged", "staged-spawn", "zygote", "zygote-image", "p2p",
+             *ENGINE_OPTIONS)
+LAUNCHED = ("capture", "staged", "staged-spawn", "zygote", "zygote-image")
 # what vLLM's log says of its own compile work (seconds), per start
 LOG_TIMES = {"torch_compile_s": r"torch\.compile takes ([0-9.]+) s in total",
              "compiled_graph_load_s": r"Directly load the compiled graph\(s\).*?took ([0-9.]+) s",
@@ -86,7 +90,8 @@ LOG_TIMES = {"torch_compile_s": r"torch\.compile takes ([0-9.]+) s in total",
              "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s"}
 MODES = {"default": "engine alone (vLLM CLI: engine core spawned)", "default-fork": "engine alone, engine core forked",
          "staged": "mxlaunch staged, engine core forked", "staged-spawn": "mxlaunch staged, engine core spawned",
-         "zygote": "mxlaunch staged, forked from a zygote, engine core forked"}
+         "zygote": "mxlaunch staged, forked from a zygote, engine core forked",
+         "zygote-image": "mxlaunch staged, no zygote waiting: the zygote restored from its CRIU image, then forked"}
 
 
 def evict(*folders: Path) -> int:
@@ -283,8 +288,8 @@ class Harness:
         try:
             if scenario == "p2p":
                 rec = self._p2p()
-            elif scenario == "zygote":
-                rec = self._zygote()
+            elif scenario in ("zygote", "zygote-image"):
+                rec = self._zygote(image=scenario == "zygote-image")
             else:
                 rec = self._one(scenario)
         except RuntimeError as exc:
@@ -368,16 +373,19 @@ class Harness:
                 rec["error"] = f"planned {rec.get('planned')!r}, not {rec['name']!r}: {plan.get('reason')}"
         return rec
 
-    def _zygote(self) -> dict:
-        """A restart from a warm interpreter: the first start leaves one (once ready), the second is forked."""
+    def _zygote(self, image: bool = False) -> dict:
+        """A restart from a warm interpreter: the first start leaves one (once ready), the second is forked.
+        image: the first start's zygote is also dumped (CRIU) and stopped; the second restores it."""
+        name = "zygote-image" if image else "zygote"
         def start(name: str) -> tuple[Start, int, Path]:
             port, log = free_port(), self._log(name)
             argv = mx("launch", "--json", "--artifact-path", str(self.store), "--no-p2p", "--zygote", "--",
                       *engine_argv(self.model, port, self.util))
             return Start(argv, log, log.with_suffix(".events.jsonl")), port, log
 
-        first, port, _ = start("zygote-first")
+        first, port, _ = start(f"{name}-first")
         sock: Optional[str] = None
+        made: Optional[dict] = None
         try:
             first.wait_ready(port, self.timeout)
             started = first.wait_event("zygote", 30)
@@ -385,16 +393,29 @@ class Harness:
             while time.monotonic() < deadline and not (sock := next((e.get("socket") for e in first.events
                                                                      if e.get("status") == "starting"), None)):
                 time.sleep(0.2)
+            if image and sock:  # the dump waits for the zygote's imports (~20 s for vLLM's API server here)
+                made = first.wait_event("zygote-image", 180)
         finally:
             first.stop(True)
         if not sock:
-            return {"name": "zygote", "strategy": "staged", "error": f"no zygote started: {started}"}
+            return {"name": name, "strategy": "staged", "error": f"no zygote started: {started}"}
+        if image and (made or {}).get("status") != "published":
+            Path(sock).unlink(missing_ok=True)
+            return {"name": name, "strategy": "staged", "error": f"no zygote image: {made}"}
         deadline = time.monotonic() + 120
         while not Path(sock).exists() and time.monotonic() < deadline:  # it publishes once it has imported vLLM
             time.sleep(0.2)
+        if image:  # a node's first start: no zygote waits, its image does
+            zpid = (made or {}).get("pid")
+            Path(sock).unlink(missing_ok=True)
+            deadline = time.monotonic() + 30
+            while zpid and os.path.exists(f"/proc/{zpid}") and time.monotonic() < deadline:
+                time.sleep(0.05)
         evict(self.model, self.store)
-        second, port, log = start("zygote")
-        rec: dict = {"name": "zygote", "strategy": "staged", "command": shown_argv(second.proc.args)}
+        second, port, log = start(name)
+        rec: dict = {"name": name, "strategy": "staged", "command": shown_argv(second.proc.args)}
+        if made:
+            rec["image"] = {k: made.get(k) for k in ("bytes", "dump_s", "restore_s")}
         try:
             rec["ready_s"] = second.wait_ready(port, self.timeout)
             second.wait_event("loaded", 30)
@@ -403,8 +424,11 @@ class Harness:
             second.stop(True)
             Path(sock).unlink(missing_ok=True)  # the zygote exits within 2 s of its socket's removal
         rec = self._finish(rec, second, log, launcher=True)
-        if rec.get("zygote") != "forked" and not rec.get("error"):
-            rec["error"] = f"not forked from the zygote: {rec.get('zygote')}"
+        want = "restored" if image else "forked"
+        if rec.get("zygote") != want and not rec.get("error"):
+            rec["error"] = f"not {want} from the zygote: {rec.get('zygote')}"
+        if image:
+            rec["restore_s"] = (second.event("zygote") or {}).get("restore_s")
         return rec
 
     def _p2p(self) -> dict:

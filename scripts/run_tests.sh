@@ -37,7 +37,11 @@ setup() {  # MXLAUNCH_LIVE_SETUP, timed; its failure is the live run's
   bash -c "$MXLAUNCH_LIVE_SETUP" || { echo "run_tests: the live tests' setup failed: $MXLAUNCH_LIVE_SETUP" >&2; return 1; }
   echo "run_tests: live setup done in $((SECONDS - t0)) s ($MXLAUNCH_LIVE_SETUP)"
 }
-live() { setup || return 1; "$PY" -m pytest -m "(e2e or slurm or redis)$NOT_FULL" --durations=25 tests/e2e tests/slurm "$@"; }
+live() {
+  setup || return 1
+  # the CRIU kit the setup built (make criu-kit): the zygote-image tests and --zygote launches use it
+  if [ -z "${MXLAUNCH_CRIU:-}" ] && [ -x .criu4-kit/run.sh ]; then export MXLAUNCH_CRIU=$PWD/.criu4-kit/run.sh; fi
+  "$PY" -m pytest -m "(e2e or slurm or redis)$NOT_FULL" --durations=25 tests/e2e tests/slurm "$@"; }
 unit() { "$PY" -m pytest -m "unit$NOT_FULL" --durations=15 tests/unit "$@"; }
 if [ -n "${MXLAUNCH_TESTS_SERIAL:-}" ]; then
   unit "$@"; rc_unit=$?

@@ -16,6 +16,11 @@
 # changes — except the one-time apt-get install.
 set -euo pipefail
 
+# apt-get, one at a time: the test suite's set-up steps (Redis, Slurm, the CRIU kit) may install side by side,
+# and a second apt-get fails at once on dpkg's lock
+apt_get() { flock /tmp/mxlaunch-apt.lock apt-get -o DPkg::Lock::Timeout=600 "$@"; }
+
+
 die() { echo "start_redis: $*" >&2; exit 2; }
 
 install_redis() {
@@ -24,8 +29,8 @@ install_redis() {
   command -v apt-get >/dev/null || die "redis-server is not installed and there is no apt-get — install redis-server (7.x) by hand"
   echo "start_redis: installing redis-server (apt-get)" >&2
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >&2
-  apt-get install -y -qq --no-install-recommends redis-server >&2
+  apt_get update -qq >&2
+  apt_get install -y -qq --no-install-recommends redis-server >&2
 }
 
 free_port() {

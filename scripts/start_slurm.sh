@@ -14,6 +14,11 @@
 # side by side and nothing outside DIR changes — except the one-time apt-get install.
 set -euo pipefail
 
+# apt-get, one at a time: the test suite's set-up steps (Redis, Slurm, the CRIU kit) may install side by side,
+# and a second apt-get fails at once on dpkg's lock
+apt_get() { flock /tmp/mxlaunch-apt.lock apt-get -o DPkg::Lock::Timeout=600 "$@"; }
+
+
 die() { echo "start_slurm: $*" >&2; exit 2; }
 
 install_slurm() {
@@ -22,8 +27,8 @@ install_slurm() {
   [ "$(id -u)" -eq 0 ] || die "Slurm is not installed and this is not root — run: sudo apt-get install slurmctld slurmd slurm-client munge"
   echo "start_slurm: installing slurmctld slurmd slurm-client munge (apt-get)" >&2
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >&2
-  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >&2
+  apt_get update -qq >&2
+  apt_get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >&2
 }
 
 free_port() {

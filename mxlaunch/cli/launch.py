@@ -36,7 +36,11 @@ def launch(
     no_engine_fork: bool = typer.Option(False, "--no-engine-fork", help="Leave the engine's start method as it is (vLLM on "
                                         "CUDA: the engine core is forked from the API server, not spawned to import vLLM again)."),
     zygote: bool = typer.Option(False, "--zygote", help="Fork restarts from a warm interpreter that has imported the engine "
-                                "(started after this run is ready; it waits on the node until idle for 15 min)."),
+                                "(started after this run is ready; it waits on the node until idle for 15 min). Where CRIU 4+ "
+                                "runs (MXLAUNCH_CRIU or criu on PATH, CAP_CHECKPOINT_RESTORE), it is also dumped into the "
+                                "store and a node's first start restores it instead of importing."),
+    no_zygote_image: bool = typer.Option(False, "--no-zygote-image", help="With --zygote: never dump or restore the "
+                                         "zygote with CRIU."),
     no_download: bool = typer.Option(False, "--no-download", help="Leave a hub id that is not in the hub cache, or an "
                                      "s3:// model, to the engine (by default mxlaunch downloads it once per artifact store first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
@@ -48,7 +52,8 @@ def launch(
     opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
                          snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache, p2p=not no_p2p,
-                         registry=registry, capture_id=capture_id, engine_fork=not no_engine_fork, zygote=zygote)
+                         registry=registry, capture_id=capture_id, engine_fork=not no_engine_fork, zygote=zygote,
+                         zygote_image=not no_zygote_image)
 
     def emit(event: str, **fields: object) -> None:
         if as_json:

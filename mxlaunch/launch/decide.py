@@ -56,6 +56,7 @@ class LaunchOptions:
     capture_id: Optional[str] = None  # shared by the nodes of one capture (--capture-id; in Slurm: the job step's)
     engine_fork: bool = True  # the engine's start-up variables (launch/engine_start.py; --no-engine-fork: False)
     zygote: bool = False  # restarts forked from a warm interpreter (--zygote)
+    zygote_image: bool = True  # with --zygote and a usable CRIU: dump the zygote, restore it on first starts
 
 
 @dataclass

@@ -169,7 +169,8 @@ class ZygoteInfo:
 def list_zygotes() -> list[ZygoteInfo]:
     """Every zygote file under zygote_root(): waiting ones, refusals, and leftovers of dead ones."""
     root = zygote_root()
-    keys = sorted({p.name.split(".")[0] for p in root.iterdir()} if root.is_dir() else set())
+    listed = (ZYGOTE_SOCKET, ZYGOTE_INFO, ZYGOTE_REFUSED)  # not the image handshake's markers (zygote_image.py)
+    keys = sorted({p.name.split(".")[0] for p in root.iterdir() if p.suffix in listed} if root.is_dir() else set())
     found = []
     for key in keys:
         why = refusal(key)
@@ -247,9 +248,10 @@ def fork_from(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str) ->
 
 
 def start_zygote(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str,
-                 log_dir: Path, idle_s: float = IDLE_S) -> Optional[int]:
+                 log_dir: Path, idle_s: float = IDLE_S, for_image: bool = False) -> Optional[int]:
     """Start a zygote for `key` in the background (its own session; it outlives this launcher until idle);
-    its pid, or None when one is already there or one refused."""
+    its pid, or None when one is already there or one refused. for_image: it stands still after its imports
+    for a CRIU dump (launch/zygote_image.py ImageMaker), logging to zygote.log again only if unclaimed."""
     root = zygote_root()
     root.mkdir(mode=0o700, exist_ok=True)
     if not private_root():
@@ -263,6 +265,8 @@ def start_zygote(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str,
            "--module" if entry.kind == "module" else "--path", entry.target,
            "--preload", ",".join(entry.preload), "--idle-s", str(idle_s)]
     log_dir.mkdir(parents=True, exist_ok=True)
+    if for_image:
+        cmd += ["--image-log", str(log_dir / "zygote.log")]
     with open(log_dir / "zygote.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(env), cwd=cwd, start_new_session=True)

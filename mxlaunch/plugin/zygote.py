@@ -19,6 +19,13 @@ seeds; when the lifeline's other end closes (the launcher died) it sends its gro
 PR_SET_PDEATHSIG does. The zygote is single-threaded (select on the socket and on one pidfd per child), so
 forking it is safe, and it exits after --idle-s seconds with no child and no request, or when its socket is
 removed or replaced.
+
+With --image-log LOG (the launcher can run CRIU, launch/zygote_image.py), the zygote stands still after its
+imports, where CRIU can dump it: every descriptor on /dev/null (a log file that grows would fail CRIU's size
+check on restore), nothing listening, polling for `<key>.resume`. The launcher claims the dump by renaming
+`<key>.dumpable`, dumps (which stops this process) and restores the image; the restored copy reads the
+resume file (where to log), reopens its output and publishes its socket. Unclaimed after --image-wait-s, it
+takes the marker back and goes on as a plain zygote logging to LOG.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from mxlaunch.contract import ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_SOCKET
+from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_RESUME, ZYGOTE_SOCKET
 
 READY_LINE = "mxlaunch zygote: ready"
 
@@ -179,6 +186,69 @@ def become_engine(req: dict, out_fd: int, life_fd: int, entry: Tuple[str, str]) 
     return code
 
 
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _log_to(*paths: str) -> None:
+    """Output onto the first of `paths` that opens (else it stays on /dev/null: a zygote without a log serves)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            break
+        except OSError:
+            continue
+    else:
+        return
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def await_image(socket_path: str, log_path: str, wait_s: float) -> bool:
+    """Stand still for CRIU until a resume file says go on (output reopened where it says; True when this is
+    a restored copy) or unclaimed after wait_s (False: output back on log_path). Runs before the socket
+    exists, single-threaded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    dumpable, resume = beside(socket_path, ZYGOTE_DUMPABLE), beside(socket_path, ZYGOTE_RESUME)
+    _write_atomic(dumpable, json.dumps({"pid": os.getpid()}))
+    deadline = time.monotonic() + wait_s
+    while True:
+        # A restored copy finds the resume file at once (written before the restore); the clock may have
+        # jumped (another node, another boot), so the file is looked at before the deadline.
+        try:
+            with open(resume, encoding="utf-8") as f:
+                req = json.load(f)
+        except (OSError, ValueError):
+            req = None
+        if req is not None:
+            for path in (resume, dumpable):  # dumpable is still there when the launcher went away unclaimed
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+            _log_to(*[p for p in (req.get("log"), log_path) if p])
+            _reseed()
+            return bool(req.get("restored"))
+        if time.monotonic() > deadline:
+            try:
+                os.unlink(dumpable)  # unclaimed: nobody will dump us
+            except FileNotFoundError:
+                deadline = time.monotonic() + wait_s  # claimed: a dump (or its failure's resume file) is coming
+            else:
+                _log_to(log_path)
+                return False
+        time.sleep(0.005)
+
+
 class Zygote:
     """The serving loop: one fork per request, one pidfd per live child, exit when idle or unlinked."""
 
@@ -311,6 +381,8 @@ def main(args: Optional[List[str]] = None) -> int:
     g.add_argument("--path")
     p.add_argument("--preload", default="")
     p.add_argument("--idle-s", type=float, default=900.0)
+    p.add_argument("--image-log", help="stand still for a CRIU dump after the imports; log here if unclaimed")
+    p.add_argument("--image-wait-s", type=float, default=300.0)
     ns = p.parse_args(args)
     t0 = time.monotonic()
     entry = ("module", ns.module) if ns.module else ("path", os.path.abspath(ns.path))
@@ -320,11 +392,13 @@ def main(args: Optional[List[str]] = None) -> int:
     if why:
         refuse(ns.socket, why)
         return 3
+    seconds = time.monotonic() - t0
+    restored = await_image(ns.socket, ns.image_log, ns.image_wait_s) if ns.image_log else False
     zygote = Zygote(ns.socket, entry, ns.idle_s)
     signal.signal(signal.SIGTERM, lambda *_: (zygote.close(), os._exit(0)))
     zygote.publish()
     print(f"{READY_LINE} imported={len(done)} failed={json.dumps(failed)} modules={len(sys.modules)} "
-          f"seconds={time.monotonic() - t0:.2f} pid={os.getpid()}", flush=True)
+          f"seconds={seconds:.2f} pid={os.getpid()} restored={'yes' if restored else 'no'}", flush=True)
     try:
         zygote.serve()
     finally:

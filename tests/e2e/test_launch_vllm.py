@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from mxlaunch.coord.peers import open_registry
+from mxlaunch.launch import criu
 from mxlaunch.store.core import MANIFEST, Store
 from tests.helpers.cli import compare_gold
 from tests.helpers.hub_server import HubServer
@@ -104,6 +105,14 @@ def test_capture_run_serves_exactly_and_publishes(hub: tuple, gold_file: Path, s
         assert launch.event("zygote")["status"] == "miss"  # spawned; a warm interpreter starts once ready
         zygotes.append(launch.wait_event_where("zygote", lambda e: e["status"] == "starting", 60))
         procs = [p for p in launch.engine_processes() if p.pid != zygotes[-1]["pid"]]
+        # where CRIU runs (make test builds it as root), the zygote is dumped into the store once it has imported
+        # vLLM and restored at once to serve; elsewhere the launch says why not
+        image = launch.wait_event("zygote-image", READY_S)
+        if criu.why_not()[0] is not None or os.geteuid() == 0:
+            assert image["status"] == "published" and image["pid"] == zygotes[-1]["pid"], image
+            zygotes[-1]["image"] = image["image"]
+        else:
+            assert image["status"] == "off" and image["reason"], image
     finally:
         code = launch.stop()
     assert code == launch.wait_event("exit", 5)["code"] or code == 128 + signal.SIGTERM
@@ -143,13 +152,31 @@ def test_restore_run_is_staged_and_exact_then_serves_a_p2p_pull_and_an_outsiders
         procs = [engine, *engine.children(recursive=True)]
 
         registry = open_registry(None, store_root)
+        sources = registry.sources(plan["source_id"], 0, include_stale=True)
+        assert len(sources) == 1, (sources, [line for line in launch.stderr_lines if "mxlaunch" in line][-12:])
         (live,) = registry.sources(plan["source_id"], 0)
         assert live.record.layout == "raw", live
         assert any("serves" in line and "over P2P" in line for line in launch.stderr_lines)
         record_file = store_root / ".peers" / plan["source_id"] / "0" / f"{live.record.worker}.json"
         assert stat.S_IMODE(os.lstat(record_file).st_mode) == 0o600  # the issue saw 0644
         assert stat.S_IMODE(os.lstat(store_root / ".peers").st_mode) == 0o700
-        pull_exactly(lambda: hub_launch(hub, store_root), gold_file, registry, plan, live)
+        targets: list[LaunchProcess] = []
+        if zygotes[0].get("image"):  # a node's first start: no zygote waits, the image does
+            Path(zygotes[0]["socket"]).unlink()
+            wait_for(lambda: not psutil.pid_exists(zygotes[0]["pid"]), 30, "the stopped zygote to exit")
+            targets_args: tuple[str, ...] = ("--zygote",)
+        else:
+            targets_args = ()
+
+        def pull_target() -> LaunchProcess:
+            targets.append(hub_launch(hub, store_root, launch_args=targets_args))
+            return targets[-1]
+
+        pull_exactly(pull_target, gold_file, registry, plan, live)
+        if targets_args:  # restored from the image (same pid), forked the target, and serves on
+            restored = targets[0].event("zygote")
+            assert restored["status"] == "restored" and restored["image"] == zygotes[0]["image"], restored
+            assert psutil.Process(zygotes[0]["pid"]).is_running()
 
         an_outsiders_write_is_caught(lambda: hub_launch(hub, store_root), f"file:{store_root}", plan,
                                      tmp_path / "attack.json", gold_file)

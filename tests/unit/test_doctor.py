@@ -159,3 +159,16 @@ def test_the_cuda_checkpoint_api_is_read_from_libcuda_without_a_context() -> Non
         raise OSError("libcuda.so.1: cannot open shared object file")
 
     assert ec.cuda_checkpoint_api(no_driver) == (None, None)
+
+
+def test_the_zygote_image_row_says_whether_a_first_start_can_restore(tmp_path: Path) -> None:
+    from mxlaunch.doctor import check_zygote_images
+    from mxlaunch.launch import criu
+
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho 'Version: 4.1.1'\n")
+    fake.chmod(0o755)
+    row = check_zygote_images(criu.why_not({"MXLAUNCH_CRIU": str(fake)}, STATUS.format("0000010000000000")))
+    assert row.status == "ok" and str(fake) in row.detail
+    row = check_zygote_images(criu.why_not({"MXLAUNCH_CRIU": str(fake)}, STATUS.format("00000000a80425fb")))
+    assert row.status == "info" and "no CAP_CHECKPOINT_RESTORE" in row.detail and "forks restarts only" in row.fix

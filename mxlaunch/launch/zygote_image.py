@@ -1,0 +1,247 @@
+"""Zygote images: the pre-imported zygote dumped once by CRIU, restored on a node's next first start.
+
+A `--zygote` restart forks from a warm interpreter, but a node's *first* start still imports the engine
+(~20 s for vLLM's API server on the H200 machine). CRIU restores an imported interpreter in 0.3–0.6 s
+(docs/benchmarks.md), so the first zygote a launcher starts is dumped into the store once it has imported,
+and every later start that finds no zygote waiting restores that image instead of importing.
+
+Layout, under the store's root (a node-local mirror for an S3 store):
+
+    zygote-images/<uid>/            0700, this user's alone: an image is this user's memory (its environment,
+                                    tokens included) and restoring one runs it, so no other user's is ever used
+        <key>/                      one per zygote key (launch/zygote.py: interpreter, engine, entry, folder,
+            meta.json               environment); published by renaming a finished temp folder
+            *.img                   CRIU's files
+        .<key>.<pid>.tmp/           a dump in progress
+
+The flow (the plugin's half is plugin/zygote.py `await_image`):
+- after ready, `ImageMaker` starts the zygote with --image-log; once it stands still (`<key>.dumpable`), the
+  maker claims it, dumps it (CRIU stops it), publishes the image and restores it at once to serve this node;
+- a later start with no zygote: `restore_zygote` writes `<key>.resume` (where to log), restores the image and
+  waits for the socket. Any failure (the pid is taken here, a library changed size, no capability) is a
+  `CriuError`, and the launcher spawns as always.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
+from mxlaunch.launch import criu, zygote
+from mxlaunch.launch.criu import CriuError
+
+IMAGES = "zygote-images"
+META = "meta.json"
+
+
+def images_root(store_root: Path) -> Path:
+    return Path(store_root) / IMAGES / str(os.getuid())
+
+
+def image_dir(store_root: Path, key: str) -> Path:
+    return images_root(store_root) / key
+
+
+def private(path: Path) -> bool:
+    """A real folder owned by this user that nobody else can enter."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def find_image(store_root: Path, key: str) -> Optional[Path]:
+    """The published image for `key`, if one is there in a folder only this user controls."""
+    folder = image_dir(store_root, key)
+    if not private(images_root(store_root)) or not (folder / META).is_file() or os.lstat(folder).st_uid != os.getuid():
+        return None
+    return folder
+
+
+def _marker(key: str, suffix: str) -> Path:
+    return zygote.zygote_root() / f"{key}{suffix}"
+
+
+def write_resume(key: str, log: Path, restored: bool) -> None:
+    """Let a standing zygote go on, logging to `log`: a restored copy (written before the restore: it waits
+    for this file), or the original that will not be dumped (restored=False: a failed dump, a stopped launcher)."""
+    path = _marker(key, ZYGOTE_RESUME)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"log": str(log), "restored": restored}), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def wait_for_socket(key: str, pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not zygote.socket_path(key).exists():
+        if not _alive(pid):
+            raise CriuError(f"the restored zygote (pid {pid}) exited before it served")
+        if time.monotonic() > deadline:
+            raise CriuError(f"the restored zygote (pid {pid}) published no socket in {timeout:.0f} s")
+        time.sleep(0.005)
+
+
+def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Path, timeout: float = 30.0) -> dict:
+    """Restore the image for `key` and wait until it serves: {"pid", "restore_s", "image"}; CriuError when
+    there is no usable image or CRIU refuses (the caller spawns as always)."""
+    folder = find_image(store_root, key)
+    if folder is None:
+        raise CriuError("no image for this zygote yet")
+    zygote.zygote_root().mkdir(mode=0o700, exist_ok=True)
+    if not zygote.private_root():
+        raise CriuError(f"{zygote.zygote_root()} is not a folder of this user's alone")
+    t0 = time.monotonic()
+    _wait_pid_free(_image_pid(folder), 5.0)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    write_resume(key, log, restored=True)
+    try:
+        pid = criu.restore(binary, folder, work, timeout)
+        wait_for_socket(key, pid, timeout)
+    except CriuError:
+        _marker(key, ZYGOTE_RESUME).unlink(missing_ok=True)
+        raise
+    return {"pid": pid, "restore_s": round(time.monotonic() - t0, 3), "image": str(folder)}
+
+
+class ImageMaker(threading.Thread):
+    """Dumps a freshly started zygote (started with --image-log) into the store and restores it to serve.
+
+    Runs beside the serving engine, in the launcher: the zygote imports for tens of seconds first. `emit`
+    reports one `zygote-image` event: status published (dump_s, restore_s, bytes) or failed (reason)."""
+
+    def __init__(self, binary: str, pid: int, key: str, store_root: Path, log: Path, work: Path,
+                 emit: Callable[..., None], wait_s: float = 600.0) -> None:
+        super().__init__(name="mx-zygote-image", daemon=True)
+        self.binary, self.pid, self.key = binary, pid, key
+        self.store_root, self.log, self.work = Path(store_root), log, work
+        self.emit = emit
+        self.wait_s = wait_s
+        self.result: Optional[dict] = None
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._abandoned = False
+
+    def abandon(self, wait_s: float = 5.0) -> None:
+        """The launcher is stopping. Unclaimed: tell the zygote (now, or once it has imported) that nobody dumps
+        it, so it serves as a plain zygote instead of waiting out --image-wait-s. Claimed: let the dump and
+        restore (about a second) finish, up to wait_s."""
+        with self._lock:
+            self._abandoned = True
+            claimed = self._claimed
+        if claimed:
+            self.join(wait_s)
+        else:
+            write_resume(self.key, self.log, restored=False)
+
+    def run(self) -> None:
+        try:
+            self.result = self._make()
+            self.emit("zygote-image", status="published", key=self.key, **self.result)
+        except CriuError as exc:
+            self.result = {"error": str(exc)}
+            self.emit("zygote-image", status="failed", key=self.key, reason=str(exc))
+
+    def _make(self) -> dict:
+        dumpable, dumping = _marker(self.key, ZYGOTE_DUMPABLE), _marker(self.key, ZYGOTE_DUMPING)
+        deadline = time.monotonic() + self.wait_s
+        while _marker_pid(dumpable) != self.pid:  # a marker of another pid is a dead zygote's: not ours to dump
+            if self._abandoned:
+                raise CriuError("the launcher stopped before the zygote had imported: it serves without an image")
+            if not _alive(self.pid):
+                raise CriuError("the zygote exited before it had imported (see zygote.log)")
+            if time.monotonic() > deadline:
+                raise CriuError(f"the zygote did not finish importing in {self.wait_s:.0f} s")
+            time.sleep(0.05)
+        with self._lock:
+            if self._abandoned:
+                raise CriuError("the launcher stopped before the zygote had imported: it serves without an image")
+            try:
+                os.rename(dumpable, dumping)  # the claim: from here the zygote waits for a restore or a resume file
+            except FileNotFoundError:
+                raise CriuError("the zygote stopped waiting for its dump") from None
+            self._claimed = True
+        root = images_root(self.store_root)
+        root.mkdir(parents=True, mode=0o700, exist_ok=True)
+        if not private(root):
+            write_resume(self.key, self.log, restored=False)
+            dumping.unlink(missing_ok=True)
+            raise CriuError(f"{root} is not a folder of this user's alone (mode 0700): not dumping into it")
+        tmp = root / f".{self.key}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        t0 = time.monotonic()
+        try:
+            criu.dump(self.binary, self.pid, tmp)
+        except CriuError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_resume(self.key, self.log, restored=False)  # CRIU let it run on: it goes on as a plain zygote
+            dumping.unlink(missing_ok=True)
+            raise
+        finally:
+            dumping.unlink(missing_ok=True)
+        dump_s = time.monotonic() - t0
+        _reap(self.pid)  # the restore needs its pid free: no zombie may hold it
+        size = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
+        (tmp / META).write_text(json.dumps({"key": self.key, "pid": self.pid, "bytes": size, "made": time.time(),
+                                            "kernel": os.uname().release}), encoding="utf-8")
+        final = image_dir(self.store_root, self.key)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another launcher published one first: use that one
+            shutil.rmtree(tmp, ignore_errors=True)
+        restored = restore_zygote(self.binary, self.store_root, self.key, self.log, self.work)
+        return {"dump_s": round(dump_s, 3), "restore_s": restored["restore_s"], "bytes": size, "pid": restored["pid"],
+                "image": restored["image"]}
+
+
+def _marker_pid(path: Path) -> Optional[int]:
+    try:
+        return int(json.loads(path.read_text(encoding="utf-8"))["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _image_pid(folder: Path) -> Optional[int]:
+    try:
+        return int(json.loads((folder / META).read_text(encoding="utf-8"))["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _wait_pid_free(pid: Optional[int], timeout: float) -> None:
+    """A restore recreates the image's pid: wait briefly for a zygote that is exiting (its socket removed, it
+    leaves within 2 s), and refuse at once, naming it, when another process holds that pid."""
+    if pid is None:
+        return
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            raise CriuError(f"pid {pid}, which the image must get back, belongs to a running process on this node")
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """Alive and not a zombie (a dumped zygote is a zombie until its parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _reap(pid: int, timeout: float = 10.0) -> None:
+    """Reap our dumped child (or wait until whoever else reaps it has) so that /proc/<pid> is gone."""
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -1,0 +1,124 @@
+"""Zygote images with a real CRIU (4.1.1 from scripts/build_criu_kit.sh; `make test` builds it when run as root):
+a zygote that has imported torch is dumped into the store, restored at once to serve, and restored again, from
+the image, after it was stopped — as a node's first start does — and each restored copy forks working engines.
+
+Where CRIU cannot run (not root, no kit) the test is skipped with the reason; as root it must run, so a
+missing kit in `make test` is a failure, not a skip."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.launch import criu, zygote, zygote_image
+from tests.unit.test_zygote import _env, _stop, module_dir  # noqa: F401 — the fixture
+
+pytestmark = pytest.mark.e2e
+
+
+def usable_criu() -> str:
+    binary, why = criu.why_not()
+    if binary is None:
+        if os.geteuid() == 0:
+            pytest.fail(f"CRIU must run here as root (make test builds .criu4-kit; MXLAUNCH_CRIU names it): {why}")
+        pytest.skip(f"zygote images need CRIU: {why}")
+    return binary
+
+
+def entry(args: tuple[str, ...] = ()) -> zygote.ZygoteEntry:
+    """What the zygote imports: torch (a real engine's heaviest import, ~1,000 modules) and the child module."""
+    return zygote.ZygoteEntry(os.sys.executable, "module", "mxz_child", args, ("torch",))
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline, f"pid {pid} still there"
+        time.sleep(0.05)
+
+
+def test_a_zygote_is_dumped_once_imported_and_restored_to_serve_twice(module_dir: Path) -> None:  # noqa: F811
+    binary = usable_criu()
+    env = _env(module_dir)
+    store = module_dir / "store"
+    key = zygote.zygote_key(entry(), "1", env, str(module_dir))
+    pid = zygote.start_zygote(key, entry(), env, str(module_dir), module_dir / "logs", for_image=True)
+    assert pid is not None
+    events: list[tuple[str, dict]] = []
+    maker = zygote_image.ImageMaker(binary, pid, key, store, module_dir / "logs" / "zygote.log", module_dir / "criu",
+                                    lambda e, **f: events.append((e, f)))
+    maker.start()
+    maker.join(180)
+    try:
+        [(name, made)] = events
+        assert name == "zygote-image" and made["status"] == "published", made
+        assert made["pid"] == pid and made["bytes"] > 50 * 2**20  # torch's heap is in it; its libraries are not
+        folder = Path(made["image"])
+        assert folder == zygote_image.image_dir(store, key) and json.loads((folder / "meta.json").read_text())["pid"] == pid
+        assert stat.S_IMODE(os.stat(zygote_image.images_root(store)).st_mode) == 0o700
+        assert not any(p.name.startswith(".") for p in zygote_image.images_root(store).iterdir())  # no temp folder left
+
+        child = zygote.fork_from(key, entry(("4",)), {**env, "MX_MARKER": "one"}, str(module_dir))
+        assert child is not None and child.wait(timeout=60) == 4
+        assert "marker one" in child.stdout.read().decode()
+
+        zygote.socket_path(key).unlink()  # stopped, as `mxlaunch zygotes --stop` does; the image stays
+        wait_gone(pid)
+        restored = zygote_image.restore_zygote(binary, store, key, module_dir / "logs2" / "zygote.log", module_dir / "criu2")
+        assert restored["pid"] == pid and restored["image"] == str(folder)
+        child = zygote.fork_from(key, entry(("6",)), {**env, "MX_MARKER": "two"}, str(module_dir))
+        assert child is not None and child.wait(timeout=60) == 6
+        assert "marker two" in child.stdout.read().decode()
+        assert "restored=yes" in (module_dir / "logs2" / "zygote.log").read_text()  # it logs where the restore said
+        assert "restored=yes" in (module_dir / "logs" / "zygote.log").read_text()  # the first restore, by the maker
+    finally:
+        zygote.socket_path(key).unlink(missing_ok=True)
+        _stop(pid)
+        wait_gone(pid)
+
+
+CLOCK_CHILD = '''
+import os
+if __name__ == "__main__":  # the zygote imports this module too
+    st = open("/proc/self/stat").read()
+    print("start", st[st.rindex(")") + 2:].split()[19], "pid", os.getpid(), flush=True)
+'''
+
+
+def test_a_restored_zygotes_children_read_the_nodes_clocks(module_dir: Path) -> None:  # noqa: F811
+    """CRIU would restore into a time namespace offset by the time since the dump: a child's own view of its
+    start time in /proc would then differ from everyone else's, and a P2P source's record read by another
+    process looked like a recycled pid ("process gone"). The restored zygote's children must agree with us."""
+    binary = usable_criu()
+    (module_dir / "mxz_clock.py").write_text(CLOCK_CHILD)
+    env = _env(module_dir)
+    clock = zygote.ZygoteEntry(os.sys.executable, "module", "mxz_clock", (), ("json",))
+    key = zygote.zygote_key(clock, "1", env, str(module_dir))
+    pid = zygote.start_zygote(key, clock, env, str(module_dir), module_dir / "logs", for_image=True)
+    assert pid is not None
+    events: list[tuple[str, dict]] = []
+    maker = zygote_image.ImageMaker(binary, pid, key, module_dir / "store", module_dir / "logs" / "zygote.log",
+                                    module_dir / "criu", lambda e, **f: events.append((e, f)))
+    maker.start()
+    maker.join(120)
+    try:
+        assert events and events[0][1]["status"] == "published", events
+        assert not (Path(events[0][1]["image"]) / criu.CLOCKS_IMAGE).exists()
+        assert os.readlink(f"/proc/{pid}/ns/time") == os.readlink("/proc/self/ns/time")  # the node's clocks
+        child = zygote.fork_from(key, clock, env, str(module_dir))
+        assert child is not None
+        line = child.stdout.readline().decode().split()
+        seen_inside, child_pid = int(line[1]), int(line[3])
+        with open(f"/proc/{child_pid}/stat") as f:
+            stat_text = f.read()
+        assert seen_inside == int(stat_text[stat_text.rindex(")") + 2:].split()[19])
+        assert child.wait(timeout=60) == 0
+    finally:
+        zygote.socket_path(key).unlink(missing_ok=True)
+        _stop(pid)
+        wait_gone(pid)
