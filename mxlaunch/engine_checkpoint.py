@@ -13,14 +13,17 @@ The parsing is pure (the status text and the tools' presence are injected) so te
 from __future__ import annotations
 
 import ctypes
+import os
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 CAP_SYS_ADMIN = 21
 CAP_CHECKPOINT_RESTORE = 40  # Linux 5.9+
+CRIU_ENV = "MXLAUNCH_CRIU"  # the CRIU to run (e.g. the kit's run.sh); else `criu` on PATH
 CUDA_CHECKPOINT_SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
                            "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock")
 
@@ -52,6 +55,14 @@ class CheckpointSupport:
 
 CRIU_FIX = ("install CRIU 4.0+ (Debian 13: apt install criu; elsewhere scripts/build_criu_kit.sh "
             "builds one with its libraries)")
+
+
+def criu_binary(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """$MXLAUNCH_CRIU if it names an executable, else `criu` on PATH, else None."""
+    given = environ.get(CRIU_ENV)
+    if given:
+        return given if os.access(given, os.X_OK) else None
+    return shutil.which("criu", path=environ.get("PATH"))
 
 
 def criu_version(text: str) -> Optional[tuple[int, ...]]:
@@ -101,8 +112,6 @@ def probe(status_path: Path = Path("/proc/self/status")) -> CheckpointSupport:
         caps = effective_caps(status_path.read_text())
     except OSError:
         caps = 0
-    from mxlaunch.launch.criu import criu_binary  # noqa: PLC0415 — launch/criu.py imports this module
-
     api, version = cuda_checkpoint_api()
     criu = criu_binary()
     return assess(caps, criu, api, version, criu_version(_run_quietly([criu, "--version"])) if criu else None)

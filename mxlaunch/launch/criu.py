@@ -14,26 +14,18 @@ tail of CRIU's own log, and the caller falls back to importing as usual.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Mapping, Optional
 
-from mxlaunch.engine_checkpoint import CAP_CHECKPOINT_RESTORE, CAP_SYS_ADMIN, criu_version, effective_caps
+from mxlaunch.engine_checkpoint import (CAP_CHECKPOINT_RESTORE, CAP_SYS_ADMIN, CRIU_ENV, criu_binary, criu_version,
+                                        effective_caps)
 
-CRIU_ENV = "MXLAUNCH_CRIU"
+__all__ = ["CLOCKS_IMAGE", "CRIU_ENV", "CriuError", "criu_binary", "dump", "restore", "why_not"]
 
 
 class CriuError(Exception):
     """A dump or restore that failed; the message ends with CRIU's last log lines."""
-
-
-def criu_binary(environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """$MXLAUNCH_CRIU if it names an executable, else `criu` on PATH, else None."""
-    given = environ.get(CRIU_ENV)
-    if given:
-        return given if os.access(given, os.X_OK) else None
-    return shutil.which("criu", path=environ.get("PATH"))
 
 
 def why_not(environ: Mapping[str, str] = os.environ, status_text: Optional[str] = None) -> tuple[Optional[str], str]:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from mxlaunch.fileutil import mark_used
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
 from mxlaunch.launch import criu, zygote
 from mxlaunch.launch.criu import CriuError
@@ -108,6 +109,7 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
     except CriuError:
         _marker(key, ZYGOTE_RESUME).unlink(missing_ok=True)
         raise
+    mark_used(folder)  # `store prune` removes the least recently used first
     return {"pid": pid, "restore_s": round(time.monotonic() - t0, 3), "image": str(folder)}
 
 

@@ -86,6 +86,11 @@ def manifest_from_markers(markers: Iterable[Optional[object]], source_id: str, c
 # ---- the store ---------------------------------------------------------------------------------------------
 
 
+# folders at the store's root that hold no snapshot: JIT kernel caches (kernelcache/archive.py) and zygote
+# images (launch/zygote_image.py)
+NOT_SNAPSHOTS = ("kernel-cache", "zygote-images")
+
+
 class Store:
     """One artifact store root. Readers never raise on a bad snapshot: they refuse it with a reason.
 
@@ -202,7 +207,7 @@ class Store:
             return []
         entries = []
         for child in sorted(self.root.iterdir()):
-            if child.name.startswith(".") or child.name == "kernel-cache" or not valid_id(child.name) \
+            if child.name.startswith(".") or child.name in NOT_SNAPSHOTS or not valid_id(child.name) \
                     or child.is_symlink() or not child.is_dir():
                 continue
             sid = child.name

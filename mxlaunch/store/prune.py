@@ -6,8 +6,9 @@ compile key a kernel cache, and a capture killed before it published leaves its 
 - **leftovers, always**: the parts of unpublished captures whose claim is over (`data-*`, `.tmp-*`,
   `.nodes-*` of a capture that will never publish), what interrupted removals left (`.trash-*`, older
   than `TRASH_AGE_S`), and snapshot folders with nothing left in them;
-- **with `unused_for`**: published snapshots and kernel caches whose last use is older than that;
-- **with `max_bytes`**: then the least recently used snapshots and kernel caches until the store fits;
+- **with `unused_for`**: published snapshots, kernel caches and this user's zygote images whose last use is
+  older than that;
+- **with `max_bytes`**: then the least recently used of those until the store fits;
 - and P2P source records in the store's file registry (`.peers`) stale for longer than `peer_grace_s`
   (what `mxlaunch peers --reap` does; a Redis registry is left to that command).
 
@@ -35,7 +36,8 @@ from mxlaunch.coord.peers_record import reapable
 from mxlaunch.errors import MxlaunchError
 from mxlaunch.fileutil import LAST_USED, last_used
 from mxlaunch.kernelcache.archive import KEY_JSON, KernelCacheStore
-from mxlaunch.store.core import Store
+from mxlaunch.launch import zygote_image
+from mxlaunch.store.core import NOT_SNAPSHOTS, Store
 from mxlaunch.store.capture import _du, capture_ids
 from mxlaunch.store.snapshot import MANIFEST
 
@@ -58,7 +60,7 @@ def parse_duration(text: str) -> float:
 class Item:
     """One thing the prune removes (or would, or could not)."""
 
-    kind: str  # snapshot | kernel-cache | capture | trash | empty
+    kind: str  # snapshot | kernel-cache | zygote-image | capture | trash | empty
     name: str  # the source id, the key, "<source id>/<capture id>", or the folder's name
     path: Path
     bytes: int
@@ -141,7 +143,7 @@ def _trash(folder: Path, now: float) -> list[Item]:
 
 
 def _snapshot_folders(store: Store) -> list[Path]:
-    return [c for c in _children(store.root) if valid_id(c.name) and c.name != "kernel-cache" and c.is_dir()
+    return [c for c in _children(store.root) if valid_id(c.name) and c.name not in NOT_SNAPSHOTS and c.is_dir()
             and not c.is_symlink()]
 
 
@@ -169,6 +171,11 @@ def _in_use(store: Store, caches: KernelCacheStore) -> list[Item]:
     for folder in _children(caches.root):
         if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
             items.append(Item("kernel-cache", folder.name, folder, _du(folder), "", last_used(folder, KEY_JSON)))
+    images = zygote_image.images_root(store.root)  # this user's: others' are 0700 and theirs to prune
+    for folder in _children(images) if zygote_image.private(images) else []:
+        if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
+            items.append(Item("zygote-image", folder.name, folder, _du(folder), "",
+                              last_used(folder, zygote_image.META)))
     return items
 
 
@@ -200,7 +207,8 @@ def _carry_out(store: Store, caches: KernelCacheStore, item: Item, dry_run: bool
         if not dry_run:
             shutil.rmtree(item.path, ignore_errors=True)
         return True
-    claim_id = f"kc-{item.name}" if item.kind == "kernel-cache" else item.name.split("/")[0]
+    claim_id = {"kernel-cache": f"kc-{item.name}", "zygote-image": f"zi-{item.name}"}.get(item.kind,
+                                                                                          item.name.split("/")[0])
     if dry_run:
         holder = store.coordinator.holder(claim_id)
         if holder is not None:
@@ -217,6 +225,7 @@ def _carry_out(store: Store, caches: KernelCacheStore, item: Item, dry_run: bool
             "kernel-cache": lambda: caches.remove(item.name),
             "capture": lambda: store.discard_capture(*item.name.split("/", 1)),
             "empty": lambda: _rmdir_empty(item.path),
+            "zygote-image": lambda: shutil.rmtree(item.path),
         }[item.kind]
         remove()
     except (OSError, ValueError, RuntimeError, MxlaunchError) as exc:

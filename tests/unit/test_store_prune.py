@@ -175,3 +175,24 @@ def test_stale_p2p_records_in_the_stores_registry_go_too(tmp_path: Path) -> None
     assert report.stale_peer_records == 1 and report.to_dict()["stale_peer_records"] == 1
     assert [e.record.worker for e in FileRegistry(tmp_path).all_sources()] == ["live"]
     live.unpublish()
+
+
+def test_zygote_images_are_pruned_by_use_and_never_listed_as_snapshots(tmp_path: Path) -> None:
+    """An image (launch/zygote_image.py) is hundreds of MB per zygote key: `store prune` removes this user's
+    unused ones like kernel caches, and `store list` never takes the images' folder for a snapshot."""
+    from mxlaunch.launch import zygote_image
+
+    store, now = Store(tmp_path), time.time()
+    root = zygote_image.images_root(tmp_path)
+    root.mkdir(parents=True, mode=0o700)
+    for key in ("a" * 20, "b" * 20):
+        (root / key).mkdir()
+        (root / key / zygote_image.META).write_text(json.dumps({"pid": 1}))
+        (root / key / "pages-1.img").write_bytes(b"x" * 4096)
+    used_at(root / ("a" * 20), now - 40 * DAY)
+    used_at(root / ("b" * 20), now - 1 * DAY)
+    assert store.list() == []
+    report = prune(store, unused_for=parse_duration("30d"), now=now)
+    assert {(i.kind, i.name) for i in report.removed} == {("zygote-image", "a" * 20)}
+    assert not (root / ("a" * 20)).exists() and zygote_image.find_image(tmp_path, "b" * 20) == root / ("b" * 20)
+    assert (tmp_path / "zygote-images").is_dir()  # the empty-folder sweep leaves the images' root alone
