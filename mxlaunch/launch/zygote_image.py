@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from mxlaunch.fileutil import mark_used
+from mxlaunch.fileutil import last_used, mark_used
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
 from mxlaunch.launch import criu, zygote
 from mxlaunch.launch.criu import CriuError
@@ -65,6 +65,24 @@ def find_image(store_root: Path, key: str) -> Optional[Path]:
     if not private(images_root(store_root)) or not (folder / META).is_file() or os.lstat(folder).st_uid != os.getuid():
         return None
     return folder
+
+
+def list_images(store_root: Path) -> list[dict]:
+    """This user's images in the store: key, bytes, made and last used (epoch seconds), newest use first."""
+    root = images_root(store_root)
+    if not private(root):
+        return []
+    found = []
+    for folder in sorted(root.iterdir()):
+        if folder.name.startswith(".") or not (folder / META).is_file():
+            continue
+        try:
+            meta = json.loads((folder / META).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            meta = {}
+        found.append({"key": folder.name, "bytes": meta.get("bytes"), "made": meta.get("made"),
+                      "last_used": last_used(folder, META), "path": str(folder)})
+    return sorted(found, key=lambda i: -(i["last_used"] or 0))
 
 
 def _marker(key: str, suffix: str) -> Path:

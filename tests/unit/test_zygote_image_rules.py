@@ -119,3 +119,16 @@ def test_the_maker_claims_only_its_own_zygotes_marker(module_dir: Path) -> None:
                                         "reason": "the zygote exited before it had imported (see zygote.log)"})]
     assert (zygote.zygote_root() / f"k1{ZYGOTE_DUMPABLE}").exists()  # the dead one's marker was left alone
     assert not zygote_image.images_root(module_dir / "store").exists()
+
+
+def test_zygotes_lists_this_users_images_in_the_store(tmp_path: Path) -> None:
+    from tests.helpers.cli import run_cli
+
+    folder = publish_fake_image(tmp_path / "store", "k" * 20)
+    (folder / zygote_image.META).write_text(json.dumps({"pid": 1, "bytes": 5 << 20, "made": 1.0}))
+    result = run_cli("zygotes", "--artifact-path", str(tmp_path / "store"), "--json")
+    assert result.returncode == 0, result.stderr
+    [image] = json.loads(result.stdout)["images"]
+    assert image["key"] == "k" * 20 and image["bytes"] == 5 << 20 and image["path"] == str(folder)
+    text = run_cli("zygotes", "--artifact-path", str(tmp_path / "store"))
+    assert f"{'k' * 20} image: 5 MiB" in text.stdout, text.stdout
