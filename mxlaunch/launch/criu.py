@@ -68,13 +68,16 @@ def dump(binary: str, pid: int, images: Path, timeout: float = 120.0, keep_clock
 
 
 def restore(binary: str, images: Path, work: Path, timeout: float = 60.0) -> int:
-    """Restore the tree in `images`, detached (`-d`: it runs on once CRIU exits); its pid. CRIU writes its log
-    and pid file into `work` (the image folder may be shared and read-only to others)."""
+    """Restore the tree in `images`, detached (`-d`: it runs on once CRIU exits), in this process's cgroups;
+    its pid. CRIU writes its log and pid file into `work` (the image folder may be shared and read-only to
+    others)."""
     work.mkdir(parents=True, exist_ok=True)
     pidfile = work / "restored.pid"
     pidfile.unlink(missing_ok=True)
+    # --manage-cgroups=ignore: the tree joins the restoring launcher's cgroups (a Slurm job's, say), never the
+    # ones it was dumped from (another job's, maybe gone)
     _run(binary, ["restore", "-d", "-D", str(images), "-W", str(work), "-o", str(work / "restore.log"), "-v2",
-                  "--pidfile", str(pidfile)], work / "restore.log", timeout)
+                  "--manage-cgroups=ignore", "--pidfile", str(pidfile)], work / "restore.log", timeout)
     try:
         return int(pidfile.read_text().strip())
     except (OSError, ValueError) as exc:

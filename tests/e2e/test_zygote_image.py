@@ -122,3 +122,4 @@ def test_a_restored_zygotes_children_read_the_nodes_clocks(module_dir: Path) -> 
         zygote.socket_path(key).unlink(missing_ok=True)
         _stop(pid)
         wait_gone(pid)
+
