@@ -28,8 +28,8 @@ from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.fileutil import mark_used, process_start_time, write_json_atomic
-from mxlaunch.launch import criu, port, process, zygote, zygote_image
-from mxlaunch.launch.criu import CriuError
+from mxlaunch.launch import port, process
+from mxlaunch.launch.zygote_starts import ZygoteStarts
 from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.cleanup import SegmentRecord, reap_stale_runs, shm_entries, shm_user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
@@ -65,9 +65,6 @@ class Launcher(Stopping):
         self.shm_dir = shm_user_root() / self.run_id
         self.log_dir = Path(opts.run_dir) if opts.run_dir else default_log_root() / self.run_id
         self.proc: Optional[subprocess.Popen] = None  # or a zygote.ZygoteChild (--zygote), driven the same way
-        self._zygote_next: Optional[tuple] = None  # (key, entry, env): the zygote to start once ready
-        self._criu_checked: Optional[tuple] = None  # (binary or None, why not): asked once (launch/criu.py)
-        self.image_maker: Optional[zygote_image.ImageMaker] = None  # dumps the new zygote (launch/zygote_image.py)
         self.stage_job = None
         self.capture: Optional[CaptureSession] = None
         self.stop_reason: Optional[str] = None
@@ -88,6 +85,7 @@ class Launcher(Stopping):
         kc = store or open_store(opts.artifact_path)  # JIT kernel caches: restored before the engine, captured after ready
         self.kernel = KernelCacheRun(plan.kernel_cache, KernelCacheStore(kc.root, kc.coordinator), emit, model=plan.spec.model)
         self.store_root = kc.root
+        self.zygotes = ZygoteStarts(plan, opts, self.store_root, self.log_dir, emit)  # --zygote (launch/zygote_starts.py)
         from mxlaunch.profile.profiler import StartupProfiler
 
         self.profiler = StartupProfiler(engine=plan.spec.engine, source="engine.log", live=True)
@@ -250,7 +248,7 @@ class Launcher(Stopping):
             # (tens of seconds later), while the stage's reader threads, started first, held the GIL against
             # the kernel-cache restore and the spawn (0.7-0.8 s before the engine's first line on the 2-core VM).
             try:
-                self.proc = self._fork_from_zygote(argv, env) or process.start(argv, env)
+                self.proc = self.zygotes.fork(argv, env) or process.start(argv, env)
             except OSError as exc:  # checked in the plan already; a PATH changed since, or a race
                 raise UsageError(f"cannot start the engine command {argv[0]}: {exc.strerror or exc}",
                                  "check the command after --, or activate the environment that has the engine")
@@ -268,83 +266,6 @@ class Launcher(Stopping):
             self._cleanup()
             if watchdog is not None:
                 watchdog.finished()
-
-    def _fork_from_zygote(self, argv: list[str], env: dict[str, str]) -> Optional[zygote.ZygoteChild]:
-        """With --zygote: the engine forked from a warm interpreter for this command, or None (spawn it; the
-        zygote for the next start is started once this one is ready)."""
-        start = self.plan.engine_start
-        if start is None or start.zygote is None:
-            return None
-        entry, why = zygote.entry_for(argv, start.zygote.python, self.plan.runtime.executable if self.plan.runtime else None,
-                                      start.zygote.preload)
-        if entry is None:
-            self.emit("zygote", status="off", reason=why)
-            return None
-        key = zygote.zygote_key(entry, self.plan.spec.engine_version, env, os.getcwd())
-        child = zygote.fork_from(key, entry, env, os.getcwd())
-        if child is None:
-            refused = zygote.refusal(key)
-            if refused:  # a zygote for this key would not serve: say why, and do not start another
-                self.emit("zygote", status="refused", key=key, reason=refused)
-                return None
-            restored = self._restore_zygote(key)
-            child = zygote.fork_from(key, entry, env, os.getcwd()) if restored else None
-            if child is not None:
-                self.emit("zygote", status="restored", key=key, pid=child.pid, restore_s=restored["restore_s"],
-                          image=restored["image"], reason="forked from a zygote restored from its CRIU image")
-                return child
-            self._zygote_next = (key, entry, {k: v for k, v in env.items() if k != PLAN_ENV})
-            self.emit("zygote", status="miss", key=key, reason="no warm interpreter for this command yet: spawned; "
-                      "one starts once the engine is ready")
-            return None
-        self.emit("zygote", status="forked", key=key, pid=child.pid, reason="forked from a warm interpreter")
-        return child
-
-    def _start_next_zygote(self) -> None:
-        if self._zygote_next is None:
-            return
-        key, entry, env = self._zygote_next
-        self._zygote_next = None
-        binary = self._criu()
-        for_image = binary is not None and zygote_image.find_image(self.store_root, key) is None
-        try:
-            pid = zygote.start_zygote(key, entry, env, os.getcwd(), self.log_dir, for_image=for_image)
-        except OSError as exc:
-            self.emit("zygote", status="off", key=key, reason=f"cannot start one: {exc.strerror or exc}")
-            return
-        if pid is not None:
-            self.emit("zygote", status="starting", key=key, pid=pid, socket=str(zygote.socket_path(key)),
-                      log=str(self.log_dir / "zygote.log"),
-                      reason="a warm interpreter for the next start (it exits after 15 min with nothing to start)"
-                             + ("; once it has imported, CRIU dumps it into the store for this node's next first start"
-                                if for_image else ""))
-            if for_image:
-                assert binary is not None
-                self.image_maker = zygote_image.ImageMaker(binary, pid, key, self.store_root, self.log_dir / "zygote.log",
-                                                           self.log_dir / "criu", self.emit)
-                self.image_maker.start()
-
-    def _criu(self) -> Optional[str]:
-        """The CRIU binary for zygote images, once per launch; None (said once, in an event) when unusable."""
-        if self._criu_checked is None:
-            binary, why = criu.why_not() if self.opts.zygote_image else (None, "--no-zygote-image")
-            self._criu_checked = (binary, why)
-            if binary is None:
-                self.emit("zygote-image", status="off", reason=why)
-        return self._criu_checked[0]
-
-    def _restore_zygote(self, key: str) -> Optional[dict]:
-        """Restore this key's zygote image (launch/zygote_image.py); None when there is none or CRIU refused."""
-        if zygote_image.find_image(self.store_root, key) is None or self._criu() is None:
-            return None
-        binary = self._criu()
-        assert binary is not None
-        try:
-            return zygote_image.restore_zygote(binary, self.store_root, key, self.log_dir / "zygote.log",
-                                               self.log_dir / "criu")
-        except CriuError as exc:
-            self.emit("zygote-image", status="restore-failed", key=key, reason=str(exc))
-            return None
 
     def _feed_profile(self, line: str, arrival: Optional[float] = None) -> None:
         with self._profile_lock:
@@ -465,7 +386,7 @@ class Launcher(Stopping):
         self.kernel.judge_ready()
         self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases, kernel_cache=self.kernel.status)
         self.kernel.start_capture()
-        self._start_next_zygote()
+        self.zygotes.start_next()
         if self.capture is not None:  # a capture through /dev/shm uploads into the store from now on
             self.capture.engine_ready()
         self.timeline = timeline

@@ -226,9 +226,9 @@ class Stopping:
         if self.proc is not None:  # anything left in the engine's process group (workers) goes too
             process.kill_group(self.proc, wait=2.0)
         remove_rendezvous_files(rendezvous_files(self.shm_dir / "markers"), since=self.started_wall - 1.0)
-        maker = getattr(self, "image_maker", None)  # a zygote image in the making (launch/zygote_image.py)
-        if maker is not None:
-            maker.abandon(wait_s=1.0 if hurry else 5.0)
+        zygotes = getattr(self, "zygotes", None)  # a zygote image in the making (launch/zygote_starts.py)
+        if zygotes is not None:
+            zygotes.abandon(wait_s=1.0 if hurry else 5.0)
         if self.stage_job is not None:
             self.stage_job.cancel()
             free_staged(self.shm_dir)
