@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from mxlaunch import settings
+
 CAP_SYS_ADMIN = 21
 CAP_CHECKPOINT_RESTORE = 40  # Linux 5.9+
-CRIU_ENV = "MXLAUNCH_CRIU"  # the CRIU to run (e.g. the kit's run.sh); else `criu` on PATH
+CRIU_ENV = settings.CRIU  # the CRIU to run (e.g. the kit's run.sh); else `criu` on PATH
 CUDA_CHECKPOINT_SYMBOLS = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
                            "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock")
 
@@ -59,7 +61,7 @@ CRIU_FIX = ("install CRIU 4.0+ (Debian 13: apt install criu; elsewhere scripts/b
 
 def criu_binary(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """$MXLAUNCH_CRIU if it names an executable, else `criu` on PATH, else None."""
-    given = environ.get(CRIU_ENV)
+    given = settings.criu(environ)
     if given:
         return given if os.access(given, os.X_OK) else None
     return shutil.which("criu", path=environ.get("PATH"))

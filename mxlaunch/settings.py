@@ -45,6 +45,7 @@ NIXL_UCX_PARAMS = "MXLAUNCH_NIXL_UCX_PARAMS"
 NIXL_PULL = "MXLAUNCH_NIXL_PULL"
 NIXL_PROGRESS_THREAD = "MXLAUNCH_NIXL_PROGRESS_THREAD"
 P2P_CUDA_IPC = "MXLAUNCH_CUDA_IPC"
+CRIU = "MXLAUNCH_CRIU"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -93,7 +94,14 @@ VARIABLES: dict[str, str] = {
                "requests, spans whole) — docs/p2p.md",
     P2P_CUDA_IPC: "0: same-host P2P pulls go over NIXL too and sources export no CUDA IPC handles (default 1)",
     NIXL_PROGRESS_THREAD: "P2P: 0 starts NIXL agents without their progress thread (default 1)",
+    CRIU: "the CRIU 4+ binary for `launch --zygote` images and the doctor's CRIU rows, e.g. the kit's "
+          "`.criu4-kit/run.sh` (scripts/build_criu_kit.sh; default: `criu` on PATH)",
 }
+
+
+def criu(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """$MXLAUNCH_CRIU, or None when unset or empty."""
+    return environ.get(CRIU) or None
 
 
 def artifact_path(environ: Mapping[str, str] = os.environ) -> Optional[Path]:

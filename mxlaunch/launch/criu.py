@@ -2,7 +2,7 @@
 
 Why a module of its own: the zygote image (launch/zygote_image.py) is the first user, and the engine snapshot
 (issue 24) would be the next; both need the same binary lookup, the same "problem — fix" errors and the same
-log handling. The binary is `$MXLAUNCH_CRIU` (for example the kit `scripts/build_criu_kit.sh` builds:
+log handling. The binary is settings.CRIU (for example the kit `scripts/build_criu_kit.sh` builds:
 `.criu4-kit/run.sh`), else `criu` on PATH. CRIU older than 4.0 fails on recent kernels, so it is not used.
 
 What a restore needs (measured, docs/benchmarks.md): the original pid and thread ids free on this node, the
