@@ -116,10 +116,10 @@ def probe(status_path: Path = Path("/proc/self/status")) -> CheckpointSupport:
         caps = 0
     api, version = cuda_checkpoint_api()
     criu = criu_binary()
-    return assess(caps, criu, api, version, criu_version(_run_quietly([criu, "--version"])) if criu else None)
+    return assess(caps, criu, api, version, criu_version(run_quietly([criu, "--version"])) if criu else None)
 
 
-def _run_quietly(argv: list[str]) -> str:
+def run_quietly(argv: list[str]) -> str:
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):

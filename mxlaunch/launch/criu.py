@@ -18,8 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Mapping, Optional
 
-from mxlaunch.engine_checkpoint import (CAP_CHECKPOINT_RESTORE, CAP_SYS_ADMIN, CRIU_ENV, criu_binary, criu_version,
-                                        effective_caps)
+from mxlaunch.engine_checkpoint import CRIU_ENV, assess, criu_binary, criu_version, effective_caps, run_quietly
 
 __all__ = ["CLOCKS_IMAGE", "CRIU_ENV", "CriuError", "criu_binary", "dump", "restore", "why_not"]
 
@@ -29,7 +28,8 @@ class CriuError(Exception):
 
 
 def why_not(environ: Mapping[str, str] = os.environ, status_text: Optional[str] = None) -> tuple[Optional[str], str]:
-    """(the criu to run, "") when this process may dump and restore its children; else (None, why not)."""
+    """(the criu to run, "") when this process may dump and restore its children; else (None, why not) — the
+    engine snapshot's host-half rules (engine_checkpoint.assess), without its GPU half."""
     binary = criu_binary(environ)
     if binary is None:
         where = f"{CRIU_ENV}={environ[CRIU_ENV]} is not executable" if environ.get(CRIU_ENV) else "no criu on PATH"
@@ -39,15 +39,11 @@ def why_not(environ: Mapping[str, str] = os.environ, status_text: Optional[str] 
             status_text = Path("/proc/self/status").read_text()
         except OSError:
             status_text = ""
-    caps = effective_caps(status_text)
-    if not (caps >> CAP_CHECKPOINT_RESTORE & 1 or caps >> CAP_SYS_ADMIN & 1):
-        return None, "no CAP_CHECKPOINT_RESTORE in this process (CRIU cannot dump or restore)"
-    version = criu_version(_output([binary, "--version"]))
+    version = criu_version(run_quietly([binary, "--version"]))
     if version is None:
         return None, f"{binary} --version printed no version"
-    if version < (4,):
-        return None, f"criu {'.'.join(map(str, version))} is older than 4.0 (it fails on recent kernels)"
-    return binary, ""
+    blockers = assess(effective_caps(status_text), binary, None, criu_ver=version).blockers
+    return (None, blockers[0].split(" — ")[0]) if blockers else (binary, "")
 
 
 # CRIU keeps a restored tree's CLOCK_MONOTONIC/BOOTTIME continuous by restoring it into a new time namespace
@@ -105,10 +101,3 @@ def _tail(log: Path, lines: int = 3) -> str:
         return ""
     errors = [line.strip() for line in text if "Error" in line or "error" in line][-lines:]
     return f" ({' | '.join(errors)})" if errors else ""
-
-
-def _output(argv: list[str]) -> str:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""

@@ -205,14 +205,19 @@ def stop_zygotes() -> list[str]:
     return keys
 
 
-def private_root() -> bool:
-    """Is zygote_root() a real folder of this user's that nobody else can enter? A request carries the engine's
-    whole environment (tokens included): it goes only to a socket in such a folder."""
+def private_dir(path: Path) -> bool:
+    """Is `path` a real folder of this user's that nobody else can enter?"""
     try:
-        st = os.lstat(zygote_root())
+        st = os.lstat(path)
     except OSError:
         return False
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def private_root() -> bool:
+    """Is zygote_root() private (private_dir)? A request carries the engine's whole environment (tokens
+    included): it goes only to a socket in such a folder."""
+    return private_dir(zygote_root())
 
 
 def fork_from(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str) -> Optional[ZygoteChild]:

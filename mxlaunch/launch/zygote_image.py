@@ -27,13 +27,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from mxlaunch.fileutil import last_used, mark_used
+from mxlaunch.fileutil import last_used, mark_used, pid_alive
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
 from mxlaunch.launch import criu, zygote
 from mxlaunch.launch.criu import CriuError
@@ -50,13 +49,7 @@ def image_dir(store_root: Path, key: str) -> Path:
     return images_root(store_root) / key
 
 
-def private(path: Path) -> bool:
-    """A real folder owned by this user that nobody else can enter."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+private = zygote.private_dir  # an image is restored, and dumped into, only from a folder this user alone controls
 
 
 def find_image(store_root: Path, key: str) -> Optional[Path]:
@@ -101,7 +94,7 @@ def write_resume(key: str, log: Path, restored: bool) -> None:
 def wait_for_socket(key: str, pid: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not zygote.socket_path(key).exists():
-        if not _alive(pid):
+        if not pid_alive(pid):
             raise CriuError(f"the restored zygote (pid {pid}) exited before it served")
         if time.monotonic() > deadline:
             raise CriuError(f"the restored zygote (pid {pid}) published no socket in {timeout:.0f} s")
@@ -118,7 +111,7 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
     if not zygote.private_root():
         raise CriuError(f"{zygote.zygote_root()} is not a folder of this user's alone")
     t0 = time.monotonic()
-    _wait_pid_free(_image_pid(folder), 5.0)
+    _wait_pid_free(_pid_in(folder / META), 5.0)
     log.parent.mkdir(parents=True, exist_ok=True)
     write_resume(key, log, restored=True)
     try:
@@ -172,10 +165,10 @@ class ImageMaker(threading.Thread):
     def _make(self) -> dict:
         dumpable, dumping = _marker(self.key, ZYGOTE_DUMPABLE), _marker(self.key, ZYGOTE_DUMPING)
         deadline = time.monotonic() + self.wait_s
-        while _marker_pid(dumpable) != self.pid:  # a marker of another pid is a dead zygote's: not ours to dump
+        while _pid_in(dumpable) != self.pid:  # a marker of another pid is a dead zygote's: not ours to dump
             if self._abandoned:
                 raise CriuError("the launcher stopped before the zygote had imported: it serves without an image")
-            if not _alive(self.pid):
+            if not pid_alive(self.pid):
                 raise CriuError("the zygote exited before it had imported (see zygote.log)")
             if time.monotonic() > deadline:
                 raise CriuError(f"the zygote did not finish importing in {self.wait_s:.0f} s")
@@ -221,16 +214,10 @@ class ImageMaker(threading.Thread):
                 "image": restored["image"]}
 
 
-def _marker_pid(path: Path) -> Optional[int]:
+def _pid_in(path: Path) -> Optional[int]:
+    """The "pid" of a JSON file (a zygote's .dumpable marker, an image's meta.json), or None."""
     try:
         return int(json.loads(path.read_text(encoding="utf-8"))["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _image_pid(folder: Path) -> Optional[int]:
-    try:
-        return int(json.loads((folder / META).read_text(encoding="utf-8"))["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -245,15 +232,6 @@ def _wait_pid_free(pid: Optional[int], timeout: float) -> None:
         if time.monotonic() > deadline:
             raise CriuError(f"pid {pid}, which the image must get back, belongs to a running process on this node")
         time.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    """Alive and not a zombie (a dumped zygote is a zombie until its parent reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _reap(pid: int, timeout: float = 10.0) -> None:

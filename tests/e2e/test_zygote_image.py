@@ -83,10 +83,13 @@ def test_a_zygote_is_dumped_once_imported_and_restored_to_serve_twice(module_dir
 
 
 CLOCK_CHILD = '''
-import os
+import os, time
 if __name__ == "__main__":  # the zygote imports this module too
     st = open("/proc/self/stat").read()
     print("start", st[st.rindex(")") + 2:].split()[19], "pid", os.getpid(), flush=True)
+    deadline = time.monotonic() + 60  # stay alive until the test has read our /proc entry
+    while not os.path.exists(os.environ["MX_RELEASE"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
 '''
 
 
@@ -96,7 +99,7 @@ def test_a_restored_zygotes_children_read_the_nodes_clocks(module_dir: Path) -> 
     process looked like a recycled pid ("process gone"). The restored zygote's children must agree with us."""
     binary = usable_criu()
     (module_dir / "mxz_clock.py").write_text(CLOCK_CHILD)
-    env = _env(module_dir)
+    env = {**_env(module_dir), "MX_RELEASE": str(module_dir / "release")}
     clock = zygote.ZygoteEntry(os.sys.executable, "module", "mxz_clock", (), ("json",))
     key = zygote.zygote_key(clock, "1", env, str(module_dir))
     pid = zygote.start_zygote(key, clock, env, str(module_dir), module_dir / "logs", for_image=True)
@@ -116,6 +119,7 @@ def test_a_restored_zygotes_children_read_the_nodes_clocks(module_dir: Path) -> 
         seen_inside, child_pid = int(line[1]), int(line[3])
         with open(f"/proc/{child_pid}/stat") as f:
             stat_text = f.read()
+        (module_dir / "release").touch()
         assert seen_inside == int(stat_text[stat_text.rindex(")") + 2:].split()[19])
         assert child.wait(timeout=60) == 0
     finally:
