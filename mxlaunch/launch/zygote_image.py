@@ -173,6 +173,10 @@ class ImageMaker(threading.Thread):
             if time.monotonic() > deadline:
                 raise CriuError(f"the zygote did not finish importing in {self.wait_s:.0f} s")
             time.sleep(0.05)
+        why = _undumpable_in(dumpable)
+        if why:
+            dumpable.unlink(missing_ok=True)
+            raise CriuError(f"the zygote cannot be dumped: {why}")
         with self._lock:
             if self._abandoned:
                 raise CriuError("the launcher stopped before the zygote had imported: it serves without an image")
@@ -220,6 +224,15 @@ def _pid_in(path: Path) -> Optional[int]:
         return int(json.loads(path.read_text(encoding="utf-8"))["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _undumpable_in(marker: Path) -> Optional[str]:
+    """A zygote that cannot be dumped (it holds GPU device files) says why in its marker and does not wait."""
+    try:
+        why = json.loads(marker.read_text(encoding="utf-8")).get("undumpable")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(why) if why else None
 
 
 def _wait_pid_free(pid: Optional[int], timeout: float) -> None:

@@ -97,6 +97,47 @@ def refusal_reason() -> Optional[str]:
     return None
 
 
+def device_files() -> List[str]:
+    """The GPU device files this process holds open (/dev/nvidia*): CRIU cannot dump a process holding them."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/nvidia"):
+            held.add(target)
+    return sorted(held)
+
+
+def release_nvml() -> None:
+    """NVML left initialised by the imports holds /dev/nvidiactl and /dev/nvidia0 open (torch's NVML device
+    count, PYTORCH_NVML_BASED_CUDA_CHECK, never shuts it down). Shut it down before a dump: whoever uses it
+    next initialises it again. Only when the library is already loaded: never load it for this."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            if "libnvidia-ml" not in f.read():
+                return
+        import ctypes  # noqa: PLC0415
+
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return
+    for _ in range(64):  # nvmlInit counts; NVML_SUCCESS (0) until the count reaches zero
+        if lib.nvmlShutdown() != 0:
+            return
+
+
+def undumpable_reason() -> Optional[str]:
+    """Why CRIU could not dump this interpreter (after releasing NVML), or None."""
+    release_nvml()
+    held = device_files()
+    if held:
+        return (f"the imports opened GPU device files ({', '.join(held)}): the CUDA driver was initialised, "
+                "which CRIU cannot dump")
+    return None
+
+
 def refuse(socket_path: str, why: str) -> None:
     """Say why in the log and beside the socket (`<key>.refused`): launches say so and start no other."""
     print(f"mxlaunch zygote: not serving — {why}", flush=True)
@@ -219,6 +260,12 @@ def await_image(socket_path: str, log_path: str, wait_s: float) -> bool:
         os.dup2(null, fd)
     os.close(null)
     dumpable, resume = beside(socket_path, ZYGOTE_DUMPABLE), beside(socket_path, ZYGOTE_RESUME)
+    why = undumpable_reason()
+    if why:  # the launcher reads it from the marker and says so; this zygote serves without an image
+        _write_atomic(dumpable, json.dumps({"pid": os.getpid(), "undumpable": why}))
+        _log_to(log_path)
+        print(f"mxlaunch zygote: no image — {why}", flush=True)
+        return False
     _write_atomic(dumpable, json.dumps({"pid": os.getpid()}))
     deadline = time.monotonic() + wait_s
     while True:

@@ -43,7 +43,9 @@ class CudaIpcError(RuntimeError):
 
 
 class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+    # bytes, not chars: a c_char array field reads back cut at its first NUL (the first H200 runs exported
+    # handles cut short that way, and every open failed with CUDA_ERROR_INVALID_VALUE)
+    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]
 
 
 class Driver:
@@ -91,7 +93,10 @@ class Driver:
 
     def open(self, handle: bytes) -> int:
         ptr = ctypes.c_uint64(0)
-        self._check(self._open(ctypes.byref(ptr), _Handle(handle), CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+        if len(handle) != HANDLE_BYTES:
+            raise OSError(f"a CUDA IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
+        self._check(self._open(ctypes.byref(ptr), _Handle((ctypes.c_ubyte * HANDLE_BYTES).from_buffer_copy(handle)),
+                               CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
         return ptr.value
 
     def close(self, ptr: int) -> None:

@@ -6,6 +6,7 @@ rules (nothing landed → NIXL; a failed copy → landed) and when the pull is c
 from __future__ import annotations
 
 import base64
+import ctypes
 import types
 
 import pytest
@@ -210,3 +211,30 @@ def test_host_memory_regions_are_left_to_nixl_and_the_gpu_ones_still_exported() 
     gpu, rest = cuda_ipc.split([*pairs, host])
     assert gpu == pairs and rest == [host]
     assert cuda_ipc.export_regions([Region(0x7000_0000, 64, 0, "cpu")], driver) == (None, "no served region is GPU memory")
+
+
+def test_a_handle_with_nul_bytes_travels_whole_from_export_to_open() -> None:
+    """CUDA IPC handles hold NUL bytes: the H200's first same-GPU pulls sent handles cut at the first one and
+    every open failed (CUDA_ERROR_INVALID_VALUE). Real ctypes calls into stand-in driver functions."""
+    handle = bytes([7, 0, 0, 3] + [0] * 20 + [9] * 40)
+    opened: list[bytes] = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(cuda_ipc._Handle), ctypes.c_uint64)
+    def get(out, addr):
+        ctypes.memmove(out, handle, cuda_ipc.HANDLE_BYTES)
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), cuda_ipc._Handle, ctypes.c_uint)
+    def open_(ptr, h, flags):
+        opened.append(bytes(h.reserved))
+        ptr[0] = 0x7000
+        return 0
+
+    noop = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 0)
+    lib = types.SimpleNamespace(cuIpcOpenMemHandle_v2=open_, cuMemcpyDtoDAsync_v2=noop, cuMemGetAddressRange_v2=noop,
+                                cuIpcGetMemHandle=get, cuIpcCloseMemHandle=noop, cuStreamSynchronize=noop,
+                                cuCtxSetCurrent=noop)
+    driver = cuda_ipc.Driver(lib)
+    exported = driver.export(0x1000)
+    assert exported == handle
+    assert driver.open(exported) == 0x7000 and opened == [handle]

@@ -121,6 +121,32 @@ def test_the_maker_claims_only_its_own_zygotes_marker(module_dir: Path) -> None:
     assert not zygote_image.images_root(module_dir / "store").exists()
 
 
+def test_a_zygote_that_holds_gpu_device_files_is_not_dumped_and_the_event_says_why(module_dir: Path) -> None:  # noqa: F811
+    """On the H200 vLLM's imports initialised the CUDA driver: the zygote then holds /dev/nvidia* open, which
+    CRIU cannot dump. Such a zygote writes why in its marker and serves without waiting; the maker reads it,
+    says it in the event, removes the marker and dumps nothing."""
+    import subprocess
+
+    zygote.zygote_root().mkdir(mode=0o700)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    why = "the imports opened GPU device files (/dev/nvidiactl): the CUDA driver was initialised"
+    marker = zygote.zygote_root() / f"k2{ZYGOTE_DUMPABLE}"
+    marker.write_text(json.dumps({"pid": alive.pid, "undumpable": why}))
+    events: list[tuple[str, dict]] = []
+    maker = zygote_image.ImageMaker("/bin/false", alive.pid, "k2", module_dir / "store", module_dir / "log",
+                                    module_dir / "work", lambda e, **f: events.append((e, f)), wait_s=30)
+    try:
+        maker.start()
+        maker.join(30)
+        assert events == [("zygote-image", {"status": "failed", "key": "k2",
+                                            "reason": f"the zygote cannot be dumped: {why}"})]
+        assert not marker.exists() and not zygote_image.images_root(module_dir / "store").exists()
+        assert alive.poll() is None  # nothing was done to the process
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_zygotes_lists_this_users_images_in_the_store(tmp_path: Path) -> None:
     from tests.helpers.cli import run_cli
 
