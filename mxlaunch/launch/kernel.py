@@ -15,7 +15,7 @@ from mxlaunch import settings
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.kernelcache.caches import (FolderState, cache_key, cache_vars, changed, folder_state, key_fields, local_dir,
-                                  side_dirs, sync_tree)
+                                         seed_from_defaults, side_dirs, sync_tree)
 from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.kernelcache.compile_log import CompileTally
 
@@ -95,10 +95,19 @@ class KernelCacheRun:
             # What the side folder holds now (this key's files, plus whatever other torch builds and runs left
             # there, ~150 MB a header): only what this run writes is captured back.
             self.side_before[sub] = folder_state(outside)
-        self.before = folder_state(folder)
         reason = f"restored {result.files} files into {folder}" if result.status == "hit" else result.reason
+        seeded: Dict[str, Any] = {}
+        if result.status == "miss" and not folder_state(folder):  # this key never ran on this node
+            try:
+                files, nbytes, why = seed_from_defaults(self.info["env"], folder, self.max_bytes)
+            except OSError as exc:
+                files, nbytes, why = 0, 0, f"not seeded ({exc.strerror or exc})"
+            seeded = {"seeded_files": files, "seeded_bytes": nbytes}
+            reason += f"; {why}"
+        self.before = folder_state(folder)
         self.emit("kernel-cache", status=result.status, reason=reason, key=key, dir=str(folder), files=result.files,
-                  bytes=result.bytes, seconds=round(time.monotonic() - t0, 3), unmanaged=self.info.get("unmanaged", []))
+                  bytes=result.bytes, seconds=round(time.monotonic() - t0, 3), unmanaged=self.info.get("unmanaged", []),
+                  **seeded)
         return dict(self.info["env"])
 
     def judge_ready(self) -> None:

@@ -360,7 +360,8 @@ def quick_kernel_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(kernel, "POLL_S", 0.1)
     monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "local"))
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))
-    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # a node whose engine never ran: nothing to seed from
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
     return kernel.side_dirs()["inductor_pch"]
 
@@ -414,6 +415,51 @@ def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path:
     assert second[1][1]["status"] == "hit" and not second[1][1]["published"]
     third = launch("k2.bin")  # the same node compiles one more kernel: a partial hit, captured again
     assert third[1][1]["status"] == "partial" and third[1][1]["published"] and third[1][1]["new"] == ["triton/k2.bin"]
+
+
+def test_a_first_serve_on_a_node_where_the_engine_ran_starts_from_its_default_caches(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A miss into an empty key folder is seeded from where the engine keeps its caches by default (copies: the
+    H200's first serve rebuilt 18 s of JIT the node already had), downloaded cubins and other torch builds'
+    headers left out; the seeded files go into the capture; a key folder that has files, or default folders
+    larger than the archive's cap, are not seeded."""
+    from mxlaunch.launch import kernel
+
+    quick_kernel_runs(tmp_path, monkeypatch)
+    home = tmp_path / "home"
+    (home / ".triton" / "cache" / "ab").mkdir(parents=True)
+    (home / ".triton" / "cache" / "ab" / "k.cubin").write_bytes(b"cubin")
+    (home / ".cache" / "flashinfer" / "90" / "cached_ops").mkdir(parents=True)
+    (home / ".cache" / "flashinfer" / "90" / "cached_ops" / "sampling.so").write_bytes(b"so")
+    (home / ".cache" / "flashinfer" / "cubins").mkdir()
+    (home / ".cache" / "flashinfer" / "cubins" / "big.cubin").write_bytes(b"x" * 100)
+    inductor = tmp_path / "tmpdir" / f"torchinductor_{__import__('getpass').getuser()}"
+    (inductor / "fx").mkdir(parents=True)
+    (inductor / "fx" / "graph.py").write_bytes(b"graph")
+    (inductor / "precompiled_headers").mkdir()
+    (inductor / "precompiled_headers" / "other.h.gch").write_bytes(b"pch")
+    triton_before = os.stat(home / ".triton" / "cache" / "ab" / "k.cubin")
+
+    run, env, events, store, info = kernel_run(tmp_path, "s" * 16)
+    [(name, ev)] = events
+    assert name == "kernel-cache" and ev["status"] == "miss" and ev["seeded_files"] == 3, ev
+    assert Path(env["TRITON_CACHE_DIR"], "ab", "k.cubin").read_bytes() == b"cubin"
+    assert Path(env["FLASHINFER_WORKSPACE_BASE"], ".cache", "flashinfer", "90", "cached_ops", "sampling.so").exists()
+    assert not Path(env["FLASHINFER_WORKSPACE_BASE"], ".cache", "flashinfer", "cubins").exists()
+    assert Path(env["TORCHINDUCTOR_CACHE_DIR"], "fx", "graph.py").exists()
+    assert not Path(env["TORCHINDUCTOR_CACHE_DIR"], "precompiled_headers").exists()
+    assert os.stat(Path(env["TRITON_CACHE_DIR"], "ab", "k.cubin")).st_ino != triton_before.st_ino  # a copy
+    run.start_capture()
+    run._thread.join(120)
+    run.stop()
+    captured = [f for e, f in events if e == "kernel-cache-capture"]
+    assert captured and captured[0]["published"] and captured[0]["files"] == 3, captured
+
+    again, _, events2, _, _ = kernel_run(tmp_path, "s" * 16)  # the same node: its key folder is no longer empty
+    assert "seeded_files" not in events2[0][1] and events2[0][1]["status"] in ("hit", "local"), events2
+    monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_MAX_GIB", str(4 / 2**30))  # 4 bytes: the defaults hold more
+    capped, _, events3, _, _ = kernel_run(tmp_path / "other", "t" * 16)
+    assert events3[0][1]["seeded_files"] == 0 and "cap" in events3[0][1]["reason"], events3
 
 
 def test_precompiled_headers_other_runs_left_are_not_captured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
