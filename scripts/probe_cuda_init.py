@@ -32,25 +32,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 IMPORT_PROBE = r'''
 import json, os, sys, threading, time, traceback
+sys.path.insert(0, sys.argv[2])
+from mxlaunch.plugin.zygote import device_files  # what the zygote checks before a dump (stdlib only)
 sys.setswitchinterval(1e-4)
 t0 = time.perf_counter()
 main = threading.main_thread().ident
 seen, calls, stop = {}, [], []
 
-def devices():
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink("/proc/self/fd/" + fd)
-        except OSError:
-            continue
-        if target.startswith("/dev/nvidia"):
-            out.append(target)
-    return sorted(out)
-
 def watch():
     while not stop:
-        for path in devices():
+        for path in device_files():
             if path not in seen:
                 frame = sys._current_frames().get(main)
                 seen[path] = {"at_s": round(time.perf_counter() - t0, 3),
@@ -71,13 +62,14 @@ took = time.perf_counter() - t0
 time.sleep(0.05)
 stop.append(1)
 print("PROBE " + json.dumps({"import_s": round(took, 2), "driver_init_calls": calls[:4], "n_calls": len(calls),
-                            "first_seen": seen, "open_at_end": devices(),
+                            "first_seen": seen, "open_at_end": device_files(),
                             "torch_cuda_initialized": torch.cuda.is_initialized()}))
 '''
 
 IPC_PROBE = r'''
 import json, multiprocessing as mp, os, sys, time
 sys.path.insert(0, sys.argv[2])
+from mxlaunch.plugin.zygote import device_files
 MiB = 1 << 20
 
 def source(conn):
@@ -115,17 +107,6 @@ def target(conn, out):
         out.send(f"open/copy: {exc}")
     conn.send("done")  # the source may exit now
 
-def nvidia_fds():
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            t = os.readlink("/proc/self/fd/" + fd)
-        except OSError:
-            continue
-        if t.startswith("/dev/nvidia"):
-            out.append(t)
-    return sorted(set(out))
-
 if __name__ == "__main__":
     variant = sys.argv[1]
     t0 = time.perf_counter()
@@ -134,7 +115,7 @@ if __name__ == "__main__":
         torch.cuda.device_count()
     elif variant == "vllm_import":
         import vllm.entrypoints.openai.api_server  # noqa: F401
-    held = nvidia_fds()
+    held = device_files()
     ctx = mp.get_context("spawn" if variant == "spawn" else "fork")
     a, b = ctx.Pipe()
     r, w = ctx.Pipe(duplex=False)
@@ -179,7 +160,7 @@ def main() -> int:
     parts = args.parts.split(",")
     if "imports" in parts:
         for name, env in (("as_is", base), ("nvml_count", nvml)):
-            doc["imports"][name] = got = probe(IMPORT_PROBE, [args.module], env, 300)
+            doc["imports"][name] = got = probe(IMPORT_PROBE, [args.module, str(REPO)], env, 300)
             print(name, json.dumps({k: got.get(k) for k in ("import_s", "n_calls", "open_at_end", "rc")}), flush=True)
             for call in got.get("driver_init_calls", [])[:2]:
                 print("  cuInit via:", "".join(call["stack"][-6:]), flush=True)

@@ -199,21 +199,26 @@ class DefaultPlace:
     skip: Tuple[str, ...] = ()
 
 
-def default_places(environ: Mapping[str, str] = os.environ) -> Dict[str, DefaultPlace]:
-    """The default places mxlaunch knows (each library's own rule); a variable not listed is not seeded."""
-    home = Path(environ.get("HOME") or Path.home())
-    xdg = Path(environ.get("XDG_CACHE_HOME") or home / ".cache")
-    tmp = Path(environ.get("TMPDIR") or tempfile.gettempdir())
+def inductor_default_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """$TMPDIR/torchinductor_<user>: Inductor's cache when TORCHINDUCTOR_CACHE_DIR is unset, and where its
+    precompiled headers always live (torch/_inductor: the user name with path-unsafe characters replaced)."""
+    tmp = environ.get("TMPDIR") or tempfile.gettempdir()
     try:
         user = getpass.getuser()
     except (KeyError, OSError, ModuleNotFoundError):
         user = f"uid_{os.getuid()}"
+    return Path(tmp) / f"torchinductor_{re.sub(r'[/:*?<>|]', '_', user)}"
+
+
+def default_places(environ: Mapping[str, str] = os.environ) -> Dict[str, DefaultPlace]:
+    """The default places mxlaunch knows (each library's own rule); a variable not listed is not seeded."""
+    home = Path(environ.get("HOME") or Path.home())
+    xdg = Path(environ.get("XDG_CACHE_HOME") or home / ".cache")
     return {
         "VLLM_CACHE_ROOT": DefaultPlace(xdg / "vllm"),  # vllm/envs.py: $XDG_CACHE_HOME/vllm
         "TRITON_CACHE_DIR": DefaultPlace(home / ".triton" / "cache"),  # triton/knobs.py
         # its precompiled headers are read from this fixed place whatever the variable says (side_dirs)
-        "TORCHINDUCTOR_CACHE_DIR": DefaultPlace(tmp / f"torchinductor_{re.sub(r'[/:*?<>|]', '_', user)}",
-                                                skip=("precompiled_headers",)),
+        "TORCHINDUCTOR_CACHE_DIR": DefaultPlace(inductor_default_dir(environ), skip=("precompiled_headers",)),
         # flashinfer/jit/env.py: $FLASHINFER_WORKSPACE_BASE (default ~)/.cache/flashinfer; its downloaded cubins
         # stay in place (KEPT_IN_PLACE)
         "FLASHINFER_WORKSPACE_BASE": DefaultPlace(home / ".cache" / "flashinfer", ".cache/flashinfer", ("cubins",)),
@@ -257,12 +262,7 @@ def side_dirs(environ: Mapping[str, str] = os.environ) -> Dict[str, Path]:
     $TMPDIR/torchinductor_<user>/precompiled_headers whatever TORCHINDUCTOR_CACHE_DIR says
     (torch/_inductor/codecache.py `_HEADER_DIR`, fixed at import). Their names hash the header's content,
     the compile command and the compiler version, not the folder: they can be carried to another TMPDIR."""
-    tmp = environ.get("TMPDIR") or tempfile.gettempdir()
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError, ModuleNotFoundError):
-        user = f"uid_{os.getuid()}"
-    return {"inductor_pch": Path(tmp) / f"torchinductor_{re.sub(r'[/:*?<>|]', '_', user)}" / "precompiled_headers"}
+    return {"inductor_pch": inductor_default_dir(environ) / "precompiled_headers"}
 
 
 def sync_tree(src: Path, dst: Path, only: Optional[Sequence[str]] = None, skip: Sequence[str] = ()) -> int:

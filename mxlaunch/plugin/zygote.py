@@ -111,9 +111,10 @@ def device_files() -> List[str]:
 
 
 def release_nvml() -> None:
-    """NVML left initialised by the imports holds /dev/nvidiactl and /dev/nvidia0 open (torch's NVML device
-    count, PYTORCH_NVML_BASED_CUDA_CHECK, never shuts it down). Shut it down before a dump: whoever uses it
-    next initialises it again. Only when the library is already loaded: never load it for this."""
+    """NVML left initialised by the imports holds /dev/nvidiactl, /dev/nvidia0 and the caps files open (vLLM
+    0.26's platform detection calls nvmlInit while it is imported: scripts/probe_cuda_init.py on the H200).
+    Shut it down before a dump: whoever uses it next initialises it again. Only when the library is already
+    loaded: never load it for this."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             if "libnvidia-ml" not in f.read():
@@ -133,8 +134,7 @@ def undumpable_reason() -> Optional[str]:
     release_nvml()
     held = device_files()
     if held:
-        return (f"the imports opened GPU device files ({', '.join(held)}): the CUDA driver was initialised, "
-                "which CRIU cannot dump")
+        return f"the imports left GPU device files open ({', '.join(held)}), which CRIU cannot dump"
     return None
 
 

@@ -4,6 +4,7 @@ instead of waiting out the ready timeout. The bind-error line is the one SGLang 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.errors import UsageError
+from mxlaunch.fileutil import pid_alive
 from mxlaunch.launch import LaunchOptions, make_plan, port
+from mxlaunch.launch.cleanup import ENGINE_SHM_PREFIXES, SHM_ROOT, shm_user_root
 from mxlaunch.store.core import Store
 from tests.helpers.cli import run_cli
 from tests.helpers.vllm_server import free_port
@@ -59,9 +62,30 @@ def test_the_bind_failure_is_read_from_uvicorns_line_for_this_port_only() -> Non
     assert port.bind_failure("INFO:     Application startup complete.", 38741) is None
 
 
+def _entries(folder: Path) -> set[str]:
+    return set(os.listdir(folder)) if folder.is_dir() else set()
+
+
+def _owner_alive(run_dir: Path) -> bool:
+    try:
+        return pid_alive(int(json.loads((run_dir / "owner.json").read_text())["pid"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def left_in_shm(top_before: set[str], runs_before: set[str]) -> set[str]:
+    """What a launcher that has exited left in /dev/shm. Other processes may run meanwhile (`make test` runs the
+    live lane beside this one): their engines' segments and the run folders of launchers still alive (owner.json
+    names a live pid) are theirs, not a leftover."""
+    root = shm_user_root()
+    top = {n for n in _entries(SHM_ROOT) - top_before if n != root.name and not n.startswith(ENGINE_SHM_PREFIXES)}
+    runs = {f"{root.name}/{n}" for n in _entries(root) - runs_before if not _owner_alive(root / n)}
+    return top | runs
+
+
 def test_launch_on_a_held_port_is_one_line_exit_2_and_starts_nothing(tmp_path: Path) -> None:
     model = write_checkpoint(tmp_path / "model")
-    shm_before = set(os.listdir("/dev/shm"))
+    top_before, runs_before = _entries(SHM_ROOT), _entries(shm_user_root())
     with listening() as held:
         number = held.getsockname()[1]
         result = run_cli("launch", "--artifact-path", str(tmp_path / "store"), "--run-dir", str(tmp_path / "run"),
@@ -69,9 +93,9 @@ def test_launch_on_a_held_port_is_one_line_exit_2_and_starts_nothing(tmp_path: P
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "already in use" in line]
     assert len(errors) == 1 and f"port {number}" in errors[0] and "Traceback" not in result.stderr, result.stderr
-    assert not (tmp_path / "run" / "engine.log").exists()  # the engine never started
+    assert not (tmp_path / "run" / "engine.log").exists()  # the engine never started (no segments of its own)
     assert not list((tmp_path / "store").rglob("*.safetensors"))  # nothing captured
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert left_in_shm(top_before, runs_before) == set()
 
 
 def test_a_port_taken_after_the_check_stops_the_hanging_engine_at_once(tmp_path: Path,

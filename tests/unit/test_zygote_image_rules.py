@@ -129,7 +129,7 @@ def test_a_zygote_that_holds_gpu_device_files_is_not_dumped_and_the_event_says_w
 
     zygote.zygote_root().mkdir(mode=0o700)
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    why = "the imports opened GPU device files (/dev/nvidiactl): the CUDA driver was initialised"
+    why = "the imports left GPU device files open (/dev/nvidiactl), which CRIU cannot dump"
     marker = zygote.zygote_root() / f"k2{ZYGOTE_DUMPABLE}"
     marker.write_text(json.dumps({"pid": alive.pid, "undumpable": why}))
     events: list[tuple[str, dict]] = []
