@@ -46,6 +46,7 @@ NIXL_PULL = "MXLAUNCH_NIXL_PULL"
 NIXL_PROGRESS_THREAD = "MXLAUNCH_NIXL_PROGRESS_THREAD"
 P2P_CUDA_IPC = "MXLAUNCH_CUDA_IPC"
 CRIU = "MXLAUNCH_CRIU"
+SNAPSHOT_DIR = "MXLAUNCH_SNAPSHOT_DIR"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -96,6 +97,8 @@ VARIABLES: dict[str, str] = {
     NIXL_PROGRESS_THREAD: "P2P: 0 starts NIXL agents without their progress thread (default 1)",
     CRIU: "the CRIU 4+ binary for `launch --zygote` images and the doctor's CRIU rows, e.g. the kit's "
           "`.criu4-kit/run.sh` (scripts/build_criu_kit.sh; default: `criu` on PATH)",
+    SNAPSHOT_DIR: "set by the engine-snapshot path for the engine: where each engine process reports, on SIGUSR2, that "
+                  "it released NVML for a CRIU dump (never set it by hand)",
 }
 
 

@@ -356,7 +356,9 @@ class Harness:
         if launcher:
             plan = start.event("plan") or {}
             rec["planned"] = plan.get("strategy")
-            rec["kernel_cache"] = (start.event("kernel-cache") or {}).get("status")
+            kc = start.event("kernel-cache") or {}
+            rec["kernel_cache"] = kc.get("status")
+            rec.update({k: kc[k] for k in ("seeded_files", "seeded_bytes") if k in kc})  # a first serve seeded from the node
             rec["kernel_cache_at_ready"] = (ready or {}).get("kernel_cache")  # `partial`: the engine compiled anyway
             kc_capture = start.event("kernel-cache-capture") or {}
             rec["kernel_cache_capture"] = {k: kc_capture.get(k) for k in ("status", "published", "new_files", "files",

@@ -41,6 +41,9 @@ _loader_cls: type | None = None
 
 def register() -> None:
     """The sglang.srt.plugins entry point; never raises (a plugin must not take SGLang down)."""
+    from mxlaunch.plugin import snapshot_signal
+
+    snapshot_signal.install()
     if not os.environ.get(PLAN_ENV):
         return
     try:

@@ -56,6 +56,9 @@ _loader_cls: type | None = None
 
 def register() -> None:
     """The vllm.general_plugins entry point; never raises (a plugin must not take vLLM down)."""
+    from mxlaunch.plugin import snapshot_signal
+
+    snapshot_signal.install()
     try:
         module = sys.modules.get(_TARGET)
         if module is not None and hasattr(module, "register_model_loader"):
