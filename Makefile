@@ -35,7 +35,7 @@ $(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt
 
 sglang-venv: $(SGLANG_STAMP)
 
-# CRIU 4.1.1 for the zygote-image tests (real dumps and restores): built from Debian's source when run as root
+# CRIU 4.2.1 for the zygote-image and engine-snapshot tests (real dumps and restores): built from Debian's source when run as root
 # (apt), else left out — those tests then skip and say why. Its log is .criu4-kit.log.
 CRIU_KIT = .criu4-kit/run.sh
 $(CRIU_KIT): scripts/build_criu_kit.sh

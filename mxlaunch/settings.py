@@ -47,6 +47,7 @@ NIXL_PROGRESS_THREAD = "MXLAUNCH_NIXL_PROGRESS_THREAD"
 P2P_CUDA_IPC = "MXLAUNCH_CUDA_IPC"
 CRIU = "MXLAUNCH_CRIU"
 SNAPSHOT_DIR = "MXLAUNCH_SNAPSHOT_DIR"
+ENGINE_SNAPSHOTS = "MXLAUNCH_ENGINE_SNAPSHOTS"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -99,12 +100,20 @@ VARIABLES: dict[str, str] = {
           "`.criu4-kit/run.sh` (scripts/build_criu_kit.sh; default: `criu` on PATH)",
     SNAPSHOT_DIR: "set by the engine-snapshot path for the engine: where each engine process reports, on SIGUSR2, that "
                   "it released NVML for a CRIU dump (never set it by hand)",
+    ENGINE_SNAPSHOTS: "where `launch --engine-snapshot` keeps its snapshots (node-local; they hold the engine's memory, "
+                      "GPU memory included; default ~/.cache/mxlaunch/engine-snapshots)",
 }
 
 
 def criu(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """$MXLAUNCH_CRIU, or None when unset or empty."""
     return environ.get(CRIU) or None
+
+
+def engine_snapshots(environ: Mapping[str, str] = os.environ) -> Optional[Path]:
+    """$MXLAUNCH_ENGINE_SNAPSHOTS (user-expanded), or None when unset or empty."""
+    text = environ.get(ENGINE_SNAPSHOTS)
+    return Path(text).expanduser() if text else None
 
 
 def artifact_path(environ: Mapping[str, str] = os.environ) -> Optional[Path]:

@@ -10,7 +10,7 @@
 #
 # Usage (as root, needs apt + network to deb.debian.org):
 #   scripts/build_criu_kit.sh [KIT_DIR]
-# Env: CRIU_VERSION (default 4.1.1), CRIU_SHA256 (optional check of the orig
+# Env: CRIU_VERSION (default 4.2.1: 4.1.x cannot dump a TCP socket on 6.16+ kernels), CRIU_SHA256 (optional check of the orig
 #      tarball), WORK_DIR (default /tmp/criu-build), SKIP_APT=1 to skip apt.
 set -euo pipefail
 
@@ -21,7 +21,7 @@ apt_get() { flock /tmp/mxlaunch-apt.lock apt-get -o DPkg::Lock::Timeout=600 "$@"
 
 REPO_ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KIT_DIR=${1:-$REPO_ROOT/.criu4-kit}
-CRIU_VERSION=${CRIU_VERSION:-4.1.1}
+CRIU_VERSION=${CRIU_VERSION:-4.2.1}
 WORK_DIR=${WORK_DIR:-/tmp/criu-build}
 POOL=http://deb.debian.org/debian/pool/main/c/criu
 # sha256 of criu_4.1.1.orig.tar.xz, from trixie's Sources index

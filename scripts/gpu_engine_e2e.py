@@ -80,7 +80,7 @@ ENGINE_OPTIONS = {"prefetch": ("--safetensors-load-strategy", "prefetch"),
                   "instanttensor": ("--load-format", "instanttensor")}
 # the engine's start-up (issue 24): the same weight path with and without the launcher's start-up cuts
 FORK_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-SCENARIOS = ("default", "default-fork", "capture", "staged", "staged-spawn", "zygote", "zygote-image", "p2p",
+SCENARIOS = ("default", "default-fork", "capture", "staged", "staged-spawn", "zygote", "zygote-image", "p2p", "engine-snapshot",
              *ENGINE_OPTIONS)
 LAUNCHED = ("capture", "staged", "staged-spawn", "zygote", "zygote-image")
 # what vLLM's log says of its own compile work (seconds), per start
@@ -91,7 +91,8 @@ LOG_TIMES = {"torch_compile_s": r"torch\.compile takes ([0-9.]+) s in total",
 MODES = {"default": "engine alone (vLLM CLI: engine core spawned)", "default-fork": "engine alone, engine core forked",
          "staged": "mxlaunch staged, engine core forked", "staged-spawn": "mxlaunch staged, engine core spawned",
          "zygote": "mxlaunch staged, forked from a zygote, engine core forked",
-         "zygote-image": "mxlaunch staged, no zygote waiting: the zygote restored from its CRIU image, then forked"}
+         "zygote-image": "mxlaunch staged, no zygote waiting: the zygote restored from its CRIU image, then forked",
+         "engine-snapshot": "mxlaunch --engine-snapshot: the second start restores the first one's engine (CUDA checkpoint + CRIU)"}
 
 
 def evict(*folders: Path) -> int:
@@ -288,6 +289,8 @@ class Harness:
         try:
             if scenario == "p2p":
                 rec = self._p2p()
+            elif scenario == "engine-snapshot":
+                rec = self._engine_snapshot()
             elif scenario in ("zygote", "zygote-image"):
                 rec = self._zygote(image=scenario == "zygote-image")
             else:
@@ -373,6 +376,33 @@ class Harness:
                 rec["error"] = f"fell back: {rec['fallback'][:300]}"
             elif rec["name"] != "capture" and rec.get("planned") != rec["strategy"]:
                 rec["error"] = f"planned {rec.get('planned')!r}, not {rec['name']!r}: {plan.get('reason')}"
+        return rec
+
+    def _engine_snapshot(self) -> dict:
+        """`launch --engine-snapshot` twice with one command: the first start serves and snapshots the engine
+        (CUDA checkpoint + CRIU), the second restores it. The KV cache is in the image: --snapshot-util sizes it."""
+        port = free_port()
+        argv = mx("launch", "--json", "--artifact-path", str(self.store), "--engine-snapshot", "--",
+                  *engine_argv(self.model, port, self.snapshot_util))
+        rec: dict = {"name": "engine-snapshot", "strategy": "snapshot", "mode": MODES.get("engine-snapshot"),
+                     "command": shown_argv(argv), "util": self.snapshot_util}
+        for phase in ("first", "restored"):
+            log = self._log(f"engine-snapshot-{phase}")
+            start = Start(argv, log, log.with_suffix(".events.jsonl"))
+            try:
+                ready = start.wait_ready(port, self.timeout)
+                if phase == "first":
+                    rec["first_ready_s"] = ready
+                    rec["taken"] = start.wait_event("engine-snapshot", 600)
+                else:
+                    rec["ready_s"] = ready
+                    rec["restored"] = start.event("engine-snapshot")
+                    rec["planned"] = (start.event("plan") or {}).get("strategy")
+                    rec["verify"] = verify(port, self.gold, False)
+            finally:
+                start.stop(True)
+        if rec.get("planned") != "snapshot":
+            rec["error"] = f"not restored: {rec.get('restored')}"
         return rec
 
     def _zygote(self, image: bool = False) -> dict:
@@ -485,6 +515,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-e2e"))
     ap.add_argument("--util", type=float, default=0.7, help="--gpu-memory-utilization (p2p: half each)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds to ready, per start")
+    ap.add_argument("--snapshot-util", type=float, default=0.12, help="engine-snapshot: --gpu-memory-utilization (the "
+                    "image holds the engine's GPU memory, KV cache included)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON record (every run so far in the work folder)")
     ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help="sglang: SGLang's kit "
                     "(docs/sglang-gpu.md), FlashInfer attention, PyTorch sampling")
@@ -517,6 +549,7 @@ def main() -> int:
         ENV.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
     harness = Harness(args.work, model, args.util, args.timeout)
     harness.fresh_node = args.fresh_node
+    harness.snapshot_util = args.snapshot_util
     import importlib  # noqa: PLC0415 — only for its version, in the engine's environment
 
     version = importlib.import_module(ENGINE["name"]).__version__

@@ -41,6 +41,10 @@ def launch(
                                 "store and a node's first start restores it instead of importing."),
     no_zygote_image: bool = typer.Option(False, "--no-zygote-image", help="With --zygote: never dump or restore the "
                                          "zygote with CRIU."),
+    engine_snapshot: bool = typer.Option(False, "--engine-snapshot", help="Restore this command's engine snapshot (CUDA "
+                                         "checkpoint + CRIU 4.2+) instead of starting the engine; without one, take it "
+                                         "once the engine serves (the engine pauses for it). Node-local, in "
+                                         "MXLAUNCH_ENGINE_SNAPSHOTS; it holds the engine's GPU memory: size the KV cache."),
     no_download: bool = typer.Option(False, "--no-download", help="Leave a hub id that is not in the hub cache, or an "
                                      "s3:// model, to the engine (by default mxlaunch downloads it once per artifact store first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
@@ -51,9 +55,10 @@ def launch(
 
     opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
-                         snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache, p2p=not no_p2p,
+                         snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache,
+                         p2p=not no_p2p and not engine_snapshot,  # a NIXL agent is no state to freeze and bring back
                          registry=registry, capture_id=capture_id, engine_fork=not no_engine_fork, zygote=zygote,
-                         zygote_image=not no_zygote_image)
+                         zygote_image=not no_zygote_image, engine_snapshot=engine_snapshot)
 
     def emit(event: str, **fields: object) -> None:
         if as_json:

@@ -33,7 +33,7 @@ def why_not(environ: Mapping[str, str] = os.environ, status_text: Optional[str] 
     binary = criu_binary(environ)
     if binary is None:
         where = f"{CRIU_ENV}={environ[CRIU_ENV]} is not executable" if environ.get(CRIU_ENV) else "no criu on PATH"
-        return None, f"{where} (scripts/build_criu_kit.sh builds CRIU 4.1.1; point {CRIU_ENV} at its run.sh)"
+        return None, f"{where} (scripts/build_criu_kit.sh builds CRIU 4.2.1; point {CRIU_ENV} at its run.sh)"
     if status_text is None:
         try:
             status_text = Path("/proc/self/status").read_text()
@@ -53,17 +53,21 @@ def why_not(environ: Mapping[str, str] = os.environ, status_text: Optional[str] 
 CLOCKS_IMAGE = "timens-0.img"
 
 
-def dump(binary: str, pid: int, images: Path, timeout: float = 120.0, keep_clocks: bool = False) -> None:
+def dump(binary: str, pid: int, images: Path, timeout: float = 120.0, keep_clocks: bool = False,
+         extra: tuple[str, ...] = ()) -> None:
     """Dump the tree rooted at `pid` into `images` (made here); CRIU stops the tree once it is dumped.
     The tree must be a session of its own with no terminal (the zygote is: start_new_session, fds on files).
-    keep_clocks=False: the restore runs on the node's clocks (see CLOCKS_IMAGE)."""
+    keep_clocks=False: the restore runs on the node's clocks (see CLOCKS_IMAGE). extra: more CRIU flags (the
+    engine snapshot's, launch/engine_snapshot.py)."""
     images.mkdir(parents=True, mode=0o700, exist_ok=True)
-    _run(binary, ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2"], images / "dump.log", timeout)
+    _run(binary, ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *extra], images / "dump.log",
+         timeout)
     if not keep_clocks:
         (images / CLOCKS_IMAGE).unlink(missing_ok=True)
 
 
-def restore(binary: str, images: Path, work: Path, timeout: float = 60.0) -> int:
+def restore(binary: str, images: Path, work: Path, timeout: float = 60.0, extra: tuple[str, ...] = (),
+            pass_fds: tuple[int, ...] = ()) -> int:
     """Restore the tree in `images`, detached (`-d`: it runs on once CRIU exits), in this process's cgroups;
     its pid. CRIU writes its log and pid file into `work` (the image folder may be shared and read-only to
     others)."""
@@ -73,17 +77,18 @@ def restore(binary: str, images: Path, work: Path, timeout: float = 60.0) -> int
     # --manage-cgroups=ignore: the tree joins the restoring launcher's cgroups (a Slurm job's, say), never the
     # ones it was dumped from (another job's, maybe gone)
     _run(binary, ["restore", "-d", "-D", str(images), "-W", str(work), "-o", str(work / "restore.log"), "-v2",
-                  "--manage-cgroups=ignore", "--pidfile", str(pidfile)], work / "restore.log", timeout)
+                  "--manage-cgroups=ignore", "--pidfile", str(pidfile), *extra], work / "restore.log", timeout,
+         pass_fds)
     try:
         return int(pidfile.read_text().strip())
     except (OSError, ValueError) as exc:
         raise CriuError(f"criu restore wrote no pid file ({exc})") from None
 
 
-def _run(binary: str, args: list[str], log: Path, timeout: float) -> None:
+def _run(binary: str, args: list[str], log: Path, timeout: float, pass_fds: tuple[int, ...] = ()) -> None:
     try:
         done = subprocess.run([binary, *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, pass_fds=pass_fds)
     except subprocess.TimeoutExpired:
         raise CriuError(f"criu {args[0]} took over {timeout:.0f} s{_tail(log)}") from None
     except OSError as exc:

@@ -57,6 +57,7 @@ class LaunchOptions:
     engine_fork: bool = True  # the engine's start-up variables (launch/engine_start.py; --no-engine-fork: False)
     zygote: bool = False  # restarts forked from a warm interpreter (--zygote)
     zygote_image: bool = True  # with --zygote and a usable CRIU: dump the zygote, restore it on first starts
+    engine_snapshot: bool = False  # restore the command's engine snapshot, else take one once ready (--engine-snapshot)
 
 
 @dataclass

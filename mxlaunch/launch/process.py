@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
+from mxlaunch.launch import no_io_uring
+
 _BREAK = re.compile(rb"\r\n|\r|\n")
 
 
@@ -29,11 +31,21 @@ def _pdeathsig() -> None:
 
 
 def start(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, *, stdin: Optional[int] = None,
-          die_with_parent: bool = True) -> subprocess.Popen:
-    """The engine in its own process group, stdout and stderr together on one pipe."""
+          die_with_parent: bool = True, dumpable: bool = False) -> subprocess.Popen:
+    """The engine in its own process group, stdout and stderr together on one pipe. dumpable: no io_uring
+    in its tree (launch/no_io_uring.py), and no PR_SET_PDEATHSIG: CRIU restores it, and the restored root
+    would get it the moment CRIU (its parent then) exits — so CRIU can snapshot it."""
+    die_with_parent = die_with_parent and not dumpable
+
+    def preexec() -> None:
+        if die_with_parent:
+            _pdeathsig()
+        if dumpable:
+            no_io_uring.install()
+
     return subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
                             env=dict(env) if env is not None else None, start_new_session=True,
-                            preexec_fn=_pdeathsig if die_with_parent else None)
+                            preexec_fn=preexec if die_with_parent or dumpable else None)
 
 
 def read_lines(fd: int, on_line: Callable[[str, float], None], start: float,

@@ -30,6 +30,7 @@ from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.fileutil import mark_used, process_start_time, write_json_atomic
 from mxlaunch.launch import port, process
 from mxlaunch.launch.zygote_starts import ZygoteStarts
+from mxlaunch.launch.engine_snapshots import EngineSnapshots
 from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.cleanup import SegmentRecord, reap_stale_runs, shm_entries, shm_user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
@@ -86,6 +87,8 @@ class Launcher(Stopping):
         self.kernel = KernelCacheRun(plan.kernel_cache, KernelCacheStore(kc.root, kc.coordinator), emit, model=plan.spec.model)
         self.store_root = kc.root
         self.zygotes = ZygoteStarts(plan, opts, self.store_root, self.log_dir, emit)  # --zygote (launch/zygote_starts.py)
+        self.snapshots = EngineSnapshots(opts.engine_snapshot, list(plan.spec.argv), plan.source_id, self.shm_dir,
+                                         self.log_dir, emit, p2p=plan.p2p is not None)  # --engine-snapshot
         from mxlaunch.profile.profiler import StartupProfiler
 
         self.profiler = StartupProfiler(engine=plan.spec.engine, source="engine.log", live=True)
@@ -232,23 +235,30 @@ class Launcher(Stopping):
         try:
             if serves_http(self.plan.spec) and self.plan.spec.port:  # before anything is staged or started
                 port.check_free(self.plan.spec.host, self.plan.spec.port)
+            self._shm_before = shm_entries()  # before a restore: the files it puts back are the run's to remove
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            restored = self.snapshots.try_restore()
+            if restored is not None:
+                self.plan.strategy = "snapshot"
+                self.plan.reason = "restored this command's engine snapshot: no engine start, no weights to load"
             self._prepare()
             argv = self.plan.argv
             self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
                       snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"),
                       capture_via=self.plan.capture_via, capture_via_reason=self.plan.capture_via_reason,
                       engine_start=self.plan.engine_start.to_json() if self.plan.engine_start else None)
-            self._shm_before = shm_entries()
             self.segments = SegmentRecord(self.shm_dir, self._shm_before)
             if self.signals:  # stopped before the engine started
                 return 128 + self.signals[0]
-            env = {**self._env(), **self.kernel.restore()}
+            env = {**self._env(), **self.snapshots.env(), **(self.kernel.restore() if restored is None else {})}
             log = open(self.log_dir / "engine.log", "wb")
             # The engine first, then staging: the engine needs the files only once it has built the model
             # (tens of seconds later), while the stage's reader threads, started first, held the GIL against
             # the kernel-cache restore and the spawn (0.7-0.8 s before the engine's first line on the 2-core VM).
             try:
-                self.proc = self.zygotes.fork(argv, env) or process.start(argv, env)
+                dumpable = self.snapshots.dumpable  # a zygote's children are not ours to snapshot
+                self.proc = restored or (None if dumpable else self.zygotes.fork(argv, env)) or \
+                    process.start(argv, env, dumpable=dumpable)
             except OSError as exc:  # checked in the plan already; a PATH changed since, or a race
                 raise UsageError(f"cannot start the engine command {argv[0]}: {exc.strerror or exc}",
                                  "check the command after --, or activate the environment that has the engine")
@@ -337,6 +347,12 @@ class Launcher(Stopping):
         finally:
             client.close()
 
+    def _snapshot_ready(self) -> Optional[bool]:
+        """Snapshot the engine now (True), never (False: its capture failed), or not yet (None)."""
+        if self.capture is None or self.capture.published:
+            return True
+        return False if self.capture.failed else None
+
     @property
     def published(self) -> bool:
         return self.capture is not None and self.capture.published
@@ -387,6 +403,8 @@ class Launcher(Stopping):
         self.emit("ready", seconds=round(seconds, 3), strategy=self.plan.strategy, phases=phases, kernel_cache=self.kernel.status)
         self.kernel.start_capture()
         self.zygotes.start_next()
+        if self.proc is not None:
+            self.snapshots.start_maker(self.proc.pid, self._snapshot_ready)
         if self.capture is not None:  # a capture through /dev/shm uploads into the store from now on
             self.capture.engine_ready()
         self.timeline = timeline

@@ -221,6 +221,9 @@ class Stopping:
         store after: under Slurm's KillWait what matters most goes before what can wait."""
         hurry = bool(self.signals)
         self.kernel.hold()  # no kernel capture from an engine being stopped: it waits until the engine is gone
+        snapshots = getattr(self, "snapshots", None)  # a snapshot under way pauses the engine: let it end first
+        if snapshots is not None:
+            snapshots.abandon(wait_s=2.0 if hurry else 120.0)
         if self.proc is not None and self.proc.poll() is None:
             self._stop_engine()
         if self.proc is not None:  # anything left in the engine's process group (workers) goes too

@@ -1,0 +1,376 @@
+"""Engine snapshots: an initialized engine checkpointed once (GPU state by the CUDA driver, processes by CRIU),
+restored on the node's next start with the same command instead of starting the engine at all.
+
+Why: with the weights at 0.16 s, a vLLM start is the engine's own start-up (two interpreters, model build,
+profile, KV cache, HTTP). A restored engine skips all of it: on the H200 (vLLM 0.26, the 8 GiB Llama, 17 GiB
+of GPU memory) the probe restored one in 11.7–12.4 s against 38–77 s (docs/benchmarks.md), every answer exact.
+
+Layout (node-local: an image holds the engine's whole memory, its GPU memory included, tens of GiB):
+
+    $MXLAUNCH_ENGINE_SNAPSHOTS (default ~/.cache/mxlaunch/engine-snapshots)/<uid>/   0700, this user's alone
+        <key>/                      one per command (snapshot_key: argv, source id, interpreter, kernel, devices)
+            meta.json               pids, the GPU pids, the output pipe's inode, the files put back before a restore
+            *.img                   CRIU's files
+            link-remaps/            unlinked files CRIU kept by a link (POSIX semaphores): a restore consumes them
+            shm-files/              /dev/shm files the engine had open (the launcher's cleanup removes them)
+        .<key>.<pid>.tmp/           a snapshot in progress, renamed into place when complete
+
+Taking one (`take`, once the first start is ready and its capture is published; the engine pauses for it):
+SIGUSR2 to every engine process that installed mxlaunch's handler (plugin/snapshot_signal.py: NVML shut down),
+then lock + checkpoint every process with CUDA state, `criu dump --leave-running`, restore + unlock: the engine
+serves on. Restoring (`restore`): the files put back, `criu restore -d` with a new output pipe (--inherit-fd),
+the GPU state restored and unlocked; the launcher (a child subreaper) becomes the restored tree's parent.
+
+What it needs, checked before anything is tried: CRIU 4.2+ (4.1 fails on 6.16+ kernels' sockets), the
+capability, the driver's checkpoint API where there is a GPU, and an engine started by the launcher with
+io_uring filtered out (launch/no_io_uring.py). TCP connections are closed at restore (--tcp-close): clients
+reconnect. Any failure is a `SnapshotError` or `CriuError`; the launcher then starts the engine as usual.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from mxlaunch import settings
+from mxlaunch.fileutil import pid_alive
+from mxlaunch.launch import criu
+from mxlaunch.launch.criu import CriuError
+from mxlaunch.launch.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
+from mxlaunch.launch.zygote import private_dir
+from mxlaunch.plugin.snapshot_signal import SIGNAL, SUFFIX
+
+META = "meta.json"
+SHM = Path("/dev/shm")
+PR_SET_CHILD_SUBREAPER = 36
+DUMP_FLAGS = ("--tcp-close", "--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", str(1 << 30))
+KEY_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")  # which GPUs the image is of
+
+
+class SnapshotError(Exception):
+    """Why no snapshot was taken or restored (one line)."""
+
+
+def snapshots_root(environ: Mapping[str, str] = os.environ) -> Path:
+    base = settings.engine_snapshots(environ) or Path.home() / ".cache" / "mxlaunch" / "engine-snapshots"
+    return base / str(os.getuid())
+
+
+def snapshot_key(argv: Sequence[str], source_id: str, environ: Mapping[str, str] = os.environ) -> str:
+    """Everything a restored engine must share with the command: the argv (port included: the image listens on
+    it), the weights' source id, the launcher's interpreter, the kernel, and which devices are visible."""
+    facts = {"argv": list(argv), "source_id": source_id, "python": sys.executable, "kernel": os.uname().release,
+             "env": {k: environ.get(k) for k in KEY_ENV}}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def find(root: Path, key: str) -> Optional[Path]:
+    """The published snapshot for `key` in a folder only this user controls, or None."""
+    folder = root / key
+    if not private_dir(root) or not (folder / META).is_file() or os.lstat(folder).st_uid != os.getuid():
+        return None
+    return folder
+
+
+# ---- the engine's processes -------------------------------------------------------------------------------
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants, parents first."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(sorted(kids.get(pid, [])))
+    return out
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether the process handles `sig` (SigCgt): SIGUSR2 goes only to those, it would kill the others."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def open_files(pid: int) -> list[str]:
+    found = []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                found.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return found
+
+
+def mapped_files(pid: int) -> list[str]:
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return []
+    return [parts[5] for parts in (line.split(None, 5) for line in lines) if len(parts) == 6]
+
+
+def device_files(pids: Sequence[int]) -> dict[int, list[str]]:
+    held = {p: sorted({f for f in open_files(p) if f.startswith("/dev/nvidia")}) for p in pids}
+    return {p: files for p, files in held.items() if files}
+
+
+def shm_files(pids: Sequence[int]) -> list[str]:
+    """The /dev/shm files the tree holds open or mapped that still have a name (unlinked ones CRIU keeps)."""
+    names = {f for p in pids for f in (*open_files(p), *mapped_files(p))}
+    return sorted(n for n in names if n.startswith(f"{SHM}/") and not n.endswith("(deleted)") and Path(n).is_file())
+
+
+def output_pipes(pid: int) -> list[str]:
+    return sorted({t for fd in (1, 2) if (t := _readlink(f"/proc/{pid}/fd/{fd}")) and t.startswith("pipe:")})
+
+
+def _readlink(path: str) -> Optional[str]:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def release_nvml(pids: Sequence[int], marks: Path, timeout: float = 10.0) -> list[int]:
+    """Ask every process with mxlaunch's handler to shut NVML down; the pids that answered."""
+    asked = [p for p in pids if catches(p, SIGNAL)]
+    for p in asked:
+        (marks / f"{p}{SUFFIX}").unlink(missing_ok=True)
+        os.kill(p, SIGNAL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        answered = [p for p in asked if (marks / f"{p}{SUFFIX}").exists()]
+        if len(answered) == len(asked):
+            return answered
+        time.sleep(0.02)
+    missing = sorted(set(asked) - {p for p in asked if (marks / f"{p}{SUFFIX}").exists()})
+    raise SnapshotError(f"engine process(es) {missing} did not release NVML in {timeout:.0f} s")
+
+
+# ---- taking a snapshot -----------------------------------------------------------------------------------
+
+
+def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[CudaCheckpoint]) -> dict:
+    """Snapshot the serving tree at `root_pid` into `folder` (made here); the engine serves on. Returns the
+    meta written to meta.json plus the pause's phases."""
+    pids = process_tree(root_pid)
+    release_nvml(pids, marks)
+    gpu = cuda.with_cuda(pids) if cuda is not None else []
+    folder.mkdir(parents=True, mode=0o700)
+    script = _post_dump_script(folder)
+    t_pause = time.monotonic()
+    checkpoint_s = cuda.run(("lock", "checkpoint"), gpu) if cuda is not None and gpu else 0.0
+    try:
+        held = device_files(pids)
+        if held:
+            pid, files = next(iter(held.items()))
+            raise SnapshotError(f"engine process {pid} still holds {', '.join(files)} after the CUDA checkpoint: "
+                                "CRIU cannot dump it")
+        meta = {"root": root_pid, "pids": pids, "gpu_pids": gpu, "pipes": output_pipes(root_pid),
+                "shm_files": shm_files(pids), "kernel": os.uname().release}
+        t_dump = time.monotonic()
+        criu.dump(binary, root_pid, folder, timeout=600.0,
+                  extra=("--leave-running", "--action-script", str(script), *DUMP_FLAGS))
+        dump_s = time.monotonic() - t_dump
+    finally:
+        restore_s = cuda.run(("restore", "unlock"), gpu) if cuda is not None and gpu else 0.0
+    pause_s = time.monotonic() - t_pause
+    script.unlink(missing_ok=True)
+    _keep_files(folder, meta)
+    meta.update(made=time.time(), bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()))
+    (folder / META).write_text(json.dumps(meta), encoding="utf-8")
+    return {**meta, "checkpoint_s": round(checkpoint_s, 3), "dump_s": round(dump_s, 3),
+            "gpu_restore_s": round(restore_s, 3), "pause_s": round(pause_s, 3)}
+
+
+def _post_dump_script(folder: Path) -> Path:
+    """CRIU's action script: at post-dump, copy the link-remap files it made (an unlinked file that still has
+    another name, e.g. a POSIX semaphore's first name) before --leave-running makes CRIU delete them; a restore
+    needs them and consumes them."""
+    keep = folder / "link-remaps"
+    script = folder / "post-dump.sh"
+    script.write_text("#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\n"
+                      f"mkdir -p '{keep}' && for f in {SHM}/link_remap.*; do [ -e \"$f\" ] && cp -p \"$f\" '{keep}/'; "
+                      "done\nexit 0\n", encoding="utf-8")
+    script.chmod(0o700)
+    return script
+
+
+def _keep_files(folder: Path, meta: dict) -> None:
+    """Keep what a restore needs that is not in CRIU's images: the link-remap files (post-dump.sh copied
+    them) and copies of the named /dev/shm files as they were at the dump."""
+    remaps = folder / "link-remaps"
+    remaps.mkdir(exist_ok=True)
+    meta["link_remaps"] = sorted(os.listdir(remaps))
+    kept = folder / "shm-files"
+    kept.mkdir()
+    for path in meta["shm_files"]:
+        try:
+            shutil.copy2(path, kept / Path(path).name)
+        except OSError as exc:
+            raise SnapshotError(f"cannot keep {path} for the restore: {exc.strerror or exc}") from None
+
+
+class SnapshotMaker(threading.Thread):
+    """Takes the snapshot beside the serving engine once `ready_to_take()` says so (the capture published),
+    publishes it by rename, and reports one `engine-snapshot` event (published, or failed with the reason)."""
+
+    def __init__(self, binary: str, root_pid: int, key: str, marks: Path, emit: Callable[..., None],
+                 ready_to_take: Callable[[], Optional[bool]], environ: Mapping[str, str] = os.environ) -> None:
+        super().__init__(name="mx-engine-snapshot", daemon=True)
+        self.binary, self.root_pid, self.key, self.marks = binary, root_pid, key, marks
+        self.emit, self.ready_to_take = emit, ready_to_take
+        self.root = snapshots_root(environ)
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while True:  # True: take it now; False: never (the capture failed); None: not yet
+                decided = self.ready_to_take()
+                if decided is not None or self.stopping.is_set():
+                    break
+                time.sleep(0.2)
+            if not decided or self.stopping.is_set():
+                return
+            result = self._make()
+            self.emit("engine-snapshot", status="published", key=self.key, **result)
+        except (SnapshotError, CriuError, CudaCheckpointError, OSError) as exc:
+            self.emit("engine-snapshot", status="failed", key=self.key, reason=str(exc))
+
+    def _make(self) -> dict:
+        self.root.mkdir(parents=True, mode=0o700, exist_ok=True)
+        if not private_dir(self.root):
+            raise SnapshotError(f"{self.root} is not a folder of this user's alone (mode 0700): not writing into it")
+        if find(self.root, self.key) is not None:
+            raise SnapshotError("a snapshot of this command exists already")
+        tmp = self.root / f".{self.key}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            result = take(self.binary, self.root_pid, tmp, self.marks, _cuda_or_none())
+            final = self.root / self.key
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return {k: result[k] for k in ("checkpoint_s", "dump_s", "gpu_restore_s", "pause_s", "bytes")} | {
+            "path": str(final), "gpu_pids": len(result["gpu_pids"])}
+
+
+def _cuda_or_none() -> Optional[CudaCheckpoint]:
+    """The driver's API where there is a driver; None on a CPU engine's node."""
+    try:
+        return CudaCheckpoint()
+    except OSError:
+        return None
+
+
+# ---- restoring -------------------------------------------------------------------------------------------
+
+
+class RestoredEngine:
+    """A restored engine tree, driven like the Popen of a spawned one (the launcher is its subreaper)."""
+
+    def __init__(self, pid: int, stdout_fd: int) -> None:
+        self.pid = pid
+        self.stdout = os.fdopen(stdout_fd, "rb", buffering=0)
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not our child after all: only whether it lives can be told
+                done, status = (self.pid, 255 << 8) if not pid_alive(self.pid) else (0, 0)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"restored engine {self.pid}", timeout or 0)
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> tuple[RestoredEngine, dict]:
+    """Restore the snapshot in `folder`; the engine and the restore's phases. SnapshotError/CriuError when it
+    cannot (a pid taken, CRIU refusing, the GPU state not restored): nothing of it is left running."""
+    meta = json.loads((folder / META).read_text(encoding="utf-8"))
+    deadline = time.monotonic() + pid_wait_s
+    for pid in meta["pids"]:
+        while os.path.exists(f"/proc/{pid}"):
+            if time.monotonic() > deadline:
+                raise SnapshotError(f"pid {pid}, which the snapshot must get back, belongs to a running process")
+            time.sleep(0.02)
+    cuda = _cuda_or_none() if meta["gpu_pids"] else None
+    if meta["gpu_pids"] and cuda is None:
+        raise SnapshotError("the snapshot holds GPU state but this node has no CUDA driver")
+    for name in meta.get("link_remaps", []):
+        shutil.copy2(folder / "link-remaps" / name, SHM / name)
+    for path in meta.get("shm_files", []):
+        if not os.path.exists(path):
+            shutil.copy2(folder / "shm-files" / Path(path).name, path)
+    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the restored tree becomes our child
+    read_fd, write_fd = os.pipe()
+    inherit = [arg for pipe in meta["pipes"] for arg in ("--inherit-fd", f"fd[{write_fd}]:{pipe}")]
+    t0 = time.monotonic()
+    try:
+        root = criu.restore(binary, folder, work, timeout=300.0, extra=(*DUMP_FLAGS[:3], *inherit),
+                            pass_fds=(write_fd,))
+    except CriuError:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    criu_s = time.monotonic() - t0
+    try:
+        gpu_s = cuda.run(("restore", "unlock"), meta["gpu_pids"]) if cuda is not None else 0.0
+    except CudaCheckpointError:
+        _kill(meta["pids"])
+        os.close(read_fd)
+        raise
+    return RestoredEngine(root, read_fd), {"criu_restore_s": round(criu_s, 3), "gpu_restore_s": round(gpu_s, 3),
+                                            "bytes": meta.get("bytes"), "gpu_pids": len(meta["gpu_pids"])}
+
+
+def _kill(pids: Sequence[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

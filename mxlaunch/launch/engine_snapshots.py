@@ -1,0 +1,82 @@
+"""`launch --engine-snapshot` inside one launch: restore the command's snapshot if there is one, else start
+the engine dumpable and snapshot it once it serves (the mechanics are launch/engine_snapshot.py's).
+
+Kept out of run.py the way launch/zygote_starts.py keeps the zygote: the launcher asks four things — a
+restored engine or None, the engine's extra environment, whether to start it dumpable, and to start the
+maker once ready — and tells it when it stops.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+from mxlaunch import settings
+from mxlaunch.launch import criu
+from mxlaunch.launch.criu import CriuError
+from mxlaunch.launch.cuda_checkpoint import CudaCheckpointError
+from mxlaunch.launch.engine_snapshot import (RestoredEngine, SnapshotError, SnapshotMaker, find, restore,
+                                            snapshot_key, snapshots_root)
+
+
+class EngineSnapshots:
+    def __init__(self, enabled: bool, argv: list[str], source_id: str, shm_dir: Path, log_dir: Path,
+                 emit: Callable[..., None], p2p: bool = False, environ: Mapping[str, str] = os.environ) -> None:
+        self.emit, self.log_dir, self.environ = emit, log_dir, environ
+        self.binary: Optional[str] = None
+        self.key = snapshot_key(argv, source_id, environ)
+        self.marks = shm_dir / "snapshot-marks"
+        self.maker: Optional[SnapshotMaker] = None
+        self.restored: Optional[RestoredEngine] = None
+        if not enabled:
+            return
+        if p2p:  # a P2P pull or source holds NIXL agents and peers' handles: not a state to freeze and bring back
+            emit("engine-snapshot", status="off", reason="P2P starts are not snapshotted")
+            return
+        self.binary, why = criu.why_not(environ)
+        if self.binary is None:
+            emit("engine-snapshot", status="off", reason=why)
+
+    @property
+    def dumpable(self) -> bool:
+        """Start the engine so that it can be snapshotted (no io_uring, the NVML handler installed)."""
+        return self.binary is not None and self.restored is None
+
+    def env(self) -> dict[str, str]:
+        if not self.dumpable:
+            return {}
+        self.marks.mkdir(parents=True, exist_ok=True)
+        return {settings.SNAPSHOT_DIR: str(self.marks)}
+
+    def try_restore(self) -> Optional[RestoredEngine]:
+        """The command's snapshot, restored and unlocked; None when there is none or it cannot be restored
+        (reported; the launcher then starts the engine as usual)."""
+        if self.binary is None:
+            return None
+        folder = find(snapshots_root(self.environ), self.key)
+        if folder is None:
+            return None
+        try:
+            engine, info = restore(self.binary, folder, self.log_dir / "snapshot-restore")
+        except (SnapshotError, CriuError, CudaCheckpointError, OSError, ValueError, KeyError) as exc:
+            self.emit("engine-snapshot", status="failed", key=self.key, reason=f"restore: {exc}")
+            return None
+        self.restored = engine
+        self.emit("engine-snapshot", status="restored", key=self.key, path=str(folder), **info)
+        return engine
+
+    def start_maker(self, root_pid: int, ready_to_take: Callable[[], Optional[bool]]) -> None:
+        """Once the engine serves: snapshot it when ready_to_take() is True (never when it turns False)."""
+        if not self.dumpable or find(snapshots_root(self.environ), self.key) is not None:
+            return
+        self.maker = SnapshotMaker(self.binary or "", root_pid, self.key, self.marks, self.emit, ready_to_take,
+                                   self.environ)
+        self.maker.start()
+
+    def abandon(self, wait_s: float) -> None:
+        """The launcher stops: a snapshot not begun is not taken; one under way may finish (the engine is
+        paused until it does)."""
+        if self.maker is not None and self.maker.is_alive():
+            self.maker.stopping.set()
+            self.maker.join(wait_s)
