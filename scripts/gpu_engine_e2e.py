@@ -396,6 +396,8 @@ class Harness:
                     rec["taken"] = start.wait_event("engine-snapshot", 600)
                 else:
                     rec["ready_s"] = ready
+                    start.wait_event("ready", 60)  # the launcher's own events (it sees /health a poll later)
+                    rec["launcher_ready"] = start.event("ready")
                     rec["restored"] = start.event("engine-snapshot")
                     rec["planned"] = (start.event("plan") or {}).get("strategy")
                     rec["verify"] = verify(port, self.gold, False)

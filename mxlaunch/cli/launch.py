@@ -57,7 +57,9 @@ def launch(
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,
                          snapshot_format=snapshot_format, kernel_cache=not no_kernel_cache,
                          p2p=not no_p2p and not engine_snapshot,  # a NIXL agent is no state to freeze and bring back
-                         registry=registry, capture_id=capture_id, engine_fork=not no_engine_fork, zygote=zygote,
+                         registry=registry, capture_id=capture_id, zygote=zygote,
+                         # a forked engine core keeps the API server's CUDA device files, which no checkpoint releases
+                         engine_fork=not no_engine_fork and not engine_snapshot,
                          zygote_image=not no_zygote_image, engine_snapshot=engine_snapshot)
 
     def emit(event: str, **fields: object) -> None:
