@@ -73,9 +73,25 @@ def criu_version(text: str) -> Optional[tuple[int, ...]]:
     return tuple(int(x) for x in found.group(1).split(".")) if found else None
 
 
+def kernel_version(release: str) -> tuple[int, ...]:
+    """(6, 18) of "6.18.44-fc-v1252"."""
+    found = re.match(r"(\d+)\.(\d+)", release)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def socket_blocker(criu_ver: Optional[tuple[int, ...]], release: str) -> Optional[str]:
+    """CRIU before 4.2 fails on a TCP socket on 6.16+ kernels (getsockopt(SO_PASSCRED) is refused there,
+    criu#2705): an engine (its HTTP socket) cannot be dumped; a zygote (no TCP socket) can."""
+    if criu_ver is not None and criu_ver < (4, 2) and kernel_version(release) >= (6, 16):
+        return (f"criu {'.'.join(map(str, criu_ver))} cannot dump a TCP socket on kernel {release} (6.16+) — "
+                "use CRIU 4.2 or newer (scripts/build_criu_kit.sh builds 4.2.1)")
+    return None
+
+
 def assess(caps: int, criu: Optional[str], cuda_api: Optional[bool], driver_version: Optional[int] = None,
-           criu_ver: Optional[tuple[int, ...]] = None) -> CheckpointSupport:
-    """Decide from the facts; every blocker is a "problem — fix" line."""
+           criu_ver: Optional[tuple[int, ...]] = None, kernel: Optional[str] = None) -> CheckpointSupport:
+    """Decide from the facts; every blocker is a "problem — fix" line. kernel: the release, for the engine's
+    sockets (socket_blocker)."""
     caps_ok = bool(caps >> CAP_CHECKPOINT_RESTORE & 1 or caps >> CAP_SYS_ADMIN & 1)
     blockers = []
     if not caps_ok:
@@ -87,6 +103,8 @@ def assess(caps: int, criu: Optional[str], cuda_api: Optional[bool], driver_vers
         # seen on the H200 machine and here: Debian 12's 3.17.1 fails `criu check` on 6.x kernels
         # ("vdso: Unexpected rt vDSO area bounds"); a 4.1.1 build passes it on the same kernel
         blockers.append(f"criu {'.'.join(map(str, criu_ver))} is older than 4.0 and fails on recent kernels — {CRIU_FIX}")
+    elif kernel is not None and (why := socket_blocker(criu_ver, kernel)):
+        blockers.append(why)
     if cuda_api is False:
         shown = f" (driver API {driver_version})" if driver_version else ""
         blockers.append(f"the CUDA driver has no checkpoint API{shown} — it needs driver 570 or newer")
@@ -116,7 +134,8 @@ def probe(status_path: Path = Path("/proc/self/status")) -> CheckpointSupport:
         caps = 0
     api, version = cuda_checkpoint_api()
     criu = criu_binary()
-    return assess(caps, criu, api, version, criu_version(run_quietly([criu, "--version"])) if criu else None)
+    return assess(caps, criu, api, version, criu_version(run_quietly([criu, "--version"])) if criu else None,
+                  kernel=os.uname().release)
 
 
 def run_quietly(argv: list[str]) -> str:

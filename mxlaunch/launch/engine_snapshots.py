@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from mxlaunch import settings
+from mxlaunch.engine_checkpoint import criu_version, run_quietly, socket_blocker
 from mxlaunch.launch import criu
 from mxlaunch.launch.criu import CriuError
 from mxlaunch.launch.cuda_checkpoint import CudaCheckpointError
@@ -35,6 +36,9 @@ class EngineSnapshots:
             emit("engine-snapshot", status="off", reason="P2P starts are not snapshotted")
             return
         self.binary, why = criu.why_not(environ)
+        if self.binary is not None:  # the zygote's rules, and the engine's HTTP socket
+            why = socket_blocker(criu_version(run_quietly([self.binary, "--version"])), os.uname().release) or ""
+            self.binary = None if why else self.binary
         if self.binary is None:
             emit("engine-snapshot", status="off", reason=why)
 

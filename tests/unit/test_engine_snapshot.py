@@ -1,0 +1,180 @@
+"""The engine snapshot's parts that run without CRIU or a GPU: the io_uring filter (a real seccomp filter in a
+real child), the CUDA checkpoint wrapper (against a stand-in driver), the key, the private folder, the process
+tree and its signal handlers, the restored engine's exit status, the NVML report, the post-dump script."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.launch import engine_snapshot as es
+from mxlaunch.launch import no_io_uring
+from mxlaunch.launch.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
+from mxlaunch.launch.engine_snapshots import EngineSnapshots
+from mxlaunch.plugin import snapshot_signal
+
+SYSCALL_PROBE = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+params = (ctypes.c_uint32 * 30)()
+fd = libc.syscall(425, 4, ctypes.byref(params))   # io_uring_setup(4 entries)
+err = ctypes.get_errno()
+print(fd, err, os.getpid() > 0)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the filter names x86_64's system call numbers")
+def test_the_filter_makes_io_uring_fail_with_enosys_in_the_child_only() -> None:
+    plain = subprocess.run([sys.executable, "-c", SYSCALL_PROBE], capture_output=True, text=True, check=True)
+    filtered = subprocess.run([sys.executable, "-c", SYSCALL_PROBE], capture_output=True, text=True, check=True,
+                              preexec_fn=no_io_uring.install)
+    fd, err, _ = filtered.stdout.split()
+    assert (int(fd), int(err)) == (-1, errno.ENOSYS)
+    plain_fd, plain_err, _ = plain.stdout.split()
+    assert int(plain_err) != errno.ENOSYS or int(plain_fd) >= 0  # without the filter the kernel answers itself
+    assert len(no_io_uring.program()) == 8 * 8  # eight BPF instructions of 8 bytes
+
+
+class FakeDriver:
+    """Stands in for libcuda: per-pid states, a CUresult per step, the calls made."""
+
+    def __init__(self, states: dict[int, int], fail: str | None = None, api: bool = True) -> None:
+        self.states, self.fail, self.calls = states, fail, []
+        if api:
+            for name in ("Lock", "Checkpoint", "Restore", "Unlock"):
+                setattr(self, f"cuCheckpointProcess{name}", self._step(name.lower()))
+
+    def cuInit(self, flags: int) -> int:  # noqa: N802
+        return 0
+
+    def cuCheckpointProcessGetState(self, pid: int, out: object) -> int:  # noqa: N802
+        if pid not in self.states:
+            return 3
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_int)).contents.value = self.states[pid]
+        return 0
+
+    def _step(self, name: str):
+        def step(pid: int, args: object) -> int:
+            self.calls.append((name, pid))
+            return 999 if name == self.fail else 0
+        return step
+
+
+def test_checkpoint_steps_run_on_every_pid_in_order_and_a_refusal_names_step_pid_and_code() -> None:
+    driver = FakeDriver({10: 0, 11: 0})
+    api = CudaCheckpoint(load=lambda _: driver)
+    assert api.with_cuda([10, 11, 12]) == [10, 11] and api.state(12) is None and api.state(10) == "running"
+    api.run(("lock", "checkpoint"), [10, 11])
+    assert driver.calls == [("lock", 10), ("lock", 11), ("checkpoint", 10), ("checkpoint", 11)]
+    failing = CudaCheckpoint(load=lambda _: FakeDriver({10: 0}, fail="restore"))
+    with pytest.raises(CudaCheckpointError, match=r"Restore\(pid 10\) returned CUresult 999"):
+        failing.run(("restore", "unlock"), [10])
+    with pytest.raises(CudaCheckpointError, match="driver 570"):
+        CudaCheckpoint(load=lambda _: FakeDriver({}, api=False))
+
+
+def test_the_key_follows_the_command_the_weights_and_the_visible_devices() -> None:
+    argv = ["vllm", "serve", "m", "--port", "8000"]
+    key = es.snapshot_key(argv, "src1", {})
+    assert key == es.snapshot_key(list(argv), "src1", {"UNRELATED": "x"})
+    assert key != es.snapshot_key([*argv[:-1], "8001"], "src1", {})  # the image listens on its port
+    assert key != es.snapshot_key(argv, "src2", {})
+    assert key != es.snapshot_key(argv, "src1", {"CUDA_VISIBLE_DEVICES": "1"})
+
+
+def test_a_snapshot_is_found_only_complete_and_in_a_folder_of_this_users_alone(tmp_path: Path) -> None:
+    root = tmp_path / "snaps"
+    (root / "k").mkdir(parents=True)
+    os.chmod(root, 0o700)
+    assert es.find(root, "k") is None  # no meta.json: not complete
+    (root / "k" / es.META).write_text("{}")
+    assert es.find(root, "k") == root / "k"
+    os.chmod(root, 0o755)  # another user could have put it there
+    assert es.find(root, "k") is None
+
+
+def test_the_tree_lists_descendants_and_only_processes_with_a_handler_get_the_signal(tmp_path: Path) -> None:
+    code = ("import signal, subprocess, sys, time\n"
+            "signal.signal(signal.SIGUSR2, lambda *a: None)\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(c.pid, flush=True); time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert es.process_tree(parent.pid) == [parent.pid, child]
+        assert es.catches(parent.pid, signal.SIGUSR2) and not es.catches(child, signal.SIGUSR2)
+        with pytest.raises(es.SnapshotError, match=rf"\[{parent.pid}\] did not release NVML"):
+            es.release_nvml([parent.pid, child], tmp_path, timeout=0.3)  # its handler writes no report
+        assert parent.poll() is None and os.path.exists(f"/proc/{child}")  # nobody was killed by the signal
+    finally:
+        parent.kill()
+        parent.wait()
+        os.kill(child, signal.SIGKILL)
+
+
+def test_the_handler_reports_after_releasing_nvml(tmp_path: Path) -> None:
+    assert snapshot_signal.install({}) is False  # not asked for: no handler
+    previous = signal.getsignal(snapshot_signal.SIGNAL)
+    try:
+        assert snapshot_signal.install({"MXLAUNCH_SNAPSHOT_DIR": str(tmp_path)}) is True
+        os.kill(os.getpid(), snapshot_signal.SIGNAL)
+        deadline = time.monotonic() + 5
+        report = Path(snapshot_signal.report_path(str(tmp_path), os.getpid()))
+        while not report.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert json.loads(report.read_text()) == {"pid": os.getpid(), "device_files": []}
+    finally:
+        signal.signal(snapshot_signal.SIGNAL, previous)
+
+
+def test_a_restored_engine_reports_its_exit_code_like_a_popen() -> None:
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    os.close(write_fd)
+    engine = es.RestoredEngine(pid, read_fd)
+    assert engine.wait(timeout=10) == 7 and engine.poll() == 7
+    engine.stdout.close()
+
+
+def test_the_post_dump_script_keeps_link_remaps_only_at_post_dump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "link_remap.7").write_bytes(b"sem")
+    monkeypatch.setattr(es, "SHM", shm)
+    folder = tmp_path / "img"
+    folder.mkdir()
+    script = es._post_dump_script(folder)
+    subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "pre-dump"}, check=True)
+    assert not (folder / "link-remaps").exists()
+    subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "post-dump"}, check=True)
+    assert (folder / "link-remaps" / "link_remap.7").read_bytes() == b"sem"
+
+
+def test_without_criu_the_launch_says_why_and_starts_the_engine_as_usual(tmp_path: Path) -> None:
+    events: list[tuple[str, dict]] = []
+    snaps = EngineSnapshots(True, ["vllm", "serve", "m"], "src", tmp_path, tmp_path, lambda e, **f: events.append((e, f)),
+                            environ={"PATH": str(tmp_path)})
+    assert not snaps.dumpable and snaps.env() == {} and snaps.try_restore() is None
+    [(name, fields)] = events
+    assert name == "engine-snapshot" and fields["status"] == "off" and "criu" in fields["reason"], fields
+
+
+def test_criu_before_4_2_is_refused_for_engines_on_6_16_kernels_only() -> None:
+    from mxlaunch.engine_checkpoint import assess, socket_blocker
+
+    assert socket_blocker((4, 1, 1), "6.18.44-fc-v1252").startswith("criu 4.1.1 cannot dump a TCP socket")
+    assert socket_blocker((4, 2, 1), "6.18.44") is None and socket_blocker((4, 1, 1), "6.8.0-45-generic") is None
+    caps = 1 << 40
+    assert assess(caps, "/bin/criu", None, criu_ver=(4, 1, 1), kernel="6.17.1").blockers
+    assert not assess(caps, "/bin/criu", None, criu_ver=(4, 1, 1)).blockers  # the zygote's rules: no kernel given
