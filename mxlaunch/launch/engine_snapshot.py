@@ -296,10 +296,26 @@ def _cuda_or_none() -> Optional[CudaCheckpoint]:
 class RestoredEngine:
     """A restored engine tree, driven like the Popen of a spawned one (the launcher is its subreaper)."""
 
-    def __init__(self, pid: int, stdout_fd: int) -> None:
+    def __init__(self, pid: int, stdout_fd: int, tree: Sequence[int] = ()) -> None:
         self.pid = pid
         self.stdout = os.fdopen(stdout_fd, "rb", buffering=0)
         self.returncode: Optional[int] = None
+        self.tree = [p for p in tree if p != pid]  # its other processes: orphaned to us (the subreaper) as they die
+
+    def reap_tree(self, wait_s: float = 2.0) -> None:
+        """Reap the tree's processes that died orphaned, so that none stays a zombie holding a pid the next
+        restore needs (only these pids: never another child's exit status)."""
+        deadline = time.monotonic() + wait_s
+        left = list(self.tree)
+        while left and time.monotonic() < deadline:
+            for pid in list(left):
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:  # not ours (reaped by its parent, or never reparented here)
+                    done = pid if not _running(pid) else 0
+                if done:
+                    left.remove(pid)
+            time.sleep(0.02)
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
@@ -364,8 +380,16 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
         _kill(meta["pids"])
         os.close(read_fd)
         raise
-    return RestoredEngine(root, read_fd), {"criu_restore_s": round(criu_s, 3), "gpu_restore_s": round(gpu_s, 3),
+    return RestoredEngine(root, read_fd, meta["pids"]), {"criu_restore_s": round(criu_s, 3), "gpu_restore_s": round(gpu_s, 3),
                                             "bytes": meta.get("bytes"), "gpu_pids": len(meta["gpu_pids"])}
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _kill(pids: Sequence[int]) -> None:

@@ -78,6 +78,11 @@ class EngineSnapshots:
                                    self.environ)
         self.maker.start()
 
+    def reap(self) -> None:
+        """After the engine stopped: a restored tree's orphans are ours (the subreaper's) to reap."""
+        if self.restored is not None:
+            self.restored.reap_tree()
+
     def abandon(self, wait_s: float) -> None:
         """The launcher stops: a snapshot not begun is not taken; one under way may finish (the engine is
         paused until it does)."""

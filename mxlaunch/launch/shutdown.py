@@ -228,6 +228,8 @@ class Stopping:
             self._stop_engine()
         if self.proc is not None:  # anything left in the engine's process group (workers) goes too
             process.kill_group(self.proc, wait=2.0)
+        if snapshots is not None:
+            snapshots.reap()
         remove_rendezvous_files(rendezvous_files(self.shm_dir / "markers"), since=self.started_wall - 1.0)
         zygotes = getattr(self, "zygotes", None)  # a zygote image in the making (launch/zygote_starts.py)
         if zygotes is not None:

@@ -178,3 +178,25 @@ def test_criu_before_4_2_is_refused_for_engines_on_6_16_kernels_only() -> None:
     caps = 1 << 40
     assert assess(caps, "/bin/criu", None, criu_ver=(4, 1, 1), kernel="6.17.1").blockers
     assert not assess(caps, "/bin/criu", None, criu_ver=(4, 1, 1)).blockers  # the zygote's rules: no kernel given
+
+
+def test_a_restored_trees_orphans_are_reaped_and_no_other_childs_status_is_taken() -> None:
+    libc = ctypes.CDLL(None)
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: as the launcher is after a restore
+    other = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        code = "import os, sys\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nprint(pid, flush=True)\n"
+        middle = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        orphan = int(middle.stdout)  # its parent exited first: reparented to this test process, a zombie
+        deadline = time.monotonic() + 5
+        while not Path(f"/proc/{orphan}").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        while es._running(other.pid) and time.monotonic() < deadline:  # exited, not yet reaped
+            time.sleep(0.01)
+        engine = es.RestoredEngine(os.getpid(), os.open(os.devnull, os.O_RDONLY), [orphan])
+        engine.reap_tree(wait_s=0.5)
+        assert not Path(f"/proc/{orphan}").exists()
+        assert other.wait(timeout=10) == 3  # another child's status was left to its Popen
+        engine.stdout.close()
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
