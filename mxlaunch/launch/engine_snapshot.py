@@ -370,6 +370,8 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
                             pass_fds=(write_fd,))
     except CriuError:
         os.close(read_fd)
+        for name in meta.get("link_remaps", []):  # a failed restore may not have consumed them
+            (SHM / name).unlink(missing_ok=True)
         raise
     finally:
         os.close(write_fd)
