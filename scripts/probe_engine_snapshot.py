@@ -43,6 +43,11 @@ sys.path.insert(0, str(REPO))
 
 from mxlaunch import engine_checkpoint  # noqa: E402
 from mxlaunch.launch import no_io_uring  # noqa: E402
+from mxlaunch.launch.engine_snapshot import catches  # noqa: E402
+from mxlaunch.launch.engine_snapshot import process_tree as tree  # noqa: E402
+
+sys.path.insert(0, str(REPO / "scripts"))
+from gpu_engine_e2e import verify  # noqa: E402  — the harness's: record the gold, or compare with it
 
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 PR_SET_CHILD_SUBREAPER = 36
@@ -78,29 +83,6 @@ class Cuda:
         rc = fn(pid, ctypes.byref(args))
         took = round(time.perf_counter() - t0, 4)
         return {"rc": rc, "s": took, "state": self.state(pid)[1]}
-
-
-def children_of() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
-def tree(root: int) -> list[int]:
-    kids, out, todo = children_of(), [], [root]
-    while todo:
-        pid = todo.pop(0)
-        out.append(pid)
-        todo.extend(sorted(kids.get(pid, [])))
-    return out
 
 
 def open_files(pid: int, prefix: str = "/dev/nvidia") -> list[str]:
@@ -140,17 +122,6 @@ def rss_mib(pid: int) -> Optional[float]:
     except OSError:
         pass
     return None
-
-
-def catches(pid: int, sig: int) -> bool:
-    """Whether the process has a handler for `sig` (SigCgt): only those get SIGUSR2, which kills the others."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except OSError:
-        pass
-    return False
 
 
 def pipe_inode(pid: int, fd: int) -> Optional[str]:
@@ -203,19 +174,6 @@ def first_completion(port: int, model: str) -> tuple[Optional[float], str]:
         return round(time.monotonic() - t0, 3), r.text[:200]
     except httpx.HTTPError as exc:
         return None, str(exc)
-
-
-def verify(port: int, gold: Path, record: bool) -> str:
-    flag = "--record" if record else "--compare"
-    proc = subprocess.run([sys.executable, "-m", "mxlaunch.cli", "verify", "--url", f"http://127.0.0.1:{port}", flag,
-                           str(gold), "--json"], capture_output=True, text=True, timeout=600, cwd=REPO)
-    if record:
-        return "gold" if proc.returncode == 0 else f"record failed: {proc.stderr.strip()[-300:]}"
-    try:
-        report = json.loads(proc.stdout)
-    except ValueError:
-        return f"compare failed ({proc.returncode}): {proc.stderr.strip()[-300:]}"
-    return "exact" if report.get("pass") else f"{report.get('prompts_failed')} prompts differ; worst {report.get('worst')}"
 
 
 def criu_log_errors(log: Path, lines: int = 12) -> list[str]:

@@ -312,7 +312,7 @@ class RestoredEngine:
                 try:
                     done, _ = os.waitpid(pid, os.WNOHANG)
                 except ChildProcessError:  # not ours (reaped by its parent, or never reparented here)
-                    done = pid if not _running(pid) else 0
+                    done = pid if not pid_alive(pid) else 0
                 if done:
                     left.remove(pid)
             time.sleep(0.02)
@@ -384,14 +384,6 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
         raise
     return RestoredEngine(root, read_fd, meta["pids"]), {"criu_restore_s": round(criu_s, 3), "gpu_restore_s": round(gpu_s, 3),
                                             "bytes": meta.get("bytes"), "gpu_pids": len(meta["gpu_pids"])}
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _kill(pids: Sequence[int]) -> None:

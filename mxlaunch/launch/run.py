@@ -236,7 +236,6 @@ class Launcher(Stopping):
             if serves_http(self.plan.spec) and self.plan.spec.port:  # before anything is staged or started
                 port.check_free(self.plan.spec.host, self.plan.spec.port)
             self._shm_before = shm_entries()  # before a restore: the files it puts back are the run's to remove
-            self.log_dir.mkdir(parents=True, exist_ok=True)
             restored = self.snapshots.try_restore()
             if restored is not None:
                 self.plan.strategy = "snapshot"

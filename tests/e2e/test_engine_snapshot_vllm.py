@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from mxlaunch.fileutil import pid_alive
 from tests.e2e.test_zygote_image import usable_criu
 from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess
@@ -25,15 +26,7 @@ READY_S = 400
 
 def running(pids: list[int]) -> list[int]:
     """The pids still running; zombies count as gone (a container's PID 1 may never reap them)."""
-    alive = []
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
-            alive.append(pid)
-    return alive
+    return [pid for pid in pids if pid_alive(pid)]
 
 
 def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(tiny_model: Path, gold_file: Path,

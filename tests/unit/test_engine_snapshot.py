@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from mxlaunch.fileutil import pid_alive
 from mxlaunch.launch import engine_snapshot as es
 from mxlaunch.launch import no_io_uring
 from mxlaunch.launch.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
@@ -191,7 +192,7 @@ def test_a_restored_trees_orphans_are_reaped_and_no_other_childs_status_is_taken
         deadline = time.monotonic() + 5
         while not Path(f"/proc/{orphan}").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        while es._running(other.pid) and time.monotonic() < deadline:  # exited, not yet reaped
+        while pid_alive(other.pid) and time.monotonic() < deadline:  # exited, not yet reaped
             time.sleep(0.01)
         engine = es.RestoredEngine(os.getpid(), os.open(os.devnull, os.O_RDONLY), [orphan])
         engine.reap_tree(wait_s=0.5)
