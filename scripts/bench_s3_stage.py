@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mxlaunch.remote.ranged import CHUNK, WORKERS  # noqa: E402
+from mxlaunch.staging.hugepages import HUGE, MADV_COLLAPSE, FileMapping, _libc  # noqa: E402
 from mxlaunch.staging.sources import CopyItem  # noqa: E402
 from mxlaunch.staging.upload import UploadItem, UploadJob  # noqa: E402
 from mxlaunch.store.snapshot import SnapshotMeta  # noqa: E402
@@ -48,6 +49,7 @@ from tests.helpers.s3_server import S3Server, s3_environ  # noqa: E402
 BUCKET, PREFIX, SID = "bench", "store", "bench-source-id"
 CEILING = "ceiling (parallel ranged GETs, http.client, dropped)"
 LANDING = "landing ceiling (the same, kept in /dev/shm, unchecked)"
+LANDING_HUGE = "landing ceiling in 2 MiB pages (the same, each range collapsed first)"
 GiB = 1 << 30
 META = SnapshotMeta(engine="vllm", engine_version="bench", spec={"model": "/m/bench", "tp": 1, "pp": 1},
                     identity={"bench": True}, snapshot_format="mxlaunch-raw", snapshot_version=1)
@@ -180,11 +182,13 @@ def keys_of(server: S3Server) -> list[tuple[str, int]]:
     return sorted((o["Key"], o["Size"]) for page in pages for o in page.get("Contents", []))
 
 
-def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None, workers: int = WORKERS) -> float:
+def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None, workers: int = WORKERS,
+            huge: bool = False) -> float:
     """What the server gives: WORKERS connections (the standard library's http.client, the client's cheapest
     reads) taking CHUNK-sized ranges of every object off one queue, each read into a scratch buffer and dropped.
     With `keep_in` (a /dev/shm folder) each range is read into its file's mapping instead and kept, unchecked:
-    the floor of any reader that lands the bytes in tmpfs (page allocation included), with nothing else done."""
+    the floor of any reader that lands the bytes in tmpfs (page allocation included), with nothing else done.
+    `huge`: each range's 2 MiB blocks are collapsed into huge pages first (staging/hugepages.py's way, always)."""
     import http.client
     import mmap
     from urllib.parse import urlsplit
@@ -195,14 +199,19 @@ def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None, wo
     work = [(k, start, min(size, start + CHUNK) - 1) for k, size in keys for start in range(0, size, CHUNK)]
     lock = threading.Lock()
     maps: dict[str, memoryview] = {}
+    mapped: dict[str, tuple[int, FileMapping]] = {}
     t0 = time.perf_counter()
     if keep_in is not None:
         keep_in.mkdir(parents=True)
         for k, size in keys:
             fd = os.open(keep_in / Path(k).name, os.O_RDWR | os.O_CREAT, 0o644)
             os.ftruncate(fd, size)
-            maps[k] = memoryview(mmap.mmap(fd, size))
-            os.close(fd)
+            if huge:
+                mapped[k] = (fd, FileMapping(fd, size))
+                maps[k] = mapped[k][1].view
+            else:
+                maps[k] = memoryview(mmap.mmap(fd, size))
+                os.close(fd)
 
     def run() -> None:
         first = next(iter(urls.values()))
@@ -218,6 +227,13 @@ def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None, wo
             resp = conn.getresponse()
             left = b - a + 1
             land = maps[key][a:b + 1] if maps else None
+            if huge:
+                fd, mapping = mapped[key]
+                lo, hi = -(-a // HUGE) * HUGE, (b + 1) // HUGE * HUGE
+                for off in range(lo, hi, HUGE):
+                    os.pwrite(fd, b"\0", off)
+                if hi > lo:
+                    _libc.madvise(mapping.addr + lo, hi - lo, MADV_COLLAPSE)
             while left:
                 into = land[b - a + 1 - left:] if land is not None else scratch[:min(left, len(scratch))]
                 n = resp.readinto(into[:4 << 20])
@@ -233,6 +249,9 @@ def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None, wo
     took = time.perf_counter() - t0
     if keep_in is not None:
         maps.clear()
+        for fd, mapping in mapped.values():
+            mapping.close()
+            os.close(fd)
         shutil.rmtree(keep_in)
     return took
 
@@ -277,6 +296,9 @@ def _header(server: S3Server, key: str) -> int:
     return 8 + int.from_bytes(head, "little")
 
 
+HUGE_SEEN: list[dict] = []  # each mxlaunch run's bytes in 2 MiB pages (and why not more)
+
+
 def mxlaunch_stage(store, snap: list, dest: Path, workers: int = WORKERS) -> float:
     items = [CopyItem(src=f.path, rel=f"0/{Path(f.path).name}", size=f.bytes) for f in snap]
     expected = {i.rel: {"bytes": f.bytes, "xxh3_128": f.xxh3_128} for i, f in zip(items, snap)}
@@ -285,6 +307,9 @@ def mxlaunch_stage(store, snap: list, dest: Path, workers: int = WORKERS) -> flo
     took = time.perf_counter() - t0
     if result.bytes != sum(f.bytes for f in snap):
         raise SystemExit(f"staged {result.bytes} bytes")
+    print(f"  mxlaunch: {result.huge_bytes / GiB:.2f} GiB in 2 MiB pages" + (f" ({result.huge_note})" if result.huge_note else ""),
+          flush=True)
+    HUGE_SEEN.append({"huge_bytes": result.huge_bytes, "huge_note": result.huge_note})
     shutil.rmtree(dest)
     return took
 
@@ -326,6 +351,7 @@ def main() -> int:
             n = args.workers
             ways = {CEILING: lambda: ceiling(server, keys, workers=n),
                     LANDING: lambda: ceiling(server, keys, shm / "kept", workers=n),
+                    LANDING_HUGE: lambda: ceiling(server, keys, shm / "kept", workers=n, huge=True),
                     "boto3, one stream per file": lambda: single_stream(server, keys, shm / "single"),
                     "runai_streamer (vLLM's reader)": lambda: runai(server, keys),
                     "mxlaunch S3 staging": lambda: mxlaunch_stage(store, snap, shm / "stage", workers=n)}
@@ -363,10 +389,15 @@ def main() -> int:
                         if nums else {"note": seen[0]})
     ceil = results.get(CEILING, {}).get("gibps_median")
     mx = results.get("mxlaunch S3 staging", {}).get("gibps_median")
+    if HUGE_SEEN:
+        results["mxlaunch S3 staging"]["pages"] = HUGE_SEEN
     ratios = {"mxlaunch / ceiling": round(mx / ceil, 3)} if ceil and mx else {}
     kept = results.get(LANDING, {}).get("gibps_median")
     if kept and mx:
         ratios["mxlaunch / landing ceiling"] = round(mx / kept, 3)
+    kept_huge = results.get(LANDING_HUGE, {}).get("gibps_median")
+    if kept_huge and mx:
+        ratios["mxlaunch / landing ceiling in 2 MiB pages"] = round(mx / kept_huge, 3)
     for way in ("boto3, one stream per file", "runai_streamer (vLLM's reader)"):
         if mx and "gibps_median" in results.get(way, {}):
             ratios[f"mxlaunch / {way}"] = round(mx / results[way]["gibps_median"], 3)

@@ -94,6 +94,15 @@ class HugePager:
     collapsed one ~0.1 to fill), 0.9 when O_DIRECT reads land in the mapping (4 KiB pages are then
     faulted in and zeroed one by one: ~1 CPU s/GiB; on the 2-core VM collapses at 0.6–0.7 s/GiB
     still cut the stage's CPU per GiB from 1.25 to 0.8 while they lasted).
+
+    That fixed price is wrong where many threads fill 4 KiB pages at once: on the 16-core H200 host
+    16 threads paid 2.4–3.8 CPU s/GiB for them (their page allocation contends), and the probe's
+    collapses, measured while the other readers were filling 4 KiB pages, cost 1.05–1.35 s/GiB — over
+    the 0.9 limit, so the S3 staging dropped to 4 KiB pages in two runs of three and lost a third of
+    its rate (scripts/probe_tmpfs_landing.py, docs/benchmarks.md). A reader that can time its whole
+    fill of a range (`note_fill`: the collapse, if any, plus the copy) therefore gives the pager an A/B
+    of the same work in the same job: once both kinds have `probe_bytes` of samples, collapsing goes
+    on while a collapsed fill costs no more CPU per byte than a 4 KiB one, whatever the fixed price.
     """
 
     def __init__(self, enabled: bool = True, max_cpu_s_per_gib: float = 0.3, probe_bytes: int = 32 << 20,
@@ -107,6 +116,7 @@ class HugePager:
         self._probing = False
         self._bytes = 0  # bytes collapsed so far
         self._avg = 0.0  # running average CPU s per byte
+        self._fills = {True: [0, 0.0], False: [0, 0.0]}  # collapsed or not → [bytes, running avg CPU s/byte] of whole fills
         self.collapsed = 0
         self.reason: str | None = None  # why collapsing stopped, for the record
 
@@ -153,21 +163,45 @@ class HugePager:
             self.collapsed += hi - lo
         return True
 
+    def note_fill(self, nbytes: int, cpu_s: float, collapsed: bool) -> None:
+        """A reader's whole fill of `nbytes` (its prepare() if it collapsed, then the copy) took `cpu_s` of its
+        thread's CPU: the samples of the A/B verdict (see the class docstring)."""
+        if nbytes <= 0:
+            return
+        with self._lock:
+            seen = self._fills[collapsed]
+            seen[1] = _averaged(seen[1], seen[0], nbytes, cpu_s / nbytes, self.window)
+            seen[0] += nbytes
+            self._judge()
+
     def _record(self, nbytes: int, cost: float) -> None:
-        per_byte = cost / nbytes
-        if self._bytes == 0:
-            self._avg = per_byte
-        else:
-            weight = min(1.0, nbytes / min(self.window, self._bytes + nbytes))
-            self._avg += (per_byte - self._avg) * weight
+        self._avg = _averaged(self._avg, self._bytes, nbytes, cost / nbytes, self.window)
         self._bytes += nbytes
-        if self._bytes >= self.probe_bytes and self._avg > self.max_cost:
-            self._stop(f"2 MiB pages cost {self._avg * (1 << 30):.2f} CPU s/GiB here (limit {self.max_cost * (1 << 30):.2f})")
+        self._judge()
+
+    def _judge(self) -> None:
+        """Stop collapsing once it is dearer: against 4 KiB fills measured in this job when there are enough of
+        both kinds, else against the fixed price."""
+        (huge_bytes, huge_avg), (small_bytes, small_avg) = self._fills[True], self._fills[False]
+        gib = 1 << 30
+        if huge_bytes >= self.probe_bytes and small_bytes >= self.probe_bytes:
+            if huge_avg > small_avg:
+                self._stop(f"a fill in 2 MiB pages cost {huge_avg * gib:.2f} CPU s/GiB here, "
+                           f"in 4 KiB pages {small_avg * gib:.2f}")
+        elif self._bytes >= self.probe_bytes and self._avg > self.max_cost and small_bytes < self.probe_bytes:
+            self._stop(f"2 MiB pages cost {self._avg * gib:.2f} CPU s/GiB here (limit {self.max_cost * gib:.2f})")
 
     def _stop(self, reason: str) -> None:
         if self.enabled:
             self.enabled = False
             self.reason = reason
+
+
+def _averaged(avg: float, seen: int, nbytes: int, sample: float, window: int) -> float:
+    """A running average over about the last `window` bytes: the first sample sets it."""
+    if seen == 0:
+        return sample
+    return avg + (sample - avg) * min(1.0, nbytes / min(window, seen + nbytes))
 
 
 def tmpfs_pager(dest: "str | os.PathLike[str]", lands_in_mapping: bool) -> Optional[HugePager]:

@@ -78,6 +78,37 @@ def test_pager_verdict_after_probe_when_dear_from_the_start() -> None:
     assert not pager.enabled
 
 
+def test_pager_keeps_collapsing_when_this_job_measures_4k_fills_dearer() -> None:
+    """The H200 host's case: collapses over the fixed price, 4 KiB fills dearer still (16 threads contending)."""
+    pager = HugePager(max_cpu_s_per_gib=0.9, probe_bytes=32 * MiB)
+    gib = 16 * MiB / (1 << 30)
+    for _ in range(4):
+        pager.note_fill(16 * MiB, 3.0 * gib, collapsed=False)  # 3 CPU s/GiB in 4 KiB pages
+    for _ in range(2):
+        pager._record(16 * MiB, 1.2 * gib)  # the collapse alone: 1.2 s/GiB, over the fixed 0.9
+        pager.note_fill(16 * MiB, 1.5 * gib, collapsed=True)  # collapse + copy: 1.5 s/GiB
+    assert pager.enabled, pager.reason
+    for _ in range(8):  # collapsed fills getting dearer than the 4 KiB ones: stop
+        pager._record(16 * MiB, 3.0 * gib)
+        pager.note_fill(16 * MiB, 3.5 * gib, collapsed=True)
+    assert not pager.enabled
+    assert "in 4 KiB pages 3.00" in (pager.reason or "")
+
+
+def test_pager_ab_stops_when_4k_fills_are_cheaper() -> None:
+    pager = HugePager(max_cpu_s_per_gib=0.9, probe_bytes=32 * MiB)
+    gib = 16 * MiB / (1 << 30)
+    for _ in range(2):
+        pager.note_fill(16 * MiB, 0.5 * gib, collapsed=False)
+    pager._record(16 * MiB, 0.4 * gib)  # under the fixed price: the fixed rule alone would go on
+    pager.note_fill(16 * MiB, 0.8 * gib, collapsed=True)
+    assert pager.enabled  # one collapsed fill is not a verdict
+    pager._record(16 * MiB, 0.4 * gib)
+    pager.note_fill(16 * MiB, 0.8 * gib, collapsed=True)
+    assert not pager.enabled
+    assert "2 MiB pages cost 0.80" in (pager.reason or "")
+
+
 def test_non_tmpfs_destination_does_not_collapse(sources, tmp_path: Path) -> None:
     items = expand_sources([str(p) for p, _ in sources.values()])
     result = stage(items, tmp_path / "out", readers=2)
