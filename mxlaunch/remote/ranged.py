@@ -262,13 +262,9 @@ def _fetch_direct(conns: direct.Conns, t: Target, i: int, chunk: int, mapped: Fi
 
         view = mapped.view[start:start + want]
         try:
-            cpu0 = time.thread_time()
-            timed = pager is not None and attempt == 0
-            collapsed = timed and pager.prepare(mapped, fd, start, start + want)  # ENOSPC here is a full disk, as below
-            got = direct.read_range(conns, t.url, start, view, fd, ranged, seen, cancelled)
-            if timed:  # the pager's A/B: what this fill cost, in 2 MiB pages or in 4 KiB ones
-                pager.note_fill(want, time.thread_time() - cpu0, collapsed)
-            return got
+            if pager is not None and attempt == 0:
+                pager.prepare(mapped, fd, start, start + want)  # ENOSPC here is a full disk, as below
+            return direct.read_range(conns, t.url, start, view, fd, ranged, seen, cancelled)
         except direct.Refused as exc:
             if exc.ignored_range:
                 raise CheckFailed(f"{_shown(t.url)} ignored the byte range (HTTP {exc.status})",

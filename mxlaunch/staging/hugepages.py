@@ -82,8 +82,13 @@ class HugePager:
     """Collapse destination ranges into 2 MiB pages while that costs less CPU than 4 KiB pages.
 
     Shared by all readers of a job. The first collapses are a probe, done by one thread at a time
-    (the others write 4 KiB pages meanwhile), so an expensive verdict costs one chunk, not one per
-    reader. After the probe, a running average over the last `window` bytes keeps watching: memory
+    while the others wait for its verdict, so an expensive verdict costs one chunk, not one per
+    reader. They wait rather than fill 4 KiB pages meanwhile because those fills would be measured
+    into the verdict: on the 16-core H200 host, 16 threads filling 4 KiB pages pay 2.4–3.8 CPU s/GiB
+    (their page allocations contend), a collapse made among 15 such threads cost 1.05–2.6 s/GiB, over
+    the limit, while collapses alone cost 0.4–0.7 with the copy (scripts/probe_tmpfs_landing.py) — and
+    the S3 staging lost its 2 MiB pages, and a third of its rate, in two runs of three (docs/benchmarks.md).
+    A probe is short (a collapse fills 2 MiB pages at several GiB/s), so the wait is milliseconds. After the probe, a running average over the last `window` bytes keeps watching: memory
     can get dearer mid-job (compaction), and then collapsing stops. At most `concurrent` collapses
     run at once: collapses of one file share its page-cache lock, and 32 readers collapsing together
     spun their way past the cost limit on the 2×H200 host (docs/benchmarks.md); one collapse fills
@@ -94,15 +99,6 @@ class HugePager:
     collapsed one ~0.1 to fill), 0.9 when O_DIRECT reads land in the mapping (4 KiB pages are then
     faulted in and zeroed one by one: ~1 CPU s/GiB; on the 2-core VM collapses at 0.6–0.7 s/GiB
     still cut the stage's CPU per GiB from 1.25 to 0.8 while they lasted).
-
-    That fixed price is wrong where many threads fill 4 KiB pages at once: on the 16-core H200 host
-    16 threads paid 2.4–3.8 CPU s/GiB for them (their page allocation contends), and the probe's
-    collapses, measured while the other readers were filling 4 KiB pages, cost 1.05–1.35 s/GiB — over
-    the 0.9 limit, so the S3 staging dropped to 4 KiB pages in two runs of three and lost a third of
-    its rate (scripts/probe_tmpfs_landing.py, docs/benchmarks.md). A reader that can time its whole
-    fill of a range (`note_fill`: the collapse, if any, plus the copy) therefore gives the pager an A/B
-    of the same work in the same job: once both kinds have `probe_bytes` of samples, collapsing goes
-    on while a collapsed fill costs no more CPU per byte than a 4 KiB one, whatever the fixed price.
     """
 
     def __init__(self, enabled: bool = True, max_cpu_s_per_gib: float = 0.3, probe_bytes: int = 32 << 20,
@@ -112,11 +108,11 @@ class HugePager:
         self.probe_bytes = probe_bytes
         self.window = window
         self._lock = threading.Lock()
+        self._probe_done = threading.Condition(self._lock)  # the probe's waiters, told at each probe's end
         self._slots = threading.BoundedSemaphore(concurrent)
         self._probing = False
         self._bytes = 0  # bytes collapsed so far
         self._avg = 0.0  # running average CPU s per byte
-        self._fills = {True: [0, 0.0], False: [0, 0.0]}  # collapsed or not → [bytes, running avg CPU s/byte] of whole fills
         self.collapsed = 0
         self.reason: str | None = None  # why collapsing stopped, for the record
 
@@ -134,10 +130,12 @@ class HugePager:
         if hi <= lo:
             return False
         with self._lock:
+            while self._probing:  # another reader is probing: its verdict first (see the class docstring)
+                self._probe_done.wait()
+            if not self.enabled:
+                return False
             in_probe = self._bytes < self.probe_bytes
             if in_probe:
-                if self._probing:
-                    return False
                 self._probing = True
         try:
             with self._slots:
@@ -149,59 +147,36 @@ class HugePager:
                 rc = _libc.madvise(mapping.addr + lo, hi - lo, MADV_COLLAPSE)
                 err = ctypes.get_errno() if rc else 0
                 cost = time.thread_time() - t0
+            with self._lock:  # recorded before the probe's waiters wake: they see its verdict
+                if rc != 0:
+                    # EINVAL: kernel < 6.1 or THP off; EAGAIN/ENOMEM: no 2 MiB page to be had. Either way
+                    # the range was left in 4 KiB pages, which is correct, only not faster.
+                    self._stop(f"MADV_COLLAPSE failed: {errno.errorcode.get(err, err)}")
+                    return False
+                self._record(hi - lo, cost)
+                self.collapsed += hi - lo
+            return True
         finally:
             if in_probe:
                 with self._lock:
                     self._probing = False
-        with self._lock:
-            if rc != 0:
-                # EINVAL: kernel < 6.1 or THP off; EAGAIN/ENOMEM: no 2 MiB page to be had. Either way
-                # the range was left in 4 KiB pages, which is correct, only not faster.
-                self._stop(f"MADV_COLLAPSE failed: {errno.errorcode.get(err, err)}")
-                return False
-            self._record(hi - lo, cost)
-            self.collapsed += hi - lo
-        return True
-
-    def note_fill(self, nbytes: int, cpu_s: float, collapsed: bool) -> None:
-        """A reader's whole fill of `nbytes` (its prepare() if it collapsed, then the copy) took `cpu_s` of its
-        thread's CPU: the samples of the A/B verdict (see the class docstring)."""
-        if nbytes <= 0:
-            return
-        with self._lock:
-            seen = self._fills[collapsed]
-            seen[1] = _averaged(seen[1], seen[0], nbytes, cpu_s / nbytes, self.window)
-            seen[0] += nbytes
-            self._judge()
+                    self._probe_done.notify_all()
 
     def _record(self, nbytes: int, cost: float) -> None:
-        self._avg = _averaged(self._avg, self._bytes, nbytes, cost / nbytes, self.window)
+        per_byte = cost / nbytes
+        if self._bytes == 0:
+            self._avg = per_byte
+        else:
+            weight = min(1.0, nbytes / min(self.window, self._bytes + nbytes))
+            self._avg += (per_byte - self._avg) * weight
         self._bytes += nbytes
-        self._judge()
-
-    def _judge(self) -> None:
-        """Stop collapsing once it is dearer: against 4 KiB fills measured in this job when there are enough of
-        both kinds, else against the fixed price."""
-        (huge_bytes, huge_avg), (small_bytes, small_avg) = self._fills[True], self._fills[False]
-        gib = 1 << 30
-        if huge_bytes >= self.probe_bytes and small_bytes >= self.probe_bytes:
-            if huge_avg > small_avg:
-                self._stop(f"a fill in 2 MiB pages cost {huge_avg * gib:.2f} CPU s/GiB here, "
-                           f"in 4 KiB pages {small_avg * gib:.2f}")
-        elif self._bytes >= self.probe_bytes and self._avg > self.max_cost and small_bytes < self.probe_bytes:
-            self._stop(f"2 MiB pages cost {self._avg * gib:.2f} CPU s/GiB here (limit {self.max_cost * gib:.2f})")
+        if self._bytes >= self.probe_bytes and self._avg > self.max_cost:
+            self._stop(f"2 MiB pages cost {self._avg * (1 << 30):.2f} CPU s/GiB here (limit {self.max_cost * (1 << 30):.2f})")
 
     def _stop(self, reason: str) -> None:
         if self.enabled:
             self.enabled = False
             self.reason = reason
-
-
-def _averaged(avg: float, seen: int, nbytes: int, sample: float, window: int) -> float:
-    """A running average over about the last `window` bytes: the first sample sets it."""
-    if seen == 0:
-        return sample
-    return avg + (sample - avg) * min(1.0, nbytes / min(window, seen + nbytes))
 
 
 def tmpfs_pager(dest: "str | os.PathLike[str]", lands_in_mapping: bool) -> Optional[HugePager]:

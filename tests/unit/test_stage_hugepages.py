@@ -78,35 +78,37 @@ def test_pager_verdict_after_probe_when_dear_from_the_start() -> None:
     assert not pager.enabled
 
 
-def test_pager_keeps_collapsing_when_this_job_measures_4k_fills_dearer() -> None:
-    """The H200 host's case: collapses over the fixed price, 4 KiB fills dearer still (16 threads contending)."""
-    pager = HugePager(max_cpu_s_per_gib=0.9, probe_bytes=32 * MiB)
-    gib = 16 * MiB / (1 << 30)
-    for _ in range(4):
-        pager.note_fill(16 * MiB, 3.0 * gib, collapsed=False)  # 3 CPU s/GiB in 4 KiB pages
-    for _ in range(2):
-        pager._record(16 * MiB, 1.2 * gib)  # the collapse alone: 1.2 s/GiB, over the fixed 0.9
-        pager.note_fill(16 * MiB, 1.5 * gib, collapsed=True)  # collapse + copy: 1.5 s/GiB
-    assert pager.enabled, pager.reason
-    for _ in range(8):  # collapsed fills getting dearer than the 4 KiB ones: stop
-        pager._record(16 * MiB, 3.0 * gib)
-        pager.note_fill(16 * MiB, 3.5 * gib, collapsed=True)
-    assert not pager.enabled
-    assert "in 4 KiB pages 3.00" in (pager.reason or "")
+def test_readers_wait_for_the_probe_instead_of_filling_small_pages(dest) -> None:
+    """While one reader probes, another's prepare waits for the verdict and then collapses (it used to
+    return at once and fill 4 KiB pages, whose contention was then measured into the probe)."""
+    import os
+    import threading
 
+    from mxlaunch.staging.hugepages import FileMapping
 
-def test_pager_ab_stops_when_4k_fills_are_cheaper() -> None:
-    pager = HugePager(max_cpu_s_per_gib=0.9, probe_bytes=32 * MiB)
-    gib = 16 * MiB / (1 << 30)
-    for _ in range(2):
-        pager.note_fill(16 * MiB, 0.5 * gib, collapsed=False)
-    pager._record(16 * MiB, 0.4 * gib)  # under the fixed price: the fixed rule alone would go on
-    pager.note_fill(16 * MiB, 0.8 * gib, collapsed=True)
-    assert pager.enabled  # one collapsed fill is not a verdict
-    pager._record(16 * MiB, 0.4 * gib)
-    pager.note_fill(16 * MiB, 0.8 * gib, collapsed=True)
-    assert not pager.enabled
-    assert "2 MiB pages cost 0.80" in (pager.reason or "")
+    dest.mkdir(parents=True)
+    fd = os.open(dest / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    os.ftruncate(fd, 8 * MiB)
+    mapping = FileMapping(fd, 8 * MiB)
+    pager = HugePager(max_cpu_s_per_gib=1e9, probe_bytes=4 * MiB)
+    try:
+        with pager._lock:
+            pager._probing = True  # a probe in flight
+        got: list[bool] = []
+        waiter = threading.Thread(target=lambda: got.append(pager.prepare(mapping, fd, 0, 4 * MiB)))
+        waiter.start()
+        with pager._lock:
+            pager._probing = False
+            pager._probe_done.notify_all()
+        waiter.join()
+        if pager.reason and "MADV_COLLAPSE failed" in pager.reason:
+            pytest.skip(f"no 2 MiB pages here: {pager.reason}")
+        assert got == [True]
+        assert pager.collapsed == 4 * MiB
+        assert not pager._probing  # the waiter's own probe chunk released the next one
+    finally:
+        mapping.close()
+        os.close(fd)
 
 
 def test_non_tmpfs_destination_does_not_collapse(sources, tmp_path: Path) -> None:
