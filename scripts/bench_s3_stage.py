@@ -323,10 +323,22 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=WORKERS, help="connections for the ceilings and mxlaunch")
     ap.add_argument("--server-cpus", type=parse_cpus, default=None, help="pin the server to these cores (e.g. 0-7)")
     ap.add_argument("--client-cpus", type=parse_cpus, default=None, help="pin this process to these cores (e.g. 8-15)")
+    ap.add_argument("--collapse-slots", type=int, default=None,
+                    help="what-if: the S3 staging's HugePager with this many concurrent collapses (default: its own)")
     ap.add_argument("--only", default="", help="comma-separated parts of the ways' names to run (e.g. ceiling,mxlaunch)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     total = parse_size(args.size)
+    if args.collapse_slots:
+        from mxlaunch.staging import hugepages, s3_stage  # noqa: PLC0415
+
+        def pager(dest: object, lands_in_mapping: bool) -> hugepages.HugePager | None:
+            made = hugepages.tmpfs_pager(dest, lands_in_mapping)
+            if made is not None:
+                made._slots = threading.BoundedSemaphore(args.collapse_slots)
+            return made
+
+        s3_stage.tmpfs_pager = pager
     if args.client_cpus:
         os.sched_setaffinity(0, args.client_cpus)  # before any thread starts: every reader thread inherits it
     work = Path(tempfile.mkdtemp(prefix="mx-bench-s3-"))
@@ -401,8 +413,8 @@ def main() -> int:
     for way in ("boto3, one stream per file", "runai_streamer (vLLM's reader)"):
         if mx and "gibps_median" in results.get(way, {}):
             ratios[f"mxlaunch / {way}"] = round(mx / results[way]["gibps_median"], 3)
-    doc = {"schema": 1, "date": dt.date.today().isoformat(), "machine": f"{platform.node() and 'this VM'}: "
-           f"{os.cpu_count()} cores", "server": args.server, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    doc = {"schema": 1, "date": dt.date.today().isoformat(), "machine": f"{os.cpu_count()} cores, kernel {platform.release()}",
+           "server": args.server, "collapse_slots": args.collapse_slots or "default", "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
            "bytes": nbytes, "files": len(keys), "reps": args.reps, "workers": args.workers,
            "server_cpus": sorted(args.server_cpus) if args.server_cpus else "any",
            "client_cpus": sorted(args.client_cpus) if args.client_cpus else "any", "results": results, "ratios": ratios}
