@@ -48,6 +48,7 @@ P2P_CUDA_IPC = "MXLAUNCH_CUDA_IPC"
 CRIU = "MXLAUNCH_CRIU"
 SNAPSHOT_DIR = "MXLAUNCH_SNAPSHOT_DIR"
 ENGINE_SNAPSHOTS = "MXLAUNCH_ENGINE_SNAPSHOTS"
+SNAPSHOT_SLEEP = "MXLAUNCH_SNAPSHOT_SLEEP"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -102,6 +103,9 @@ VARIABLES: dict[str, str] = {
                   "it released NVML for a CRIU dump (never set it by hand)",
     ENGINE_SNAPSHOTS: "where `launch --engine-snapshot` keeps its snapshots (node-local; they hold the engine's memory, "
                       "GPU memory included; default ~/.cache/mxlaunch/engine-snapshots)",
+    SNAPSHOT_SLEEP: "0: `launch --engine-snapshot` leaves vLLM's sleep mode alone (default 1 on CUDA nodes: the engine "
+                    "starts with --enable-sleep-mode and sleeps at level 1 while it is snapshotted, so the image "
+                    "holds no KV cache)",
 }
 
 
@@ -114,6 +118,11 @@ def engine_snapshots(environ: Mapping[str, str] = os.environ) -> Optional[Path]:
     """$MXLAUNCH_ENGINE_SNAPSHOTS (user-expanded), or None when unset or empty."""
     text = environ.get(ENGINE_SNAPSHOTS)
     return Path(text).expanduser() if text else None
+
+
+def snapshot_sleep(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether an engine snapshot of vLLM on a GPU may sleep the engine first ($MXLAUNCH_SNAPSHOT_SLEEP != 0)."""
+    return environ.get(SNAPSHOT_SLEEP, "1").strip() != "0"
 
 
 def artifact_path(environ: Mapping[str, str] = os.environ) -> Optional[Path]:

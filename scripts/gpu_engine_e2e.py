@@ -28,6 +28,9 @@ Scenarios (each one start, vLLM `python3 -m vllm.entrypoints.openai.api_server`,
   prefetch         vLLM `--safetensors-load-strategy prefetch`
   fastsafetensors  vLLM `--load-format fastsafetensors` (recorded "not installed" if it cannot import)
   instanttensor    vLLM `--load-format instanttensor` (likewise)
+  engine-snapshot  `mxlaunch launch --engine-snapshot` twice: the first start serves and snapshots its engine
+                   (asleep, on CUDA: no KV cache in the image), then serves on; the second restores it. Without a
+                   `default` before it, the first start's answers after its snapshot are the gold
 
 Before every start the pages of the model's and the store's files are evicted (posix_fadvise DONTNEED);
 the software (Python, vLLM, CUDA) stays warm. Per start: `ready_s` (spawn → /health 200), `weight_s` (the
@@ -394,6 +397,11 @@ class Harness:
                 if phase == "first":
                     rec["first_ready_s"] = ready
                     rec["taken"] = start.wait_event("engine-snapshot", 600)
+                    # The first engine serves on after its snapshot (woken, when it slept): its answers are the
+                    # gold when no `default` ran before, else they are compared with it.
+                    recording = not self.gold.exists()
+                    rec["first_verify"] = verify(port, self.gold, recording)
+                    rec["gold_from"] = "the first start, after its snapshot" if recording else "default"
                 else:
                     rec["ready_s"] = ready
                     start.wait_event("ready", 60)  # the launcher's own events (it sees /health a poll later)

@@ -16,10 +16,13 @@ Layout (node-local: an image holds the engine's whole memory, its GPU memory inc
         .<key>.<pid>.tmp/           a snapshot in progress, renamed into place when complete
 
 Taking one (`take`, once the first start is ready and its capture is published; the engine pauses for it):
-SIGUSR2 to every engine process that installed mxlaunch's handler (plugin/snapshot_signal.py: NVML shut down),
-then lock + checkpoint every process with CUDA state, `criu dump --leave-running`, restore + unlock: the engine
+vLLM started with --enable-sleep-mode is first put to sleep at level 1 (its weights to host memory, the KV
+cache discarded: an idle engine's KV cache is garbage, and it was most of the image); then SIGUSR2 to every
+engine process that installed mxlaunch's handler (plugin/snapshot_signal.py: NVML shut down), lock +
+checkpoint every process with CUDA state, `criu dump --leave-running`, restore + unlock, wake up: the engine
 serves on. Restoring (`restore`): the files put back, `criu restore -d` with a new output pipe (--inherit-fd),
-the GPU state restored and unlocked; the launcher (a child subreaper) becomes the restored tree's parent.
+the GPU state restored and unlocked, the engine woken (a snapshot taken asleep); the launcher (a child
+subreaper) becomes the restored tree's parent.
 
 What it needs, checked before anything is tried: CRIU 4.2+ (4.1 fails on 6.16+ kernels' sockets), the
 capability, the driver's checkpoint API where there is a GPU, and an engine started by the launcher with
@@ -48,17 +51,22 @@ from mxlaunch.launch import criu
 from mxlaunch.launch.criu import CriuError
 from mxlaunch.launch.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
 from mxlaunch.launch.zygote import private_dir
-from mxlaunch.plugin.snapshot_signal import SIGNAL, SUFFIX
+from mxlaunch.plugin.snapshot_signal import SIGNAL, SUFFIX, action_path, done_path
 
 META = "meta.json"
 SHM = Path("/dev/shm")
 PR_SET_CHILD_SUBREAPER = 36
 DUMP_FLAGS = ("--tcp-close", "--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", str(1 << 30))
 KEY_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")  # which GPUs the image is of
+ACTION_TIMEOUT_S = 300.0  # a sleep copies the weights to host memory, a wake back: seconds for hundreds of GiB
 
 
 class SnapshotError(Exception):
     """Why no snapshot was taken or restored (one line)."""
+
+
+class NotAsked(SnapshotError):
+    """An engine action that could not even be asked for (no handler, no engine client): nothing changed."""
 
 
 def snapshots_root(environ: Mapping[str, str] = os.environ) -> Path:
@@ -173,40 +181,86 @@ def release_nvml(pids: Sequence[int], marks: Path, timeout: float = 10.0) -> lis
     raise SnapshotError(f"engine process(es) {missing} did not release NVML in {timeout:.0f} s")
 
 
+def engine_action(pid: int, marks: Path, action: str, timeout: float = ACTION_TIMEOUT_S) -> float:
+    """Have the engine's API server (`pid`) "sleep" or "wake" (plugin/snapshot_signal.py); the seconds it took.
+    Raises SnapshotError when it cannot: no handler, the engine's own error, no answer within `timeout`."""
+    if not catches(pid, SIGNAL):
+        raise NotAsked(f"engine process {pid} has no mxlaunch handler to {action} it")
+    done = Path(done_path(str(marks), pid, action))
+    done.unlink(missing_ok=True)
+    order = Path(action_path(str(marks), pid))
+    tmp = order.with_name(order.name + ".tmp")
+    tmp.write_text(action, encoding="utf-8")
+    os.replace(tmp, order)
+    t0 = time.monotonic()
+    os.kill(pid, SIGNAL)
+    while not done.exists():
+        if time.monotonic() - t0 > timeout:
+            order.unlink(missing_ok=True)
+            raise SnapshotError(f"the engine did not {action} within {timeout:.0f} s")
+        time.sleep(0.02)
+    report = json.loads(done.read_text(encoding="utf-8"))
+    done.unlink(missing_ok=True)
+    if report.get("error"):
+        error = NotAsked if str(report["error"]).startswith("LookupError:") else SnapshotError
+        raise error(f"the engine could not {action}: {report['error']}")
+    return time.monotonic() - t0
+
+
 # ---- taking a snapshot -----------------------------------------------------------------------------------
 
 
-def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[CudaCheckpoint]) -> dict:
-    """Snapshot the serving tree at `root_pid` into `folder` (made here); the engine serves on. Returns the
-    meta written to meta.json plus the pause's phases."""
+def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[CudaCheckpoint],
+         sleep: bool = False) -> dict:
+    """Snapshot the serving tree at `root_pid` into `folder` (made here); the engine serves on. `sleep`: the
+    engine (vLLM with --enable-sleep-mode) sleeps while it is snapshotted, and the restore wakes it. Returns
+    the meta written to meta.json plus the pause's phases."""
     pids = process_tree(root_pid)
-    release_nvml(pids, marks)
-    gpu = cuda.with_cuda(pids) if cuda is not None else []
-    folder.mkdir(parents=True, mode=0o700)
-    script = _post_dump_script(folder)
     t_pause = time.monotonic()
-    checkpoint_s = cuda.run(("lock", "checkpoint"), gpu) if cuda is not None and gpu else 0.0
+    sleep_s, sleep_skipped = 0.0, None
+    if sleep:
+        try:
+            sleep_s = engine_action(root_pid, marks, "sleep")
+        except NotAsked as exc:  # nothing changed: the snapshot is taken awake (its KV cache in the image)
+            sleep, sleep_skipped = False, str(exc)
+        except SnapshotError:
+            try:  # a sleep that failed half-way must not leave the engine asleep
+                engine_action(root_pid, marks, "wake", timeout=60.0)
+            except (SnapshotError, OSError):
+                pass
+            raise
+    wake_s = 0.0
     try:
-        held = device_files(pids)
-        if held:
-            pid, files = next(iter(held.items()))
-            raise SnapshotError(f"engine process {pid} still holds {', '.join(files)} after the CUDA checkpoint: "
-                                "CRIU cannot dump it")
-        meta = {"root": root_pid, "pids": pids, "gpu_pids": gpu, "pipes": output_pipes(root_pid),
-                "shm_files": shm_files(pids), "kernel": os.uname().release}
-        t_dump = time.monotonic()
-        criu.dump(binary, root_pid, folder, timeout=600.0,
-                  extra=("--leave-running", "--action-script", str(script), *DUMP_FLAGS))
-        dump_s = time.monotonic() - t_dump
+        release_nvml(pids, marks)
+        gpu = cuda.with_cuda(pids) if cuda is not None else []
+        folder.mkdir(parents=True, mode=0o700)
+        script = _post_dump_script(folder)
+        checkpoint_s = cuda.run(("lock", "checkpoint"), gpu) if cuda is not None and gpu else 0.0
+        try:
+            held = device_files(pids)
+            if held:
+                pid, files = next(iter(held.items()))
+                raise SnapshotError(f"engine process {pid} still holds {', '.join(files)} after the CUDA checkpoint: "
+                                    "CRIU cannot dump it")
+            meta = {"root": root_pid, "pids": pids, "gpu_pids": gpu, "pipes": output_pipes(root_pid),
+                    "shm_files": shm_files(pids), "kernel": os.uname().release, "slept": sleep, "marks": str(marks)}
+            t_dump = time.monotonic()
+            criu.dump(binary, root_pid, folder, timeout=600.0,
+                      extra=("--leave-running", "--action-script", str(script), *DUMP_FLAGS))
+            dump_s = time.monotonic() - t_dump
+        finally:
+            restore_s = cuda.run(("restore", "unlock"), gpu) if cuda is not None and gpu else 0.0
     finally:
-        restore_s = cuda.run(("restore", "unlock"), gpu) if cuda is not None and gpu else 0.0
+        if sleep:  # the serving engine wakes whatever happened: asleep, it would answer no request
+            wake_s = engine_action(root_pid, marks, "wake")
     pause_s = time.monotonic() - t_pause
     script.unlink(missing_ok=True)
     _keep_files(folder, meta)
     meta.update(made=time.time(), bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()))
     (folder / META).write_text(json.dumps(meta), encoding="utf-8")
-    return {**meta, "checkpoint_s": round(checkpoint_s, 3), "dump_s": round(dump_s, 3),
-            "gpu_restore_s": round(restore_s, 3), "pause_s": round(pause_s, 3)}
+    phases = {"sleep_s": sleep_s, "checkpoint_s": checkpoint_s, "dump_s": dump_s, "gpu_restore_s": restore_s,
+              "wake_s": wake_s, "pause_s": pause_s}
+    return {**meta, "sleep_skipped": sleep_skipped, **{k: round(v, 3) for k, v in phases.items()}}
 
 
 def _post_dump_script(folder: Path) -> Path:
@@ -242,9 +296,10 @@ class SnapshotMaker(threading.Thread):
     publishes it by rename, and reports one `engine-snapshot` event (published, or failed with the reason)."""
 
     def __init__(self, binary: str, root_pid: int, key: str, marks: Path, emit: Callable[..., None],
-                 ready_to_take: Callable[[], Optional[bool]], environ: Mapping[str, str] = os.environ) -> None:
+                 ready_to_take: Callable[[], Optional[bool]], environ: Mapping[str, str] = os.environ,
+                 sleep: bool = False) -> None:
         super().__init__(name="mx-engine-snapshot", daemon=True)
-        self.binary, self.root_pid, self.key, self.marks = binary, root_pid, key, marks
+        self.binary, self.root_pid, self.key, self.marks, self.sleep = binary, root_pid, key, marks, sleep
         self.emit, self.ready_to_take = emit, ready_to_take
         self.root = snapshots_root(environ)
         self.stopping = threading.Event()
@@ -272,17 +327,17 @@ class SnapshotMaker(threading.Thread):
         tmp = self.root / f".{self.key}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            result = take(self.binary, self.root_pid, tmp, self.marks, _cuda_or_none())
+            result = take(self.binary, self.root_pid, tmp, self.marks, cuda_or_none(), sleep=self.sleep)
             final = self.root / self.key
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return {k: result[k] for k in ("checkpoint_s", "dump_s", "gpu_restore_s", "pause_s", "bytes")} | {
-            "path": str(final), "gpu_pids": len(result["gpu_pids"])}
+        return {k: result[k] for k in ("slept", "sleep_skipped", "sleep_s", "checkpoint_s", "dump_s", "gpu_restore_s",
+                                       "wake_s", "pause_s", "bytes")} | {"path": str(final), "gpu_pids": len(result["gpu_pids"])}
 
 
-def _cuda_or_none() -> Optional[CudaCheckpoint]:
+def cuda_or_none() -> Optional[CudaCheckpoint]:
     """The driver's API where there is a driver; None on a CPU engine's node."""
     try:
         return CudaCheckpoint()
@@ -353,7 +408,7 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
             if time.monotonic() > deadline:
                 raise SnapshotError(f"pid {pid}, which the snapshot must get back, belongs to a running process")
             time.sleep(0.02)
-    cuda = _cuda_or_none() if meta["gpu_pids"] else None
+    cuda = cuda_or_none() if meta["gpu_pids"] else None
     if meta["gpu_pids"] and cuda is None:
         raise SnapshotError("the snapshot holds GPU state but this node has no CUDA driver")
     for name in meta.get("link_remaps", []):
@@ -376,14 +431,37 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
     finally:
         os.close(write_fd)
     criu_s = time.monotonic() - t0
+    wake_s = 0.0
     try:
         gpu_s = cuda.run(("restore", "unlock"), meta["gpu_pids"]) if cuda is not None else 0.0
-    except CudaCheckpointError:
+        if meta.get("slept"):
+            wake_s = _wake_restored(meta)
+    except (CudaCheckpointError, SnapshotError, OSError):
         _kill(meta["pids"])
         os.close(read_fd)
         raise
     return RestoredEngine(root, read_fd, meta["pids"]), {"criu_restore_s": round(criu_s, 3), "gpu_restore_s": round(gpu_s, 3),
-                                            "bytes": meta.get("bytes"), "gpu_pids": len(meta["gpu_pids"])}
+                                                        "wake_s": round(wake_s, 3), "bytes": meta.get("bytes"),
+                                                        "gpu_pids": len(meta["gpu_pids"])}
+
+
+def _wake_restored(meta: dict) -> float:
+    """Wake a restored engine that was snapshotted asleep. Its handler reports into the folder it was given at
+    its first start (gone with that launch's run folder): made again for the wake, and removed after."""
+    marks = Path(meta["marks"])
+    made = [p for p in (*reversed(marks.parents), marks) if not p.exists()]  # outermost first
+    for p in made:
+        p.mkdir(mode=0o700)
+    try:
+        return engine_action(int(meta["root"]), marks, "wake")
+    finally:
+        if marks in made:
+            shutil.rmtree(marks, ignore_errors=True)
+        for p in reversed([p for p in made if p != marks]):
+            try:
+                p.rmdir()  # only while empty: another launch may have put its run folder there meanwhile
+            except OSError:
+                break
 
 
 def _kill(pids: Sequence[int]) -> None:

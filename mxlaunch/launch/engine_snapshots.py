@@ -17,8 +17,8 @@ from mxlaunch.engine_checkpoint import criu_version, run_quietly, socket_blocker
 from mxlaunch.launch import criu
 from mxlaunch.launch.criu import CriuError
 from mxlaunch.launch.cuda_checkpoint import CudaCheckpointError
-from mxlaunch.launch.engine_snapshot import (RestoredEngine, SnapshotError, SnapshotMaker, find, restore,
-                                            snapshot_key, snapshots_root)
+from mxlaunch.launch.engine_snapshot import (RestoredEngine, SnapshotError, SnapshotMaker, cuda_or_none, find,
+                                            restore, snapshot_key, snapshots_root)
 
 
 class EngineSnapshots:
@@ -30,6 +30,7 @@ class EngineSnapshots:
         self.marks = shm_dir / "snapshot-marks"
         self.maker: Optional[SnapshotMaker] = None
         self.restored: Optional[RestoredEngine] = None
+        self.sleep = False  # the engine sleeps while it is snapshotted (engine_args decides)
         if not enabled:
             return
         if p2p:  # a P2P pull or source holds NIXL agents and peers' handles: not a state to freeze and bring back
@@ -46,6 +47,13 @@ class EngineSnapshots:
     def dumpable(self) -> bool:
         """Start the engine so that it can be snapshotted (no io_uring, the NVML handler installed)."""
         return self.binary is not None and self.restored is None
+
+    def engine_args(self, engine: str, argv: list[str]) -> list[str]:
+        """Flags to add to a dumpable start: vLLM on a CUDA node gets --enable-sleep-mode, so that it can sleep
+        (its KV cache dropped) while it is snapshotted ($MXLAUNCH_SNAPSHOT_SLEEP=0: not)."""
+        self.sleep = (self.dumpable and engine == "vllm" and settings.snapshot_sleep(self.environ)
+                      and cuda_or_none() is not None)
+        return ["--enable-sleep-mode"] if self.sleep and "--enable-sleep-mode" not in argv else []
 
     def env(self) -> dict[str, str]:
         if not self.dumpable:
@@ -75,7 +83,7 @@ class EngineSnapshots:
         if not self.dumpable or find(snapshots_root(self.environ), self.key) is not None:
             return
         self.maker = SnapshotMaker(self.binary or "", root_pid, self.key, self.marks, self.emit, ready_to_take,
-                                   self.environ)
+                                   self.environ, sleep=self.sleep)
         self.maker.start()
 
     def reap(self) -> None:

@@ -8,6 +8,14 @@ its signal instead of guessing. Installed only where $MXLAUNCH_SNAPSHOT_DIR name
 from the main thread (the only one that may set a handler); whoever uses NVML next initialises it again.
 
 Report: <dir>/<pid>.released, JSON {"pid", "device_files"} written by rename (never seen half-written).
+
+Actions (vLLM's API server, started with --enable-sleep-mode): when the launcher has written
+<dir>/<pid>.action ("sleep" or "wake") before the signal, the handler instead asks the engine client in this
+process (vLLM's AsyncLLM, found once and kept) to sleep at level 1 (weights to host memory, the KV cache
+discarded, the prefix cache reset) or to wake up, as a task on the running event loop — the way vLLM's own
+/sleep and /wake_up routes do, without opening those development routes on the server's port. Its report is
+<dir>/<pid>.<action>.done, JSON {"pid", "action", "error"}. Why: the KV cache is most of an engine snapshot's
+GPU memory and its contents are garbage in an idle engine; left out, the image is smaller and restores faster.
 """
 
 from __future__ import annotations
@@ -16,16 +24,27 @@ import json
 import os
 import signal
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from mxlaunch import settings
 
 SIGNAL = signal.SIGUSR2
 SUFFIX = ".released"
+ACTIONS = ("sleep", "wake")
+SLEEP_LEVEL = 1  # weights kept (in host memory), the KV cache dropped
+_client: Optional[Any] = None  # the engine client, once found (kept in the snapshot's image, so a restore has it)
 
 
 def report_path(folder: str, pid: int) -> str:
     return os.path.join(folder, f"{pid}{SUFFIX}")
+
+
+def action_path(folder: str, pid: int) -> str:
+    return os.path.join(folder, f"{pid}.action")
+
+
+def done_path(folder: str, pid: int, action: str) -> str:
+    return os.path.join(folder, f"{pid}.{action}.done")
 
 
 def install(environ: Mapping[str, str] = os.environ) -> bool:
@@ -34,10 +53,75 @@ def install(environ: Mapping[str, str] = os.environ) -> bool:
     if not folder or threading.current_thread() is not threading.main_thread():
         return False
     try:
-        signal.signal(SIGNAL, lambda _sig, _frame: release_and_report(folder))
+        signal.signal(SIGNAL, lambda _sig, _frame: on_signal(folder))
     except (ValueError, OSError):
         return False
     return True
+
+
+def on_signal(folder: str) -> None:
+    """The handler: the action the launcher wrote for this process, else the NVML release."""
+    try:
+        with open(action_path(folder, os.getpid()), encoding="utf-8") as f:
+            action = f.read().strip()
+        os.unlink(action_path(folder, os.getpid()))
+    except OSError:
+        action = ""
+    if action in ACTIONS:
+        start_action(folder, action)
+    else:
+        release_and_report(folder)
+
+
+def start_action(folder: str, action: str) -> None:
+    """Run `action` on this process's engine client as a task on the running event loop; its outcome goes to
+    done_path. Never raises: a failure is the report's "error"."""
+    try:
+        import asyncio  # noqa: PLC0415
+
+        loop = asyncio.get_running_loop()  # the handler runs on the main thread, inside the server's loop
+        client = engine_client()
+        if client is None:
+            raise LookupError("no engine client (vLLM's AsyncLLM) in this process")
+
+        def begin() -> None:
+            try:
+                work = client.sleep(SLEEP_LEVEL) if action == "sleep" else client.wake_up(None)
+                task = loop.create_task(work)
+                task.add_done_callback(lambda t: _write_done(folder, action, None if t.cancelled() else t.exception()))
+            except Exception as exc:  # noqa: BLE001
+                _write_done(folder, action, exc)
+
+        # Threadsafe although this is the loop's thread: the handler may run inside the loop's own wait for
+        # events (a plain asyncio loop retries its epoll after the signal), which only the self-pipe ends.
+        loop.call_soon_threadsafe(begin)
+    except Exception as exc:  # noqa: BLE001 — a handler must never take the engine down
+        _write_done(folder, action, exc)
+
+
+def engine_client() -> Optional[Any]:
+    """vLLM's AsyncLLM in this process (an API server has one): found once among the live objects, then kept."""
+    global _client
+    if _client is None:
+        import gc  # noqa: PLC0415
+
+        for obj in gc.get_objects():
+            if type(obj).__name__ == "AsyncLLM" and callable(getattr(obj, "sleep", None)) \
+                    and callable(getattr(obj, "wake_up", None)):
+                _client = obj
+                break
+    return _client
+
+
+def _write_done(folder: str, action: str, error: Optional[BaseException]) -> None:
+    path = done_path(folder, os.getpid(), action)
+    try:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"pid": os.getpid(), "action": action, "error": f"{type(error).__name__}: {error}" if error else None}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def release_and_report(folder: str) -> dict[str, Any]:

