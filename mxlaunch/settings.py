@@ -103,9 +103,9 @@ VARIABLES: dict[str, str] = {
                   "it released NVML for a CRIU dump (never set it by hand)",
     ENGINE_SNAPSHOTS: "where `launch --engine-snapshot` keeps its snapshots (node-local; they hold the engine's memory, "
                       "GPU memory included; default ~/.cache/mxlaunch/engine-snapshots)",
-    SNAPSHOT_SLEEP: "0: `launch --engine-snapshot` leaves vLLM's sleep mode alone (default 1 on CUDA nodes: the engine "
-                    "starts with --enable-sleep-mode and sleeps at level 1 while it is snapshotted, so the image "
-                    "holds no KV cache)",
+    SNAPSHOT_SLEEP: "1: `launch --engine-snapshot` on a CUDA node starts vLLM with --enable-sleep-mode and sleeps it at "
+                    "level 1 while it is snapshotted, so the image holds no KV cache (default 0: not yet proven on a "
+                    "GPU end to end, see docs/launch.md)",
 }
 
 
@@ -121,8 +121,9 @@ def engine_snapshots(environ: Mapping[str, str] = os.environ) -> Optional[Path]:
 
 
 def snapshot_sleep(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether an engine snapshot of vLLM on a GPU may sleep the engine first ($MXLAUNCH_SNAPSHOT_SLEEP != 0)."""
-    return environ.get(SNAPSHOT_SLEEP, "1").strip() != "0"
+    """Whether an engine snapshot of vLLM on a GPU sleeps the engine first ($MXLAUNCH_SNAPSHOT_SLEEP=1; opt-in until
+    a GPU run has shown the sleeping snapshot restore and serve exactly)."""
+    return environ.get(SNAPSHOT_SLEEP, "0").strip() == "1"
 
 
 def artifact_path(environ: Mapping[str, str] = os.environ) -> Optional[Path]:

@@ -29,7 +29,9 @@ Scenarios (each one start, vLLM `python3 -m vllm.entrypoints.openai.api_server`,
   fastsafetensors  vLLM `--load-format fastsafetensors` (recorded "not installed" if it cannot import)
   instanttensor    vLLM `--load-format instanttensor` (likewise)
   engine-snapshot  `mxlaunch launch --engine-snapshot` twice: the first start serves and snapshots its engine
-                   (asleep, on CUDA: no KV cache in the image), then serves on; the second restores it. Without a
+                   (asleep with MXLAUNCH_SNAPSHOT_SLEEP=1: no KV cache in the image), then serves on; the second
+                   restores it (its `ready_s` is /health's; the launcher's ready event comes once the GPU state is
+                   restored and the engine awake: `launcher_ready`). Without a
                    `default` before it, the first start's answers after its snapshot are the gold
 
 Before every start the pages of the model's and the store's files are evicted (posix_fadvise DONTNEED);

@@ -49,8 +49,8 @@ class EngineSnapshots:
         return self.binary is not None and self.restored is None
 
     def engine_args(self, engine: str, argv: list[str]) -> list[str]:
-        """Flags to add to a dumpable start: vLLM on a CUDA node gets --enable-sleep-mode, so that it can sleep
-        (its KV cache dropped) while it is snapshotted ($MXLAUNCH_SNAPSHOT_SLEEP=0: not)."""
+        """Flags to add to a dumpable start: with $MXLAUNCH_SNAPSHOT_SLEEP=1, vLLM on a CUDA node gets
+        --enable-sleep-mode, so that it can sleep (its KV cache dropped) while it is snapshotted."""
         self.sleep = (self.dumpable and engine == "vllm" and settings.snapshot_sleep(self.environ)
                       and cuda_or_none() is not None)
         return ["--enable-sleep-mode"] if self.sleep and "--enable-sleep-mode" not in argv else []

