@@ -33,6 +33,7 @@ SUFFIX = ".released"
 ACTIONS = ("sleep", "wake")
 SLEEP_LEVEL = 1  # weights kept (in host memory), the KV cache dropped
 _client: Optional[Any] = None  # the engine client, once found (kept in the snapshot's image, so a restore has it)
+_tasks: set = set()  # actions under way: the loop keeps only weak references to its tasks
 
 
 def report_path(folder: str, pid: int) -> str:
@@ -88,7 +89,13 @@ def start_action(folder: str, action: str) -> None:
             try:
                 work = client.sleep(SLEEP_LEVEL) if action == "sleep" else client.wake_up(None)
                 task = loop.create_task(work)
-                task.add_done_callback(lambda t: _write_done(folder, action, None if t.cancelled() else t.exception()))
+                _tasks.add(task)
+
+                def done(t: Any) -> None:
+                    _tasks.discard(t)
+                    _write_done(folder, action, None if t.cancelled() else t.exception())
+
+                task.add_done_callback(done)
             except Exception as exc:  # noqa: BLE001
                 _write_done(folder, action, exc)
 
