@@ -26,6 +26,8 @@ class Engine(Protocol):
     shm_prefixes: Tuple[str, ...]  # /dev/shm names it may leave behind (removed after a run when orphaned)
     kernel_cache_vars: Tuple[Tuple[str, str], ...]  # (variable, sub-folder): its JIT caches (mxlaunch/kernelcache/caches.py)
     zygote_preload: Tuple[str, ...]  # modules a warm interpreter imports beyond the entry module (launch/zygote.py)
+    # flags that let it sleep while it is snapshotted on a GPU, () if it cannot (launch/engine_snapshots.py)
+    snapshot_sleep_flags: Tuple[str, ...]
 
     def matches(self, argv: Sequence[str]) -> bool:
         """Is argv one of this engine's launch forms?"""

@@ -36,6 +36,7 @@ class SGLangEngine:
     command_forms = f"`python -m {sglang_argv.SERVER_MODULE} --model-path MODEL ...` or `sglang serve MODEL ...`"
     zygote_preload = ("sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
                       "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager")
+    snapshot_sleep_flags = ()  # its release_memory_occupation is not wired in (yet)
 
     def matches(self, argv: Sequence[str]) -> bool:
         return sglang_argv.is_sglang_command(list(argv))

@@ -45,6 +45,8 @@ class VLLMEngine:
     # threads refuses to fork; the forked engine core imports it itself (~0.5 s)
     zygote_preload = ("vllm.v1.engine.async_llm", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
                       "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor")
+    # its cumem allocator, which AsyncLLM.sleep needs to release the KV cache (plugin/snapshot_signal.py)
+    snapshot_sleep_flags = ("--enable-sleep-mode",)
 
     def matches(self, argv: Sequence[str]) -> bool:
         return vllm_argv.is_vllm_command(list(argv))

@@ -48,12 +48,13 @@ class EngineSnapshots:
         """Start the engine so that it can be snapshotted (no io_uring, the NVML handler installed)."""
         return self.binary is not None and self.restored is None
 
-    def engine_args(self, engine: str, argv: list[str]) -> list[str]:
-        """Flags to add to a dumpable start: with $MXLAUNCH_SNAPSHOT_SLEEP=1, vLLM on a CUDA node gets
-        --enable-sleep-mode, so that it can sleep (its KV cache dropped) while it is snapshotted."""
-        self.sleep = (self.dumpable and engine == "vllm" and settings.snapshot_sleep(self.environ)
+    def engine_args(self, sleep_flags: tuple[str, ...], argv: list[str]) -> list[str]:
+        """Flags to add to a dumpable start: with $MXLAUNCH_SNAPSHOT_SLEEP=1, on a CUDA node, the engine's
+        `snapshot_sleep_flags` (vLLM: --enable-sleep-mode), so that it can sleep (its KV cache dropped) while it
+        is snapshotted; none for an engine without them."""
+        self.sleep = (self.dumpable and bool(sleep_flags) and settings.snapshot_sleep(self.environ)
                       and cuda_or_none() is not None)
-        return ["--enable-sleep-mode"] if self.sleep and "--enable-sleep-mode" not in argv else []
+        return [f for f in sleep_flags if f not in argv] if self.sleep else []
 
     def env(self) -> dict[str, str]:
         if not self.dumpable:

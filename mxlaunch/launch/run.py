@@ -241,8 +241,9 @@ class Launcher(Stopping):
                 self.plan.strategy = "snapshot"
                 self.plan.reason = "restored this command's engine snapshot: no engine start, no weights to load"
             self._prepare()
-            if restored is None:  # a dumpable vLLM on a GPU: --enable-sleep-mode (launch/engine_snapshots.py)
-                self.plan.argv += self.snapshots.engine_args(spec_engine(self.plan.spec).name, self.plan.argv)
+            if restored is None:  # a dumpable start on a GPU: the flags that let it sleep (launch/engine_snapshots.py)
+                self.plan.argv += self.snapshots.engine_args(spec_engine(self.plan.spec).snapshot_sleep_flags,
+                                                             self.plan.argv)
             argv = self.plan.argv
             self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
                       snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"),

