@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mxlaunch.remote.ranged import CHUNK, WORKERS  # noqa: E402
-from mxlaunch.staging.hugepages import HUGE, MADV_COLLAPSE, FileMapping, _libc  # noqa: E402
+from mxlaunch.staging.hugepages import FileMapping, HugePager  # noqa: E402
 from mxlaunch.staging.sources import CopyItem  # noqa: E402
 from mxlaunch.staging.upload import UploadItem, UploadJob  # noqa: E402
 from mxlaunch.store.snapshot import SnapshotMeta  # noqa: E402
@@ -200,6 +200,7 @@ def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None, wo
     lock = threading.Lock()
     maps: dict[str, memoryview] = {}
     mapped: dict[str, tuple[int, FileMapping]] = {}
+    always = HugePager(max_cpu_s_per_gib=1e9, probe_bytes=0, concurrent=workers)  # collapses every range, no verdict
     t0 = time.perf_counter()
     if keep_in is not None:
         keep_in.mkdir(parents=True)
@@ -229,11 +230,7 @@ def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None, wo
             land = maps[key][a:b + 1] if maps else None
             if huge:
                 fd, mapping = mapped[key]
-                lo, hi = -(-a // HUGE) * HUGE, (b + 1) // HUGE * HUGE
-                for off in range(lo, hi, HUGE):
-                    os.pwrite(fd, b"\0", off)
-                if hi > lo:
-                    _libc.madvise(mapping.addr + lo, hi - lo, MADV_COLLAPSE)
+                always.prepare(mapping, fd, a, b + 1)
             while left:
                 into = land[b - a + 1 - left:] if land is not None else scratch[:min(left, len(scratch))]
                 n = resp.readinto(into[:4 << 20])

@@ -10,7 +10,7 @@ N threads, and records the CPU seconds per GiB (every thread) and the rate for e
     fault          nothing: every 4 KiB page faulted in, allocated and zeroed inside the copy
     fallocate      posix_fallocate the chunk first (what the S3 staging did: ENOSPC instead of SIGBUS)
     fallocate+pop  then MADV_POPULATE_WRITE: the page tables filled in one call, no fault per page
-    collapse       a byte per 2 MiB block, then MADV_COLLAPSE (staging/hugepages.py's HugePager.prepare)
+    collapse       HugePager.prepare: a byte per 2 MiB block, then MADV_COLLAPSE (staging/hugepages.py)
     pwrite         the copy into a per-thread 1 MiB buffer, then pwrite (tmpfs skips zeroing whole pages)
 
     python scripts/probe_tmpfs_landing.py --size 4GiB --threads 1,8,16 --reps 3 --out landing.json
@@ -35,24 +35,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mxlaunch.staging.hugepages import HUGE, MADV_COLLAPSE, FileMapping, _libc  # noqa: E402
+from mxlaunch.plugin.host_pages import MADV_POPULATE_WRITE  # noqa: E402
+from mxlaunch.staging.hugepages import FileMapping, HugePager, _libc  # noqa: E402
 
-MADV_POPULATE_WRITE = 23
 CHUNK = 16 << 20
 FILE = 1 << 30
 WAYS = ("fault", "fallocate", "fallocate+pop", "collapse", "pwrite")
 
 
-def prepare(way: str, fd: int, mapping: FileMapping, off: int, n: int) -> None:
+def prepare(way: str, fd: int, mapping: FileMapping, off: int, n: int, pager: HugePager) -> None:
     if way in ("fallocate", "fallocate+pop"):
         os.posix_fallocate(fd, off, n)
     if way == "fallocate+pop" and _libc.madvise(mapping.addr + off, n, MADV_POPULATE_WRITE) != 0:
         raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE failed")
-    if way == "collapse":
-        for block in range(off, off + n, HUGE):
-            os.pwrite(fd, b"\0", block)
-        if _libc.madvise(mapping.addr + off, n, MADV_COLLAPSE) != 0:
-            raise OSError(ctypes.get_errno(), "MADV_COLLAPSE failed")
+    if way == "collapse" and not pager.prepare(mapping, fd, off, off + n):
+        raise OSError(pager.reason or "the range was not collapsed")
 
 
 def land(way: str, src_fd: int, dest: Path, total: int, threads: int) -> tuple[float, float]:
@@ -62,6 +59,7 @@ def land(way: str, src_fd: int, dest: Path, total: int, threads: int) -> tuple[f
         fd = os.open(dest / f"f{k}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(fd, FILE)
         files.append((fd, FileMapping(fd, FILE)))
+    pager = HugePager(max_cpu_s_per_gib=1e9, probe_bytes=0, concurrent=threads)  # collapses every chunk, no verdict
     work: "queue.Queue[tuple[int, int]]" = queue.Queue()
     for k in range(len(files)):
         for off in range(0, FILE, CHUNK):
@@ -75,7 +73,7 @@ def land(way: str, src_fd: int, dest: Path, total: int, threads: int) -> tuple[f
             except queue.Empty:
                 return
             fd, mapping = files[k]
-            prepare(way, fd, mapping, off, CHUNK)
+            prepare(way, fd, mapping, off, CHUNK, pager)
             if way == "pwrite":
                 for at in range(off, off + CHUNK, len(buf)):
                     os.preadv(src_fd, [buf], at % FILE)

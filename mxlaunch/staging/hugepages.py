@@ -88,7 +88,8 @@ class HugePager:
     (their page allocations contend), a collapse made among 15 such threads cost 1.05–2.6 s/GiB, over
     the limit, while collapses alone cost 0.4–0.7 with the copy (scripts/probe_tmpfs_landing.py) — and
     the S3 staging lost its 2 MiB pages, and a third of its rate, in two runs of three (docs/benchmarks.md).
-    A probe is short (a collapse fills 2 MiB pages at several GiB/s), so the wait is milliseconds. After the probe, a running average over the last `window` bytes keeps watching: memory
+    A probe is short (a collapse fills 2 MiB pages at several GiB/s), so the wait is milliseconds.
+    After the probe, a running average over the last `window` bytes keeps watching: memory
     can get dearer mid-job (compaction), and then collapsing stops. At most `concurrent` collapses
     run at once: collapses of one file share its page-cache lock, and 32 readers collapsing together
     spun their way past the cost limit on the 2×H200 host (docs/benchmarks.md); one collapse fills
