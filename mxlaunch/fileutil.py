@@ -151,6 +151,65 @@ def exposure(st: os.stat_result, *, is_dir: bool) -> Optional[str]:
     return None
 
 
+class ForeignPath(UsageError):
+    """A name in a shared place (/dev/shm, /tmp, a store) that is not this user's own: another user made it
+    first, it is a link, or others can write it. The message names the path and the fix."""
+
+
+def own_dir(path: str | os.PathLike[str], *, mode: int = 0o700) -> Path:
+    """A folder in a shared place that only this user controls: made with `mode` when missing; one that exists
+    must be a real folder (lstat: no symbolic link), owned by this uid and writable by nobody else (group or
+    others), or ForeignPath is raised. Callers either fall back to a private name or stop with its one line.
+    Why not ensure_dir: in /dev/shm or /tmp anyone may create the name first, so existing is not being ours."""
+    p = Path(path)
+    try:
+        os.mkdir(p, mode)
+        os.chmod(p, mode)  # the umask may have narrowed it; never wider than asked
+    except FileExistsError:
+        pass
+    st = os.lstat(p)
+    why = foreign(st, is_dir=True)
+    if why:
+        raise ForeignPath(f"{p} {why}", f"remove it (or ask its owner to), or point mxlaunch elsewhere")
+    return p
+
+
+def foreign(st: os.stat_result, *, is_dir: bool) -> Optional[str]:
+    """Why a file or folder in a shared place is not this user's own (None when it is): not the expected
+    kind (a link, a FIFO, ...), another owner, or writable by group or others. Stricter than exposure():
+    no shared group counts here, because these names are the user's private working state."""
+    kind_ok = stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)
+    if not kind_ok:
+        return f"is not a {'real folder' if is_dir else 'regular file'} (a link or another kind of file)"
+    if st.st_uid != os.getuid():
+        return f"belongs to uid {st.st_uid}, not this user (uid {os.getuid()})"
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def open_own(path: str | os.PathLike[str], flags: int = os.O_RDONLY) -> int:
+    """os.open for a file in a shared place: never through a symbolic link (O_NOFOLLOW), never a FIFO
+    (O_NONBLOCK until checked), and only a regular file of this user's that others cannot write;
+    ForeignPath otherwise. Returns the descriptor (blocking again)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        why = foreign(os.fstat(fd), is_dir=False)
+        if why:
+            raise ForeignPath(f"{path} {why}", "remove it (or ask its owner to); mxlaunch will not use it")
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def create_own(path: str | os.PathLike[str], *, mode: int = 0o600) -> int:
+    """A new file that did not exist before (O_CREAT | O_EXCL | O_NOFOLLOW): a planted name or link makes it
+    fail with FileExistsError instead of writing through it. Returns a write descriptor."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
 def unique_name(prefix: str) -> str:
     return f"{prefix}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
