@@ -3,6 +3,7 @@ the pager stops collapsing when it costs more than it saves."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -91,16 +92,29 @@ def test_readers_wait_for_the_probe_instead_of_filling_small_pages(dest) -> None
     os.ftruncate(fd, 8 * MiB)
     mapping = FileMapping(fd, 8 * MiB)
     pager = HugePager(max_cpu_s_per_gib=1e9, probe_bytes=4 * MiB)
+    blocked = threading.Event()
+
+    class Recorded(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            blocked.set()  # still holding the lock: the main thread's notify comes after this wait began
+            return super().wait(timeout)
+
+    pager._probe_done = Recorded(pager._lock)
     try:
         with pager._lock:
             pager._probing = True  # a probe in flight
         got: list[bool] = []
         waiter = threading.Thread(target=lambda: got.append(pager.prepare(mapping, fd, 0, 4 * MiB)))
         waiter.start()
+        deadline = time.monotonic() + 60
+        while not blocked.is_set() and waiter.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert blocked.is_set() and got == [], f"the reader did not wait for the probe's verdict: {got}"
         with pager._lock:
             pager._probing = False
             pager._probe_done.notify_all()
-        waiter.join()
+        waiter.join(60)
+        assert not waiter.is_alive(), "the verdict did not wake the waiting reader"
         if pager.reason and "MADV_COLLAPSE failed" in pager.reason:
             pytest.skip(f"no 2 MiB pages here: {pager.reason}")
         assert got == [True]
