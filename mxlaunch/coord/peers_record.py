@@ -16,11 +16,11 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
-from urllib.parse import urlsplit, urlunsplit
 
 from mxlaunch.coord.base import valid_id
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.fileutil import boot_id, pid_alive, process_start_time
+from mxlaunch.transfer.ipc_handoff import ADDRESS as IPC_ADDRESS  # stdlib only, like this module
 
 SCHEMA = 1
 LAYOUTS = ("raw", "processed")
@@ -76,6 +76,19 @@ def _valid_b64(text: object) -> bool:
     return True
 
 
+IPC_HANDOFF = "cuda_ipc_handoff"  # extra: {"socket": "@mxlaunch-ipc-…", "allocations": n} (transfer/ipc_handoff.py)
+IPC_HANDLES = "cuda_ipc"  # extra: where mxlaunch before the handoff wrote the handles themselves; never published
+
+
+def valid_ipc_handoff(value: object) -> bool:
+    """Absent, or the handoff socket's address (an abstract Unix socket name of ours) and a count: a record
+    names where a same-uid peer asks for the CUDA IPC handles, never the handles."""
+    if value is None:
+        return True
+    return (isinstance(value, dict) and set(value) == {"socket", "allocations"} and isinstance(value["socket"], str)
+            and bool(IPC_ADDRESS.fullmatch(value["socket"])) and _is_int(value["allocations"], 1))
+
+
 @dataclass(frozen=True)
 class SourceRecord:
     """One worker offering the weights of one rank of a source id (what a backend stores, as JSON)."""
@@ -117,6 +130,7 @@ class SourceRecord:
             and _is_int(rec.pid, 1) and _short_str(rec.boot_id, 64, empty=True) and _is_int(rec.start_time)
             and valid_id(rec.run_id) and rec.device in DEVICES and _valid_b64(rec.agent_metadata)
             and valid_tensors(rec.tensors) and _is_num(rec.created_at) and isinstance(rec.extra, dict)
+            and valid_ipc_handoff(rec.extra.get(IPC_HANDOFF))
         )
         return rec if ok else None
 
@@ -154,6 +168,9 @@ def check_record(record: SourceRecord) -> None:
     if SourceRecord.from_json(record.to_json()) is None:
         raise UsageError(f"source record for {record.source_id!r} rank {record.rank!r} worker {record.worker!r} "
                          "is not valid", "see SourceRecord in mxlaunch/coord/peers.py for each field's rules")
+    if IPC_HANDLES in record.extra:  # whoever reads the record could open them: read and write to the GPU memory
+        raise UsageError(f"source record for {record.source_id!r} rank {record.rank} carries CUDA IPC handles",
+                         "hand them over the source's socket (transfer/ipc_handoff.py), never in a record")
 
 
 @dataclass(frozen=True)
@@ -342,9 +359,7 @@ def check_ttl(ttl_s: float) -> None:
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for tables and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """The URL without its password or secret query values, for tables and logs (mxlaunch/redact.py)."""
+    from mxlaunch.redact import redact_url as _redact
+
+    return _redact(url)

@@ -12,7 +12,8 @@ Source (any worker whose plan has p2p serving on, after its weights are final):
     checksum every tensor it serves from its own loaded bytes (before registering them: NIXL exposes
     registered memory for remote WRITE too), register them (processed: the model's own memory, zero-copy;
     raw: a host copy made before post-processing), publish a record with the NIXL metadata and the
-    manifest, heartbeat in a daemon thread, unpublish at exit (the launcher also removes its run's
+    manifest (GPU memory: also the address of the socket that hands CUDA IPC handles to this uid's
+    same-host peers — the handles themselves never enter a record), heartbeat in a daemon thread, unpublish at exit (the launcher also removes its run's
     records when it stops).
 
 One NIXL agent per worker process: the memory a target registered to pull into is what it serves
@@ -35,6 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from mxlaunch import settings
+from mxlaunch.coord.peers_record import IPC_HANDOFF
 from mxlaunch.fileutil import boot_id
 from mxlaunch.plugin.tensors import Group, LayoutMismatch, RestoreError, group_tensors
 from mxlaunch.transfer.regions import Region, region_index, regions_for
@@ -233,15 +235,22 @@ def _ipc_pull(rec: Any, pairs: Sequence[Any], skipped: list[str]) -> Any:
     """The GPU-to-GPU pairs copied through CUDA IPC when the source is on this host and exported handles:
     (stats, the pairs left for NIXL), or None to use NIXL for all (why is added to `skipped`).
     RestoreError(landed=True) if a copy failed after it began."""
-    from mxlaunch.transfer import cuda_ipc
+    from mxlaunch.transfer import cuda_ipc, ipc_handoff
 
-    allocations = rec.extra.get("cuda_ipc")
+    handoff = rec.extra.get(HANDOFF)
     gpu, rest = cuda_ipc.split(pairs)
     if not settings.p2p_cuda_ipc() or not rec.boot_id or rec.boot_id != boot_id() or not gpu:
         return None  # off, another host, or host memory: NIXL is the way, nothing to say
-    if not allocations:
-        why = rec.extra.get("cuda_ipc_why") or "it names no reason (an older mxlaunch, or MXLAUNCH_CUDA_IPC=0 there)"
+    if not handoff:
+        why = rec.extra.get("cuda_ipc_why") or (
+            "it wrote them into its record (an older mxlaunch), where anyone who reads it could open them: not used"
+            if rec.extra.get("cuda_ipc") else "it names no reason (an older mxlaunch, or MXLAUNCH_CUDA_IPC=0 there)")
         skipped.append(f"{rec.worker}: exported no CUDA IPC handles: {why} (pulled over NIXL instead)")
+        return None
+    try:  # the handles come from the source itself, over its socket, to this uid alone (transfer/ipc_handoff.py)
+        allocations = ipc_handoff.fetch(handoff["socket"], pid=rec.pid, worker=rec.worker)
+    except ipc_handoff.HandoffError as exc:
+        skipped.append(f"{rec.worker}: CUDA IPC: {exc} (pulled over NIXL instead)")
         return None
     try:
         return cuda_ipc.pull(allocations, gpu, torch.cuda.current_stream().cuda_stream), rest
@@ -270,7 +279,7 @@ def prepare_pull(*, registry: Any, source_id: str, rank: int, world: int, layout
     if not entries:
         return {"agent_seconds": agent_s, "warmed": 0}
     rec = entries[0].record
-    if rec.extra.get("cuda_ipc") and settings.p2p_cuda_ipc() and rec.boot_id and rec.boot_id == boot_id():
+    if rec.extra.get(HANDOFF) and settings.p2p_cuda_ipc() and rec.boot_id and rec.boot_id == boot_id():
         return {"agent_seconds": round(agent_s, 4), "warmed": 0, "source": rec.worker, "transport": "CUDA IPC"}
     first: dict[int, dict] = {}
     for e in rec.tensors:
@@ -320,25 +329,48 @@ def serve(named: Sequence[tuple[str, torch.Tensor]] | RawCopy, *, registry: Any,
     device = "cuda" if any(r.kind == "cuda" for r in regions) else "cpu"
     extra = {"register_seconds": round(reg_took, 4), "digest_seconds": round(digest_took, 4), "regions": len(regions),
              "bytes": sum(int(e["bytes"]) for e in entries)}
-    if device == "cuda" and settings.p2p_cuda_ipc():
-        from mxlaunch.transfer import cuda_ipc
-
-        allocations, why = cuda_ipc.export_regions(regions)
-        if allocations:
-            extra["cuda_ipc"] = allocations  # same-host targets copy out of these (transfer/cuda_ipc.py)
-            host = [e["name"] for e in entries if e.get("device") != "cuda"]
-            if host:  # these few stay on NIXL; named so a reader sees what they are
-                extra["cuda_ipc_host_tensors"] = {"count": len(host), "names": host[:5]}
-        else:  # said in the record: the target's "passed over" and the source's own line name it
-            extra["cuda_ipc_why"] = why[:300]
+    server = _handoff_server(regions, entries, extra, a.name) if device == "cuda" and settings.p2p_cuda_ipc() else None
     record = local_record(source_id, rank, world, layout=layout, worker=a.name, run_id=run_id, device=device,
                           agent_metadata=a.metadata(), tensors=entries, extra=extra)
-    publication = registry.publish(record, ttl_s=ttl_s)
+    try:
+        publication = registry.publish(record, ttl_s=ttl_s)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    if server is not None:  # hands out handles while the record is published, closed with it (_unpublish_all)
+        server.alive = lambda: not publication.lost
+        _handoffs.append(server.start())
     publication.verifier = self_check(entries, served, a.name)
     publication.keep_alive()
     _serving.append(publication)
     atexit.register(_unpublish_all)
     return publication
+
+
+HANDOFF = IPC_HANDOFF  # the record's {"socket": address, "allocations": n}; the handles are never in it
+_handoffs: list[Any] = []  # this worker's handoff servers (transfer/ipc_handoff.py)
+
+
+def _handoff_server(regions: Sequence[Region], entries: Sequence[dict], extra: dict, worker: str) -> Any:
+    """Export the GPU regions' CUDA IPC handles and bind the socket that hands them to this uid's peers; the
+    record gets the socket's address (`extra[HANDOFF]`), or `cuda_ipc_why` when there is nothing to hand out."""
+    from mxlaunch.transfer import cuda_ipc, ipc_handoff
+
+    allocations, why = cuda_ipc.export_regions(regions)
+    if not allocations:  # said in the record: the target's "passed over" and the source's own line name it
+        extra["cuda_ipc_why"] = why[:300]
+        return None
+    try:
+        server = ipc_handoff.HandoffServer({"worker": worker, "allocations": allocations})
+    except OSError as exc:
+        extra["cuda_ipc_why"] = f"no socket to hand the handles over ({exc})"[:300]
+        return None
+    extra[HANDOFF] = {"socket": server.address, "allocations": len(allocations)}
+    host = [e["name"] for e in entries if e.get("device") != "cuda"]
+    if host:  # these few stay on NIXL; named so a reader sees what they are
+        extra["cuda_ipc_host_tensors"] = {"count": len(host), "names": host[:5]}
+    return server
 
 
 def self_check(entries: Sequence[dict], served: Sequence[torch.Tensor], name: str) -> Callable[[], dict]:
@@ -360,6 +392,8 @@ def self_check(entries: Sequence[dict], served: Sequence[torch.Tensor], name: st
 
 
 def _unpublish_all() -> None:
+    while _handoffs:  # no handle handed out once the source is going
+        _handoffs.pop().close()
     for item in _serving:
         if hasattr(item, "unpublish"):
             try:

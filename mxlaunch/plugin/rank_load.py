@@ -273,9 +273,10 @@ class RankLoad:
                             rank=self.rank % p["world"], world=p["world"], layout=p["layout"], run_id=p["run_id"])
             extra = pub.record.extra
             host = extra.get("cuda_ipc_host_tensors")
-            ipc = (f"CUDA IPC handles for {len(extra['cuda_ipc'])} allocation(s)" + (
+            ipc = (f"CUDA IPC handles for {extra[p2p.HANDOFF]['allocations']} allocation(s), to this uid's peers "
+                   "over a socket" + (
                        f", {host['count']} host-memory tensor(s) over NIXL ({', '.join(host['names'])})" if host else "")
-                   if extra.get("cuda_ipc") else
+                   if extra.get(p2p.HANDOFF) else
                    f"no CUDA IPC handles ({extra['cuda_ipc_why']})" if extra.get("cuda_ipc_why") else "NIXL only")
             self.log.info("mxlaunch: rank %d serves %s GiB (%s layout) over P2P as %s: %d region(s) registered in "
                           "%.3f s, checksums in %.3f s; %s", self.rank, gib(extra.get("bytes", 0)), p["layout"],

@@ -15,9 +15,11 @@ Target (same boot id, so the same kernel and driver): open each handle (`cuIpcOp
 enabled lazily when the source sits on another GPU), queue one `cuMemcpyDtoDAsync` per tensor on the caller's
 stream, wait, close the mappings. Bytes are then checked against the source's checksums like any pull.
 
-An opened handle grants READ and WRITE to the source's segment, like a NIXL registration does: records stay
-private (coord/peers_file.py refuses records others could have written). The driver is reached through
-ctypes (`Driver`), so the logic runs under test with a fake one.
+An opened handle grants READ and WRITE to the source's whole segment, to any process that has its 64 bytes,
+whatever its uid (shown on the H200), and `cuIpcOpenMemHandle` has no read-only flag. So the handles are never
+written into a record (records travel to group registries and Redis): the source hands them over a Unix socket
+to peers of its own uid alone, checked by the kernel (transfer/ipc_handoff.py; docs/security.md). The driver
+is reached through ctypes (`Driver`), so the logic runs under test with a fake one.
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import os
 import types
 
 import pytest
 
 from mxlaunch.plugin import p2p
-from mxlaunch.transfer import cuda_ipc
+from mxlaunch.transfer import cuda_ipc, ipc_handoff
 from mxlaunch.transfer.regions import Region
 from mxlaunch.transfer.tensor_set import Pair
 
@@ -148,9 +149,24 @@ def test_a_refused_open_lands_nothing_and_a_failed_copy_counts_as_landed() -> No
     assert stray.value.landed is False
 
 
+_servers: list[ipc_handoff.HandoffServer] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_handoff_servers():
+    yield
+    while _servers:
+        _servers.pop().close()
+
+
 def record(boot: str, allocations: list[dict] | None) -> types.SimpleNamespace:
-    return types.SimpleNamespace(extra={"cuda_ipc": allocations} if allocations else {}, boot_id=boot, worker="src-1",
-                                 host="node-a")
+    """A source record of this process; its allocations (with their handles) are handed out by a real handoff
+    socket, as a source does (transfer/ipc_handoff.py): the record names only the socket."""
+    extra: dict = {}
+    if allocations:
+        _servers.append(ipc_handoff.HandoffServer({"worker": "src-1", "allocations": allocations}).start())
+        extra[p2p.HANDOFF] = {"socket": _servers[-1].address, "allocations": len(allocations)}
+    return types.SimpleNamespace(extra=extra, boot_id=boot, worker="src-1", host="node-a", pid=os.getpid())
 
 
 @pytest.mark.parametrize("case", ["other boot", "no handles", "turned off", "host memory"])
@@ -188,7 +204,7 @@ def test_a_same_host_source_whose_memory_cannot_be_opened_is_pulled_over_nixl_an
 
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
-    rec = record(p2p.boot_id(), [{"addr": 0x1000, "bytes": 64, "handle": "aA=="}])
+    rec = record(p2p.boot_id(), [{"addr": 0x1000, "bytes": 64, "handle": base64.b64encode(b"h" * 64).decode()}])
     pairs = [Pair("a", 0x50000, 0x1000, 64, 0, 0, "cuda", "cuda")]
     skipped: list[str] = []
     monkeypatch.setattr(cuda_ipc, "pull", refused)
