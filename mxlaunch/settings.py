@@ -49,6 +49,7 @@ CRIU = "MXLAUNCH_CRIU"
 SNAPSHOT_DIR = "MXLAUNCH_SNAPSHOT_DIR"
 ENGINE_SNAPSHOTS = "MXLAUNCH_ENGINE_SNAPSHOTS"
 SNAPSHOT_SLEEP = "MXLAUNCH_SNAPSHOT_SLEEP"
+TRUSTED_WRITERS = "MXLAUNCH_TRUSTED_WRITERS"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
 VARIABLES: dict[str, str] = {
@@ -106,6 +107,9 @@ VARIABLES: dict[str, str] = {
     SNAPSHOT_SLEEP: "1: `launch --engine-snapshot` on a CUDA node starts vLLM with --enable-sleep-mode and sleeps it at "
                     "level 1 while it is snapshotted, so the image holds no KV cache (default 0: not yet proven on a "
                     "GPU end to end, see docs/launch.md)",
+    TRUSTED_WRITERS: "users and %groups (names or numbers, separated by commas or spaces) whose code this user accepts "
+                     "from the store: kernel-cache archives written by them are restored (default: you alone; root "
+                     "always) — docs/security.md",
 }
 
 
@@ -141,6 +145,12 @@ def device(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """A forced device type ("cpu" or "cuda"); None when unset or anything else."""
     value = environ.get(DEVICE)
     return value if value in ("cpu", "cuda") else None
+
+
+def trusted_writers(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The names in $MXLAUNCH_TRUSTED_WRITERS as given (users; `%name` a group), [] when unset: resolved, and a
+    name that is no user or group refused, by mxlaunch/trust.py."""
+    return [w for w in re.split(r"[\s,]+", environ.get(TRUSTED_WRITERS, "")) if w]
 
 
 def group(environ: Mapping[str, str] = os.environ) -> str:

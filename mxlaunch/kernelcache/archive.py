@@ -8,10 +8,21 @@ Restore never fails a launch: a missing, damaged, oversized or foreign archive i
 reason. Every member is checked before the first byte is written (relative names only, no `..`, no links
 or devices — regular files and folders only — and a size cap), and the stored fields must hash to the key
 asked for: a cache is never restored under another key.
+
+An archive is code (Triton's .so launchers, Inductor's .py modules and pickles), so it is restored only when
+a trusted writer wrote it (mxlaunch/trust.py: this user alone unless MXLAUNCH_TRUSTED_WRITERS names more):
+the key's folder, key.json and the archive are each opened without following links and judged on their
+descriptor (owner a trusted writer, nobody else can write the files), both files inside the one folder
+descriptor, and the archive's sha256 — computed while it was written — must match the one key.json records
+before a member is read. A group member who renames folders can at most put back another record that a
+trusted writer made for the same key; an archive or record of anyone else's is refused (`refused` in the
+event, with its reason), and the engine compiles as on a miss.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import secrets
@@ -21,11 +32,12 @@ import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from mxlaunch import __version__
 from mxlaunch.coord.base import Coordinator, valid_id
-from mxlaunch.fileutil import ensure_dir, last_used, mark_used, read_json, secure, unique_name, write_json_atomic
+from mxlaunch import trust
+from mxlaunch.fileutil import ensure_dir, last_used, mark_used, read_json, secure, unique_name, write_json_temp
 from mxlaunch.kernelcache.caches import cache_key
 from mxlaunch.store.snapshot import _utc_now
 
@@ -41,6 +53,15 @@ class ArchiveRefused(Exception):
     """The archive cannot be restored; str() is the one-line reason."""
 
 
+class _Miss(Exception):
+    """lookup's way out: the one-line reason, and whether a present archive or record was refused (untrusted,
+    tampered) rather than absent or damaged."""
+
+    def __init__(self, reason: str, refused: bool = False) -> None:
+        super().__init__(reason)
+        self.refused = refused
+
+
 @dataclass
 class RestoreResult:
     status: str  # "hit" (files restored) | "local" (every file already on this node) | "miss"
@@ -49,6 +70,7 @@ class RestoreResult:
     bytes: int = 0
     seconds: float = 0.0
     kept: int = 0  # files of the archive already on this node (left as they were)
+    refused: bool = False  # an archive was there but not restored: untrusted writer, or not what its writer recorded
 
 
 @dataclass
@@ -107,11 +129,13 @@ def _inside(root: Path, path: Path) -> bool:
     return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
 
 
-def extract(archive: Path, dest: Path, max_bytes: int) -> Tuple[int, int, int]:
+def extract(archive: Union[Path, IO[bytes]], dest: Path, max_bytes: int) -> Tuple[int, int, int]:
     """Check every member, then write them under dest (each file by rename: never half a file). Files
-    already there with the same size are kept. Returns (files, bytes) written and the files kept."""
+    already there with the same size are kept. Returns (files, bytes) written and the files kept. `archive`
+    is a path or a file already opened (and checked) by the caller."""
     files = nbytes = kept = 0
-    with tarfile.open(archive, "r:") as tar:
+    opened = tarfile.open(archive, "r:") if isinstance(archive, Path) else tarfile.open(fileobj=archive, mode="r:")
+    with opened as tar:
         members = check_members(tar, max_bytes)
         ensure_dir(dest)
         for m in members:
@@ -146,9 +170,24 @@ def extract(archive: Path, dest: Path, max_bytes: int) -> Tuple[int, int, int]:
     return files, nbytes, kept
 
 
-def build_archive(src: Path, out: Path, max_bytes: int, stop: Callable[[], bool] = lambda: False) -> Tuple[int, int]:
-    """A tar of src's regular files and folders (links and special files left out), owner fields cleared.
-    Returns (files, bytes); raises ArchiveRefused over the cap or when stopped."""
+class _HashingWriter:
+    """A file opened for writing that hashes every byte written: the archive's digest without reading it back."""
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh, self.sha = fh, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        return self.fh.write(data)
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+
+def build_archive(src: Path, out: Path, max_bytes: int, stop: Callable[[], bool] = lambda: False) -> Tuple[int, int, str]:
+    """A tar of src's regular files and folders (links and special files left out), owner fields cleared,
+    written to the new file `out` (never through a name that exists). Returns (files, bytes, sha256 of the
+    archive); raises ArchiveRefused over the cap or when stopped."""
     files = nbytes = 0
 
     def clean(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -156,7 +195,9 @@ def build_archive(src: Path, out: Path, max_bytes: int, stop: Callable[[], bool]
         info.uname = info.gname = ""
         return info
 
-    with tarfile.open(out, "w:", format=tarfile.PAX_FORMAT) as tar:
+    fh = os.fdopen(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "wb")
+    writer = _HashingWriter(fh)
+    with fh, tarfile.open(fileobj=writer, mode="w:", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
         for dirpath, dirnames, filenames in os.walk(src):
             dirnames[:] = sorted(d for d in dirnames if not os.path.islink(os.path.join(dirpath, d)))
             rel_dir = os.path.relpath(dirpath, src)
@@ -175,16 +216,24 @@ def build_archive(src: Path, out: Path, max_bytes: int, stop: Callable[[], bool]
                 tar.add(path, arcname=os.path.normpath(os.path.join(rel_dir, name)), recursive=False, filter=clean)
                 files += 1
                 nbytes += size
-    return files, nbytes
+    return files, nbytes, writer.sha.hexdigest()
+
+
+def _no_write_for_others(path: Path) -> None:
+    """Code in the store is written by its owner alone: no write bit for group or others, whatever the umask or
+    MXLAUNCH_GROUP (secure() gives the group read; a writable record or archive could be changed under its name)."""
+    mode = os.lstat(path).st_mode & 0o7777
+    os.chmod(path, mode & ~0o022)
 
 
 # ---- the store's kernel-cache folder ------------------------------------------------------------------
 
 
 class KernelCacheStore:
-    def __init__(self, store_root: Path, coordinator: Coordinator) -> None:
+    def __init__(self, store_root: Path, coordinator: Coordinator, writers: Optional[trust.Writers] = None) -> None:
         self.root = Path(store_root) / KC_DIR
         self.coordinator = coordinator
+        self.writers = writers if writers is not None else trust.writers()  # a bad MXLAUNCH_TRUSTED_WRITERS: exit 2
 
     def folder(self, key: str) -> Path:
         if not valid_id(key):
@@ -192,35 +241,78 @@ class KernelCacheStore:
         return self.root / key
 
     def lookup(self, key: str) -> Tuple[Optional[Dict[str, Any]], str]:
-        """(key.json, "") when the key has a usable archive; (None, one-line reason) otherwise. Never raises."""
+        """(key.json, "") when the key has a usable archive a trusted writer wrote; (None, one-line reason)
+        otherwise. Never raises."""
+        try:
+            meta, fd = self._open(key)
+        except _Miss as miss:
+            return None, str(miss)
+        os.close(fd)
+        return meta, ""
+
+    def _open(self, key: str) -> Tuple[Dict[str, Any], int]:
+        """key.json and a descriptor of its archive, each a trusted writer's (trust.py), both read inside one
+        descriptor of the key's folder; raises _Miss with the reason."""
         try:
             folder = self.folder(key)
-            meta = read_json(folder / KEY_JSON, limit=1 << 20)
+            dir_fd, why = trust.open_trusted(folder, self.writers, f"its folder {folder}", is_dir=True, shared_ok=True)
         except FileNotFoundError:
-            return None, f"no kernel cache for key {key} yet"
-        except (OSError, ValueError, ArchiveRefused) as exc:
-            return None, f"kernel cache {key}: key.json cannot be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            raise _Miss(f"no kernel cache for key {key} yet") from None
+        except ArchiveRefused as exc:
+            raise _Miss(str(exc)) from None
+        if dir_fd is None:
+            raise _Miss(f"kernel cache {key} refused: {why}", refused=True)
+        try:
+            meta = self._record(key, dir_fd)
+            try:
+                fd, why = trust.open_trusted(meta["archive"], self.writers, f"its archive {meta['archive']}", dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise _Miss(f"kernel cache {key}: its archive {meta['archive']} is missing") from None
+            if fd is None:
+                raise _Miss(f"kernel cache {key} refused: {why}", refused=True)
+            size = os.fstat(fd).st_size
+            if size != meta["archive_bytes"]:
+                os.close(fd)
+                raise _Miss(f"kernel cache {key}: archive is {size} bytes, key.json says {meta['archive_bytes']} (damaged)")
+            return meta, fd
+        finally:
+            os.close(dir_fd)
+
+    def _record(self, key: str, dir_fd: int) -> Dict[str, Any]:
+        try:
+            fd, why = trust.open_trusted(KEY_JSON, self.writers, KEY_JSON, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise _Miss(f"no kernel cache for key {key} yet") from None
+        if fd is None:
+            raise _Miss(f"kernel cache {key} refused: {why}", refused=True)
+        try:
+            with os.fdopen(fd, "rb") as fh:
+                meta = json.loads(fh.read(1 << 20).decode("utf-8"))
+        except (OSError, ValueError) as exc:
+            raise _Miss(f"kernel cache {key}: key.json cannot be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         why = _validate(meta, key)
         if why:
-            return None, f"kernel cache {key}: {why}"
-        try:
-            size = os.lstat(folder / meta["archive"]).st_size
-        except OSError:
-            return None, f"kernel cache {key}: its archive {meta['archive']} is missing"
-        if size != meta["archive_bytes"]:
-            return None, f"kernel cache {key}: archive is {size} bytes, key.json says {meta['archive_bytes']} (damaged)"
-        return meta, ""
+            raise _Miss(f"kernel cache {key}: {why}")
+        return meta
 
     def restore(self, key: str, dest: Path, max_bytes: int) -> RestoreResult:
         """The key's archive into dest: a hit, or a miss with its reason (never raises)."""
         t0 = time.monotonic()
-        meta, why = self.lookup(key)
-        if meta is None:
-            return RestoreResult("miss", why)
         try:
-            files, nbytes, kept = extract(self.folder(key) / meta["archive"], dest, max_bytes)
+            meta, fd = self._open(key)
+        except _Miss as miss:
+            return RestoreResult("miss", str(miss), refused=miss.refused)
+        try:
+            with os.fdopen(fd, "rb") as fh:
+                digest = hashlib.file_digest(fh, "sha256").hexdigest()  # type: ignore[arg-type]
+                if digest != meta["archive_sha256"]:  # before a member is read
+                    return RestoreResult("miss", f"kernel cache {key} refused: its archive is not the one its writer "
+                                         f"recorded (sha256 {digest[:12]}…, key.json says {meta['archive_sha256'][:12]}…)",
+                                         seconds=time.monotonic() - t0, refused=True)
+                fh.seek(0)
+                files, nbytes, kept = extract(fh, dest, max_bytes)
         except ArchiveRefused as exc:
-            return RestoreResult("miss", f"kernel cache {key} refused: {exc}", seconds=time.monotonic() - t0)
+            return RestoreResult("miss", f"kernel cache {key} refused: {exc}", seconds=time.monotonic() - t0, refused=True)
         except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
             return RestoreResult("miss", f"kernel cache {key} is damaged ({type(exc).__name__}: {exc})",
                                  seconds=time.monotonic() - t0)
@@ -245,20 +337,30 @@ class KernelCacheStore:
         folder = ensure_dir(self.folder(key))
         tmp = folder / (unique_name(".tmp-") + ".tar")
         try:
-            files, nbytes = build_archive(src, tmp, max_bytes, stop)
+            why = self.writers.why_not(os.lstat(folder), f"its folder {folder}", is_dir=True, shared_ok=True)
+            if why:  # another user made the key's folder first: what is written there would never be restored
+                return CaptureResult(False, f"not captured: {why} — remove it (or ask its owner to)")
+            files, nbytes, digest = build_archive(src, tmp, max_bytes, stop)
             if files == 0:  # folders only: restoring it would restore nothing
                 return CaptureResult(False, "the cache folders hold no files; nothing to capture")
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
             secure(tmp, is_dir=False)
+            _no_write_for_others(tmp)
             if claim.lost:
                 return CaptureResult(False, "lost the key's claim while writing")
             name = f"cache-{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(4)}.tar"
             os.rename(tmp, folder / name)
             meta = {"schema": SCHEMA, "key": key, "fields": fields, "archive": name,
-                    "archive_bytes": os.path.getsize(folder / name), "files": files, "bytes": nbytes, "model": model,
-                    "created_at": _utc_now(), "created_by": {"host": socket.gethostname(), "mxlaunch": __version__}}
-            write_json_atomic(folder / KEY_JSON, meta)
+                    "archive_bytes": os.path.getsize(folder / name), "archive_sha256": digest, "files": files,
+                    "bytes": nbytes, "model": model, "created_at": _utc_now(),
+                    "created_by": {"host": socket.gethostname(), "mxlaunch": __version__, "uid": os.getuid()}}
+            record = write_json_temp(folder, meta, prefix=f".{KEY_JSON}.")
+            try:
+                _no_write_for_others(record)
+                os.replace(record, folder / KEY_JSON)
+            finally:
+                record.unlink(missing_ok=True)
             for old in folder.iterdir():  # readers that opened an older archive keep their open file
                 if old.name != name and _ARCHIVE.match(old.name):
                     old.unlink(missing_ok=True)
@@ -280,7 +382,7 @@ class KernelCacheStore:
                 continue
             meta, why = self.lookup(child.name)
             if meta is None:
-                try:
+                try:  # shown, never restored: the record is data here
                     meta = read_json(child / KEY_JSON, limit=1 << 20)
                 except (OSError, ValueError):
                     meta = {}
@@ -309,5 +411,7 @@ def _validate(meta: Any, key: str) -> str:
         return "key.json names no valid archive"
     if not isinstance(meta.get("archive_bytes"), int):
         return "key.json has no archive size"
+    if not isinstance(meta.get("archive_sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", meta["archive_sha256"]):
+        return "key.json records no sha256 of its archive (written by an older mxlaunch): captured again"
     return ""
 

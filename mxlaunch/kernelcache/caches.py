@@ -24,13 +24,14 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from mxlaunch import settings
+from mxlaunch import settings, trust
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import engine_python, installed_versions
 from mxlaunch.engines.registry import spec_engine
@@ -215,7 +216,11 @@ def default_places(environ: Mapping[str, str] = os.environ) -> Dict[str, Default
     home = Path(environ.get("HOME") or Path.home())
     xdg = Path(environ.get("XDG_CACHE_HOME") or home / ".cache")
     return {
-        "VLLM_CACHE_ROOT": DefaultPlace(xdg / "vllm"),  # vllm/envs.py: $XDG_CACHE_HOME/vllm
+        # vllm/envs.py: $XDG_CACHE_HOME/vllm; DeepGEMM's JIT cache under it is seeded on its own (below)
+        "VLLM_CACHE_ROOT": DefaultPlace(xdg / "vllm", skip=("deep_gemm",)),
+        # vllm/utils/deep_gemm.py sets DG_JIT_CACHE_DIR to $VLLM_CACHE_ROOT/deep_gemm when it is unset (issue 40:
+        # seeded under the vllm folder, where DeepGEMM, pointed at the key's deep_gemm folder, never looked)
+        "DG_JIT_CACHE_DIR": DefaultPlace(Path(environ.get("VLLM_CACHE_ROOT") or xdg / "vllm") / "deep_gemm"),
         "TRITON_CACHE_DIR": DefaultPlace(home / ".triton" / "cache"),  # triton/knobs.py
         # its precompiled headers are read from this fixed place whatever the variable says (side_dirs)
         "TORCHINDUCTOR_CACHE_DIR": DefaultPlace(inductor_default_dir(environ), skip=("precompiled_headers",)),
@@ -232,24 +237,97 @@ def seed_from_defaults(env: Mapping[str, str], folder: Path, max_bytes: int,
     """A first serve on a node where the engine already ran: copy what the engine would find in its default
     places into the key's empty folder, so the capture run does not build again what the node has (on the
     H200 a first serve spent 20.8 s in init engine against 2.7 s for the engine alone, warm). Copies, never
-    links. Nothing when the default places hold more than max_bytes (the archive's cap). Returns (files,
-    bytes, reason)."""
+    links. Nothing when the default places hold more than max_bytes (the archive's cap). Only this user's own
+    files in folders nobody else can write (`not_own`): a default place in a shared /tmp that another user
+    created first, or anything another user put into one, is left out and said. Returns (files, bytes, reason)."""
     places = default_places(environ)
     plan: List[Tuple[Path, Path, Tuple[str, ...]]] = []
-    total = 0
+    total, refused = 0, []
     for var, target in env.items():
         place = places.get(var)
-        if place is None or not Path(target).is_relative_to(folder) or not place.folder.is_dir():
+        if place is None or not Path(target).is_relative_to(folder) or not os.path.lexists(place.folder):
             continue
-        state = folder_state(place.folder)
+        state, why = own_state(place.folder)
+        if why:
+            refused.append(why)
+            continue
         total += sum(size for rel, (size, _) in state.items() if rel.split(os.sep)[0] not in place.skip)
         plan.append((place.folder, Path(target) / place.inside, place.skip))
+    left_out = f"; not seeded from {'; '.join(refused)}" if refused else ""
     if not plan:
-        return 0, 0, "the engine's default cache folders are empty here"
+        return 0, 0, f"the engine's default cache folders are empty here{left_out}"
     if total > max_bytes:
         return 0, 0, f"the default cache folders hold {total} bytes, more than the archive's cap {max_bytes}: not seeded"
-    files = sum(sync_tree(src, dst, skip=skip) for src, dst, skip in plan)
-    return files, total, f"seeded {files} files from this node's default cache folders"
+    files = sum(sync_tree(src, dst, skip=skip, own=True) for src, dst, skip in plan)
+    return files, total, f"seeded {files} files from this node's default cache folders{left_out}"
+
+
+# ---- only this user's own files from shared places --------------------------------------------------------
+
+
+def not_own(st: os.stat_result, *, is_dir: bool) -> Optional[str]:
+    """Why a file or folder is not this user's own to take (None when it is): a link or other kind, another
+    owner, or writable by others — by the group only when that group is not this user's private group."""
+    kind_ok = stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)
+    if not kind_ok:
+        return f"is not a {'real folder' if is_dir else 'regular file'} (a link or another kind of file)"
+    if st.st_uid != os.getuid():
+        return f"belongs to uid {st.st_uid}, not this user (uid {os.getuid()})"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o002 or (mode & 0o020 and not trust.private_group(st.st_gid)):
+        return f"is writable by other users (mode {mode:04o})"
+    return None
+
+
+def own_state(root: Path) -> Tuple[FolderState, str]:
+    """folder_state of this user's own files under root (`not_own`: another user's file or folder, or one others
+    could write, is left out with what is below it); ({}, why) when root itself is not this user's own."""
+    try:
+        why = not_own(os.lstat(root), is_dir=True)
+    except OSError as exc:
+        return {}, f"{root} ({exc.strerror or exc})"
+    if why:
+        return {}, f"{root}, which {why}"
+    state: FolderState = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        kept = []
+        for d in dirnames:
+            try:
+                if not not_own(os.lstat(os.path.join(dirpath, d)), is_dir=True):
+                    kept.append(d)
+            except OSError:
+                continue
+        dirnames[:] = kept
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not not_own(st, is_dir=False):
+                state[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns)
+    return state, ""
+
+
+def _copy_own(src: Path, tmp: Path) -> bool:
+    """Copy one of this user's own files (opened without following a link, checked on its descriptor) to the new
+    file tmp, mtime kept; False (nothing written) when it is not this user's own after all."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not_own(st, is_dir=False):
+            return False
+        os.set_blocking(fh.fileno(), True)
+        out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         (stat.S_IMODE(st.st_mode) & 0o755) | 0o600)
+        with os.fdopen(out_fd, "wb") as out:
+            while chunk := fh.read(1 << 20):
+                out.write(chunk)
+    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return True
 
 
 # ---- caches outside the key's folder ------------------------------------------------------------------
@@ -261,20 +339,32 @@ def side_dirs(environ: Mapping[str, str] = os.environ) -> Dict[str, Path]:
     Inductor's precompiled headers (CPU builds; a ~150 MB .gch that takes seconds to build) live in
     $TMPDIR/torchinductor_<user>/precompiled_headers whatever TORCHINDUCTOR_CACHE_DIR says
     (torch/_inductor/codecache.py `_HEADER_DIR`, fixed at import). Their names hash the header's content,
-    the compile command and the compiler version, not the folder: they can be carried to another TMPDIR."""
-    return {"inductor_pch": inductor_default_dir(environ) / "precompiled_headers"}
+    the compile command and the compiler version, not the folder: they can be carried to another TMPDIR.
+    In a shared /tmp another user may have made that folder first: then it is neither restored into nor
+    captured from (empty dict; torch itself would still use it — the fix is a private TMPDIR)."""
+    base = inductor_default_dir(environ)
+    try:
+        if not_own(os.lstat(base), is_dir=True):
+            return {}
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return {}
+    return {"inductor_pch": base / "precompiled_headers"}
 
 
-def sync_tree(src: Path, dst: Path, only: Optional[Sequence[str]] = None, skip: Sequence[str] = ()) -> int:
+def sync_tree(src: Path, dst: Path, only: Optional[Sequence[str]] = None, skip: Sequence[str] = (),
+              own: bool = False) -> int:
     """Regular files of src that dst lacks (or has at another size) → dst, each copied (mtime kept) and a
     rename (never half a file); links and lock folders are left out, and the top-level folders in `skip`.
-    `only` limits it to those relative paths. Returns how many were added."""
+    `only` limits it to those relative paths. own=True (src is a shared or default place): only this user's
+    own files in folders nobody else can write (`own_state`). Returns how many were added."""
     added = 0
-    if not src.is_dir():
+    if not os.path.isdir(src) or (own and os.path.islink(src)):
         return 0
     wanted = None if only is None else set(only)
     left_out = {"locks", *skip}
-    for rel, (size, _) in folder_state(src).items():
+    for rel, (size, _) in (own_state(src)[0] if own else folder_state(src)).items():
         if rel.split(os.sep)[0] in left_out or (wanted is not None and rel not in wanted):
             continue
         target = dst / rel
@@ -283,9 +373,15 @@ def sync_tree(src: Path, dst: Path, only: Optional[Sequence[str]] = None, skip: 
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
         try:
-            shutil.copy2(src / rel, tmp)  # a copy, not a link: a rewrite in one place never changes the other
-            os.replace(tmp, target)
-            added += 1
+            # a copy, not a link: a rewrite in one place never changes the other
+            if _copy_own(src / rel, tmp) if own else _copy(src / rel, tmp):
+                os.replace(tmp, target)
+                added += 1
         finally:
             tmp.unlink(missing_ok=True)
     return added
+
+
+def _copy(src: Path, tmp: Path) -> bool:
+    shutil.copy2(src, tmp)
+    return True

@@ -96,13 +96,13 @@ class KernelCacheRun:
             # there, ~150 MB a header): only what this run writes is captured back.
             self.side_before[sub] = folder_state(outside)
         reason = f"restored {result.files} files into {folder}" if result.status == "hit" else result.reason
-        seeded: Dict[str, Any] = {}
+        seeded: Dict[str, Any] = {"refused": True} if result.refused else {}  # not restored: a foreign or changed archive
         if result.status == "miss" and not folder_state(folder):  # this key never ran on this node
             try:
                 files, nbytes, why = seed_from_defaults(self.info["env"], folder, self.max_bytes)
             except OSError as exc:
                 files, nbytes, why = 0, 0, f"not seeded ({exc.strerror or exc})"
-            seeded = {"seeded_files": files, "seeded_bytes": nbytes}
+            seeded.update(seeded_files=files, seeded_bytes=nbytes)
             reason += f"; {why}"
         self.before = folder_state(folder)
         self.emit("kernel-cache", status=result.status, reason=reason, key=key, dir=str(folder), files=result.files,
@@ -156,7 +156,7 @@ class KernelCacheRun:
                 return
             for sub, outside in side_dirs().items():
                 written = changed(self.side_before.get(sub, {}), folder_state(outside))
-                if written and sync_tree(outside, folder / sub, only=written):
+                if written and sync_tree(outside, folder / sub, only=written, own=True):  # a shared /tmp: ours only
                     state = folder_state(folder)
             new = changed(self.before, state)
             if not new and (self.status in ("hit", "local", "partial") or not state):  # a miss with a warm local folder still publishes it
