@@ -188,6 +188,84 @@ def foreign(st: os.stat_result, *, is_dir: bool) -> Optional[str]:
     return None
 
 
+def untrusted_path(path: str | os.PathLike[str], *, is_dir: bool) -> Optional[str]:
+    """Why `path` in a shared place may be in another user's hands (None when it is not): it must be this
+    user's own (foreign()), and every folder above it (links resolved) must belong to root or this user and be
+    writable by nobody else, unless sticky (/dev/shm, /tmp: there only an entry's owner may rename or remove it).
+    Why the folders too: whoever can write a folder above a file can swap the file under its name."""
+    p = Path(path)
+    try:
+        why = foreign(os.lstat(p), is_dir=is_dir)
+        if why:
+            return f"{p} {why}"
+        parent = Path(os.path.realpath(p.parent))
+        for folder in (parent, *parent.parents):
+            st = os.lstat(folder)
+            mode = stat.S_IMODE(st.st_mode)
+            if not stat.S_ISDIR(st.st_mode):
+                return f"{folder} is not a real folder"
+            if st.st_uid not in (0, os.getuid()):
+                return f"{folder} belongs to uid {st.st_uid}, not this user (uid {os.getuid()}) or root"
+            if mode & 0o022 and not mode & stat.S_ISVTX:
+                return f"{folder} is writable by others (mode {mode:04o})"
+    except OSError as exc:
+        return f"{p} cannot be checked ({exc.strerror or exc})"
+    return None
+
+
+def own_root(parent: str | os.PathLike[str], name: str, *, create: bool = True) -> tuple[Optional[Path], Optional[str]]:
+    """This user's folder `name` in a shared place (`parent`: /dev/shm), and why the name itself was not used
+    (None when it was). `name` is used when it is this user's own (own_dir); when another user took it first (or
+    it is a link, or writable by others), a private fallback `name.XXXXXXXX` of this user's is: the first one
+    there (every launch of this user on the node agrees on it), else a new one (mkdtemp: a random name, 0700).
+    create=False makes nothing: (None, why) when neither is there. ForeignPath when `parent` is writable by
+    everyone without the sticky bit (then anyone could rename this user's folders there)."""
+    base = Path(parent)
+    mode = os.stat(base).st_mode
+    if mode & 0o002 and not mode & stat.S_ISVTX:
+        raise ForeignPath(f"{base} is writable by everyone without the sticky bit, so any user could rename "
+                          "mxlaunch's folders there", f"ask the node's admin to `chmod +t {base}`")
+    primary = base / name
+    try:
+        if create:
+            return own_dir(primary), None
+        why = foreign(os.lstat(primary), is_dir=True)
+        if why is None:
+            return primary, None
+        why = f"{primary} {why}"
+    except ForeignPath as exc:
+        why = exc.message
+    except FileNotFoundError:
+        why = None
+    found = own_fallbacks(base, name)
+    if found:
+        return found[0], why
+    if not create:
+        return None, why
+    import tempfile  # noqa: PLC0415
+
+    return Path(tempfile.mkdtemp(prefix=f"{name}.", dir=base)), why
+
+
+def own_fallbacks(parent: str | os.PathLike[str], name: str) -> list[Path]:
+    """The fallbacks own_root made for `name` (`name.XXXXXXXX`) that are this user's own, sorted; names of
+    that shape another user made (or links) are never listed."""
+    found = []
+    try:
+        entries = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.startswith(f"{name}."):
+            continue
+        try:
+            if foreign(os.lstat(Path(parent) / entry), is_dir=True) is None:
+                found.append(Path(parent) / entry)
+        except OSError:
+            continue
+    return found
+
+
 def open_own(path: str | os.PathLike[str], flags: int = os.O_RDONLY) -> int:
     """os.open for a file in a shared place: never through a symbolic link (O_NOFOLLOW), never a FIFO
     (O_NONBLOCK until checked), and only a regular file of this user's that others cannot write;
@@ -335,10 +413,19 @@ def mark_used(folder: str | os.PathLike[str]) -> None:
     try:
         if not Path(folder).is_dir() or Path(folder).is_symlink():
             return
-        stamp.touch(exist_ok=True)
-        os.utime(stamp)
+        # never through a planted link (O_NOFOLLOW), never a FIFO or a hard link to another file: only the
+        # stamp's own timestamps change, and nothing is opened for writing
+        fd = os.open(stamp, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            os.utime(fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
 
 
 def last_used(folder: str | os.PathLike[str], fallback: str) -> Optional[float]:

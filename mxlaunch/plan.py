@@ -30,6 +30,13 @@ Markers (written by the plugin, read by the launcher): `markers/loaded-<R>.json`
 are in place ({"rank", "bytes", "seconds", "strategy"}), `markers/captured-<R>.json` once rank R's raw
 tensors are written, `markers/fallback-<R>.json` with {"reason"} when a rank fell back to the default
 loader. All are written by temp name + rename.
+
+Trust: the plan says which files become the engine's weights and where captured weights and P2P records go, so
+the plugin reads it only when the file and its run folder are this user's own and nobody else could have
+written or swapped them (fileutil.untrusted_path: no link, this uid, no write for others, nor for anyone on a
+folder above). Anything else is a PlanError — the engine's default loader serves, with the reason in its log.
+Markers go into a markers folder of this user's (own_dir), each created new (O_EXCL | O_NOFOLLOW) and renamed
+into place: a link planted there is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -41,7 +48,12 @@ from pathlib import Path
 
 from mxlaunch import settings
 from mxlaunch.contract import P2P_LAYOUTS, RAW, STRATEGIES, marker_name
-from mxlaunch.fileutil import write_json_atomic
+from mxlaunch.errors import UsageError
+from mxlaunch.fileutil import open_own, own_dir, untrusted_path, write_json_atomic
+
+MAX_PLAN_BYTES = 64 << 20
+REFUSED_FIX = ("the plugin reads plan files only from folders nobody else can write: start the engine through "
+               "`mxlaunch launch` as this user, and have the other folder removed")
 
 PLAN_ENV = settings.PLAN
 
@@ -96,10 +108,7 @@ def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
     path = path or settings.plan_path()
     if not path:
         return None
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PlanError(f"cannot read plan {path}: {exc}") from exc
+    data = _read_own_plan(path)
     if not isinstance(data, dict) or data.get("schema") != 1:
         raise PlanError(f"plan {path} has no schema 1")
     strategy = data.get("strategy")
@@ -112,7 +121,7 @@ def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
             str(rank): [RankFile(path=str(f["path"]), bytes=int(f["bytes"])) for f in files]
             for rank, files in (data.get("ranks") or {}).items()
         }
-        return Plan(
+        plan = Plan(
             strategy=strategy,
             source_id=str(data["source_id"]),
             run_dir=str(data["run_dir"]),
@@ -126,6 +135,28 @@ def load_plan(path: str | os.PathLike[str] | None = None) -> Plan | None:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"plan {path} is malformed: {exc}") from exc
+    why = untrusted_path(plan.run_dir, is_dir=True)  # where the markers go, and where a capture may land
+    if why:
+        raise PlanError(f"plan {path} refused: its run folder {why} — {REFUSED_FIX}")
+    return plan
+
+
+def _read_own_plan(path: str | os.PathLike[str]) -> object:
+    """The plan file's JSON, read only when it and every folder above it are this user's alone."""
+    why = untrusted_path(path, is_dir=False)
+    if why:
+        raise PlanError(f"plan {path} refused: {why} — {REFUSED_FIX}")
+    try:
+        fd = open_own(path)
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(MAX_PLAN_BYTES + 1)
+        if len(raw) > MAX_PLAN_BYTES:
+            raise ValueError(f"larger than {MAX_PLAN_BYTES} bytes")
+        return json.loads(raw.decode("utf-8"))
+    except UsageError as exc:  # fileutil.ForeignPath: swapped between the check and the open
+        raise PlanError(f"plan {path} refused: {exc.message} — {REFUSED_FIX}") from exc
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot read plan {path}: {exc}") from exc
 
 
 def _p2p(data: object, path: object) -> dict | None:
@@ -141,7 +172,8 @@ def _p2p(data: object, path: object) -> dict | None:
 
 
 def write_marker(plan: Plan, kind: str, rank: int, payload: dict) -> Path:
-    """markers/<kind>-<rank>.json, atomically."""
-    path = plan.markers_dir / marker_name(kind, rank)
-    write_json_atomic(path, {"rank": rank, **payload}, parents=True)
+    """markers/<kind>-<rank>.json, atomically, private, in a markers folder of this user's alone (own_dir:
+    made 0700 or checked; ForeignPath for a link or another user's folder)."""
+    path = own_dir(plan.markers_dir) / marker_name(kind, rank)
+    write_json_atomic(path, {"rank": rank, **payload}, private=True)
     return path

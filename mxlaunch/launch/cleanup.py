@@ -7,6 +7,13 @@ KillWait seconds after its SIGTERM), so while it runs it records the segments it
 folder (`segments.json`, `SegmentRecord`): the next launch of this user removes a dead launcher's folder
 (`reap_stale_runs`) and, with it, those of its recorded segments that are still the same files and that
 no live process maps or holds open.
+
+The user's folder is this uid's own (fileutil.own_root): `/dev/shm/mxlaunch-<uid>` when it is a real folder of
+this user's that nobody else can write, else — another user made the name first — a private fallback
+`/dev/shm/mxlaunch-<uid>.XXXXXXXX` (the plan file records where the run folder is; the reaping looks in both).
+It stays after a run (empty, 0700): while it is there nobody else can take its name. What the reaping reads
+(owner.json, segments.json) is opened only as this user's own file, in a folder of this user's: another user's
+never decides what is removed, and a segment is removed only when it is this uid's.
 """
 
 from __future__ import annotations
@@ -17,18 +24,58 @@ import shutil
 import stat
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from mxlaunch.contract import RENDEZVOUS_FILE
 from mxlaunch.engines.registry import ENGINES
-from mxlaunch.fileutil import pid_alive, write_json_atomic
+from mxlaunch.errors import UsageError
+from mxlaunch.fileutil import foreign, open_own, own_fallbacks, own_root, pid_alive, write_json_atomic
 
 SHM_ROOT = Path("/dev/shm")
 SEGMENTS = "segments.json"  # in a run folder: {"segments": [{"name": ..., "ino": ...}, ...]}
 
 
+def shm_user_name() -> str:
+    return f"mxlaunch-{os.getuid()}"
+
+
+def user_root() -> tuple[Path, Optional[str]]:
+    """This user's folder in /dev/shm, made when missing, and why it is a fallback (None when it is
+    /dev/shm/mxlaunch-<uid> itself). See the module docstring."""
+    SHM_ROOT.mkdir(parents=True, exist_ok=True)  # /dev/shm is always there; a test's stand-in may not be yet
+    root, why = own_root(SHM_ROOT, shm_user_name())
+    assert root is not None  # create=True always gives one
+    return root, why
+
+
 def shm_user_root() -> Path:
-    return SHM_ROOT / f"mxlaunch-{os.getuid()}"
+    return user_root()[0]
+
+
+def user_roots() -> list[Path]:
+    """Every folder of this user's in /dev/shm that may hold run folders: the name itself when it is this
+    user's own, and this user's fallbacks (another user's folders of these names are never looked into)."""
+    primary = SHM_ROOT / shm_user_name()
+    try:
+        own = foreign(os.lstat(primary), is_dir=True) is None
+    except OSError:
+        own = False
+    return ([primary] if own else []) + own_fallbacks(SHM_ROOT, shm_user_name())
+
+
+def read_own_json(path: Path, limit: int = 1 << 20) -> Any:
+    """JSON from a file of this user's that nobody else can write (O_NOFOLLOW, no FIFO: fileutil.open_own);
+    None for anything else, or when it cannot be read."""
+    try:
+        fd = open_own(path)
+    except (OSError, UsageError):
+        return None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read(limit + 1)
+        return json.loads(data.decode("utf-8")) if len(data) <= limit else None
+    except (OSError, ValueError):
+        return None
 
 
 # Python multiprocessing's shared memory and its named semaphores (engines' message queues use them), and
@@ -48,10 +95,7 @@ def rendezvous_files(markers: Path) -> set[str]:
     """The FileStore files the plugin named in this run's markers (contract.RENDEZVOUS_FILE)."""
     found: set[str] = set()
     for path in markers.glob("*.json") if markers.is_dir() else ():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+        data = read_own_json(path)
         if isinstance(data, dict) and isinstance(data.get(RENDEZVOUS_FILE), str):
             found.add(data[RENDEZVOUS_FILE])
     return found
@@ -175,14 +219,16 @@ class SegmentRecord:
                 new = True
         if new and self.path.parent.is_dir():
             try:
-                write_json_atomic(self.path, {"segments": [{"name": n, "ino": i} for n, i in sorted(self.seen.items())]})
+                write_json_atomic(self.path, {"segments": [{"name": n, "ino": i} for n, i in sorted(self.seen.items())]},
+                                  private=True)
             except OSError:
                 pass
 
 
 def _recorded(run: Path) -> dict[str, Optional[int]]:
+    """The segments a run recorded, read only from a segments.json of this user's (read_own_json)."""
     try:
-        doc = json.loads((run / SEGMENTS).read_text())
+        doc = read_own_json(run / SEGMENTS)
         items = doc["segments"] if isinstance(doc, dict) else []
         return {str(s["name"]): int(s["ino"]) if s.get("ino") is not None else None
                 for s in items if isinstance(s, dict) and isinstance(s.get("name"), str)}
@@ -190,23 +236,35 @@ def _recorded(run: Path) -> dict[str, Optional[int]]:
         return {}
 
 
+def reap_all_stale_runs() -> list[tuple[Path, list[str]]]:
+    """reap_stale_runs in every folder of this user's in /dev/shm (user_roots)."""
+    return [found for root in user_roots() for found in reap_stale_runs(root, SHM_ROOT)]
+
+
 def reap_stale_runs(root: Path, shm_root: Optional[Path] = None) -> list[tuple[Path, list[str]]]:
     """Run folders under `root` (the user's folder in /dev/shm) whose launcher is gone (crashed,
     SIGKILLed) are removed, with the segments each recorded that are still unused (`shm_root`: where
-    those live, the folder above `root`). Returns (folder, removed segment names) for each."""
+    those live, the folder above `root`). Returns (folder, removed segment names) for each.
+    Only a `root` and run folders of this user's that nobody else can write are looked into."""
     removed: list[tuple[Path, list[str]]] = []
-    if not root.is_dir():
+    try:
+        if foreign(os.lstat(root), is_dir=True):
+            return removed  # another user's (a squatted name): nothing in it is believed or removed
+    except OSError:
         return removed
     shm_root = shm_root or root.parent
-    for run in root.iterdir():
+    for run in sorted(root.iterdir()):
         try:
-            owner = json.loads((run / "owner.json").read_text())
+            st = os.lstat(run)
+        except OSError:
+            continue
+        if foreign(st, is_dir=True):
+            continue
+        owner = read_own_json(run / "owner.json")
+        try:
             alive = pid_alive(int(owner["pid"]), int(owner.get("start_time", 0)))
-        except (OSError, ValueError, KeyError, TypeError):
-            try:
-                alive = time.time() - run.stat().st_mtime < 60  # no owner file yet: only a very new folder is spared
-            except OSError:
-                continue
+        except (ValueError, KeyError, TypeError, AttributeError):
+            alive = time.time() - st.st_mtime < 60  # no owner file yet: only a very new folder is spared
         if not alive:
             segments = _remove_unused(shm_root, _recorded(run))
             shutil.rmtree(run, ignore_errors=True)
@@ -227,9 +285,6 @@ def free_staged(run_dir: Path) -> None:
 
 
 def remove_run(run_dir: Path) -> None:
-    """Remove this run's folder (and the per-user folder once empty)."""
+    """Remove this run's folder. The user's folder above it stays (empty, 0700): removed, its name would be
+    free for another user to take before this user's next run."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    try:
-        shm_user_root().rmdir()
-    except OSError:
-        pass

@@ -10,7 +10,6 @@ files first and stops the engine within the scheduler's grace (shutdown.py).
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -27,12 +26,12 @@ from mxlaunch.contract import ABORT, RENDEZVOUS_FILE, parse_marker_name, staged_
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError, UsageError
-from mxlaunch.fileutil import mark_used, process_start_time, write_json_atomic
+from mxlaunch.fileutil import mark_used, own_dir, process_start_time, write_json_atomic
 from mxlaunch.launch import port, process
 from mxlaunch.launch.zygote_starts import ZygoteStarts
 from mxlaunch.launch.engine_snapshots import EngineSnapshots
 from mxlaunch.launch.capture import CaptureSession
-from mxlaunch.launch.cleanup import SegmentRecord, reap_stale_runs, shm_entries, shm_user_root
+from mxlaunch.launch.cleanup import SegmentRecord, read_own_json, reap_all_stale_runs, shm_entries, user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
 from mxlaunch.launch.kernel import KernelCacheRun
 from mxlaunch.kernelcache.archive import KernelCacheStore
@@ -63,7 +62,8 @@ class Launcher(Stopping):
         job = os.environ.get("SLURM_JOB_ID")
         if job:
             self.run_id = f"job{job}-{self.run_id}"
-        self.shm_dir = shm_user_root() / self.run_id
+        shm_root, self.shm_root_why = user_root()  # this uid's own folder in /dev/shm, or its private fallback
+        self.shm_dir = shm_root / self.run_id
         self.log_dir = Path(opts.run_dir) if opts.run_dir else default_log_root() / self.run_id
         self.proc: Optional[subprocess.Popen] = None  # or a zygote.ZygoteChild (--zygote), driven the same way
         self.stage_job = None
@@ -96,12 +96,17 @@ class Launcher(Stopping):
     # -- setup --
 
     def _prepare(self) -> Plan:
-        for stale, segments in reap_stale_runs(shm_user_root()):
+        for stale, segments in reap_all_stale_runs():
             more = f" and the {len(segments)} segment(s) it recorded: {', '.join(segments)}" if segments else ""
             self.emit("cleanup", message=f"removed a stale run folder {stale}{more}")
-        self.shm_dir.mkdir(parents=True, mode=0o700)
+        if self.shm_root_why:  # another user took /dev/shm/mxlaunch-<uid> first: this run uses a private name instead
+            self.emit("shm-folder", path=str(self.shm_dir.parent),
+                      message=f"{self.shm_root_why}; this run's folder is in {self.shm_dir.parent} instead (this "
+                              "user's alone) — to get the usual name back, ask its owner or root to remove it")
+        os.mkdir(self.shm_dir, 0o700)  # in a folder of this user's alone (cleanup.user_root): nobody can swap it
+        own_dir(self.shm_dir / "markers")  # made here, private: the plugin writes its markers into it
         write_json_atomic(self.shm_dir / "owner.json",
-                          {"pid": os.getpid(), "start_time": process_start_time(os.getpid())})
+                          {"pid": os.getpid(), "start_time": process_start_time(os.getpid())}, private=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         plan = Plan(strategy=self.plan.strategy, source_id=self.plan.source_id, run_dir=str(self.shm_dir),
                     wait_timeout_s=self.opts.ready_timeout, snapshot_format=self.plan.snapshot_format,
@@ -131,12 +136,12 @@ class Launcher(Stopping):
                 by_snapshot.setdefault(rank, []).append(RankFile(path=str(stage_root / str(rank) / rel), bytes=f.bytes))
             for worker in self.plan.local_ranks:
                 plan.ranks[str(worker["rank"])] = by_snapshot.get(worker["snapshot_rank"], [])
-        write_json_atomic(self.shm_dir / "plan.json", plan.to_dict())
+        write_json_atomic(self.shm_dir / "plan.json", plan.to_dict(), private=True)  # the plugin refuses any other
         return plan
 
     def _prepare_default(self, plan: Plan) -> Plan:
         plan.strategy = "default"
-        write_json_atomic(self.shm_dir / "plan.json", plan.to_dict())
+        write_json_atomic(self.shm_dir / "plan.json", plan.to_dict(), private=True)  # the plugin refuses any other
         return plan
 
     def _downgrade(self, reason: str) -> None:
@@ -220,7 +225,7 @@ class Launcher(Stopping):
     def _abort_stage(self, reason: str) -> None:
         """Staging failed: the abort marker sends the engine's plugin to its default loader; say why."""
         self.stage_error = reason
-        write_json_atomic(self.shm_dir / "markers" / ABORT, {"reason": reason}, parents=True)
+        write_json_atomic(own_dir(self.shm_dir / "markers") / ABORT, {"reason": reason}, private=True)
         self.emit("fallback", reason=f"staging failed: {reason}")
 
     # -- the run --
@@ -419,11 +424,9 @@ def serves_http(spec: LaunchSpec) -> bool:
 
 
 def _read_marker(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return {k: v for k, v in data.items() if k != "rank"} if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    """A marker's fields, read only from a file of this user's that nobody else can write (read_own_json)."""
+    data = read_own_json(path)
+    return {k: v for k, v in data.items() if k != "rank"} if isinstance(data, dict) else {}
 
 
 def _client_host(host: Optional[str]) -> str:

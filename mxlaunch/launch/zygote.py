@@ -7,7 +7,10 @@ ready a zygote is started for the next start (after ready, so it never competes 
 The key is a digest of everything a child inherits from the zygote's imports rather than from its request:
 the interpreter, the engine's version, the entry, the folder, and the environment without the variables that
 only say which run this is (the plan file's path, Slurm's step and task ids). A start that differs in
-anything else gets its own zygote. Sockets live in /dev/shm/mxlaunch-zygote-<uid>/ (0700), one per key.
+anything else gets its own zygote. Sockets live in /dev/shm/mxlaunch-zygote-<uid>/ (0700), one per key. That
+folder must be this user's own (fileutil.own_root): where another user made the name first, this user's private
+fallback `/dev/shm/mxlaunch-zygote-<uid>.XXXXXXXX` holds the sockets instead (zygotes keep working), and zygote
+images are off (`image_blocker`): a restored image listens where it was dumped, in the name another user holds.
 
 `ZygoteChild` stands in for subprocess.Popen where the launcher uses one: pid (its own process group),
 stdout, poll(), wait(), returncode.
@@ -28,7 +31,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.contract import ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_SOCKET
 from mxlaunch.engines.environment import PYTHON_EXE
-from mxlaunch.fileutil import pid_alive
+from mxlaunch.fileutil import foreign, own_root, pid_alive
 from mxlaunch.plan import PLAN_ENV
 
 SHM_ROOT = Path("/dev/shm")
@@ -70,7 +73,29 @@ def entry_for(argv: Sequence[str], python: Optional[str], executable: Optional[s
 
 
 def zygote_root() -> Path:
-    return SHM_ROOT / f"mxlaunch-zygote-{os.getuid()}"
+    """This user's own folder for zygote sockets: the usual name when it is this user's own or not there yet (the
+    callers that write make it 0700 and check it: private_root), else this user's private fallback (made when
+    there is none yet: fileutil.own_root)."""
+    primary = SHM_ROOT / f"mxlaunch-zygote-{os.getuid()}"
+    try:
+        if foreign(os.lstat(primary), is_dir=True) is None:
+            return primary
+    except FileNotFoundError:
+        return primary
+    return own_root(SHM_ROOT, primary.name)[0] or primary
+
+
+def image_blocker() -> Optional[str]:
+    """Why zygote images are off on this node, or None. A zygote image serves at the socket path it was dumped
+    with (/dev/shm/mxlaunch-zygote-<uid>/…) and reads its resume file beside it: where another user holds that
+    name, a restored zygote would listen in their folder — anyone there could ask it to run code as this user."""
+    primary = SHM_ROOT / f"mxlaunch-zygote-{os.getuid()}"
+    root = zygote_root()
+    if root == primary:
+        return None
+    why = own_root(SHM_ROOT, primary.name, create=False)[1] or f"{primary} is not this user's"
+    return (f"{why}; zygotes use {root} instead, but an image restores only under the usual name — "
+            "ask its owner or root to remove it")
 
 
 def zygote_key(entry: ZygoteEntry, engine_version: Optional[str], env: Mapping[str, str], cwd: str) -> str:

@@ -108,6 +108,9 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
     if folder is None:
         raise CriuError("no image for this zygote yet")
     zygote.zygote_root().mkdir(mode=0o700, exist_ok=True)
+    blocked = zygote.image_blocker()  # the image's zygote listens under the usual name: it must be this user's
+    if blocked:
+        raise CriuError(blocked)
     if not zygote.private_root():
         raise CriuError(f"{zygote.zygote_root()} is not a folder of this user's alone")
     t0 = time.monotonic()

@@ -95,6 +95,9 @@ class ZygoteStarts:
         """The CRIU binary for zygote images, once per launch; None (said once, in an event) when unusable."""
         if self._criu_checked is None:
             binary, why = criu.why_not() if self.opts.zygote_image else (None, "--no-zygote-image")
+            blocked = zygote.image_blocker() if binary is not None else None  # the socket folder is squatted
+            if blocked:
+                binary, why = None, blocked
             self._criu_checked = (binary, why)
             if binary is None:
                 self.emit("zygote-image", status="off", reason=why)

@@ -16,17 +16,25 @@ discarded, the prefix cache reset) or to wake up, as a task on the running event
 /sleep and /wake_up routes do, without opening those development routes on the server's port. Its report is
 <dir>/<pid>.<action>.done, JSON {"pid", "action", "error"}. Why: the KV cache is most of an engine snapshot's
 GPU memory and its contents are garbage in an idle engine; left out, the image is smaller and restores faster.
+
+The folder is in the run folder in /dev/shm: the handler is installed only when it is this user's alone
+(fileutil.untrusted_path), reads the action file only as this user's own regular file (no link, no FIFO that
+would block the handler), and writes its reports by a new temp file (O_EXCL | O_NOFOLLOW) renamed into place:
+a link planted under either name is never written through.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
 from typing import Any, Mapping, Optional
 
 from mxlaunch import settings
+from mxlaunch.errors import UsageError
+from mxlaunch.fileutil import create_own, open_own, untrusted_path
 
 SIGNAL = signal.SIGUSR2
 SUFFIX = ".released"
@@ -53,6 +61,11 @@ def install(environ: Mapping[str, str] = os.environ) -> bool:
     folder = environ.get(settings.SNAPSHOT_DIR)
     if not folder or threading.current_thread() is not threading.main_thread():
         return False
+    why = untrusted_path(folder, is_dir=True)
+    if why:
+        logging.getLogger("mxlaunch").warning("mxlaunch: no engine snapshot from this process: %s=%s refused: %s",
+                                              settings.SNAPSHOT_DIR, folder, why)
+        return False
     try:
         signal.signal(SIGNAL, lambda _sig, _frame: on_signal(folder))
     except (ValueError, OSError):
@@ -63,10 +76,10 @@ def install(environ: Mapping[str, str] = os.environ) -> bool:
 def on_signal(folder: str) -> None:
     """The handler: the action the launcher wrote for this process, else the NVML release."""
     try:
-        with open(action_path(folder, os.getpid()), encoding="utf-8") as f:
-            action = f.read().strip()
+        with os.fdopen(open_own(action_path(folder, os.getpid())), encoding="utf-8") as f:
+            action = f.read(64).strip()
         os.unlink(action_path(folder, os.getpid()))
-    except OSError:
+    except (OSError, UsageError):
         action = ""
     if action in ACTIONS:
         start_action(folder, action)
@@ -129,13 +142,25 @@ def engine_client() -> Optional[Any]:
     return _client
 
 
+def write_report(path: str, obj: Any) -> None:
+    """`obj` as JSON at `path` by `<path>.tmp`, a new file (create_own: O_EXCL | O_NOFOLLOW) renamed into place:
+    whatever lies under either name (a planted link included) is replaced, never written through."""
+    tmp = f"{path}.tmp"
+    try:
+        fd = create_own(tmp)
+    except FileExistsError:
+        os.unlink(tmp)  # a leftover, or something planted: the name goes, not what it points to
+        fd = create_own(tmp)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
 def _write_done(folder: str, action: str, error: Optional[BaseException]) -> None:
     path = done_path(folder, os.getpid(), action)
     try:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"pid": os.getpid(), "action": action, "error": f"{type(error).__name__}: {error}" if error else None}, f)
-        os.replace(tmp, path)
+        write_report(path, {"pid": os.getpid(), "action": action,
+                            "error": f"{type(error).__name__}: {error}" if error else None})
     except OSError:
         pass
 
@@ -148,11 +173,7 @@ def release_and_report(folder: str) -> dict[str, Any]:
     try:
         release_nvml()
         report["device_files"] = device_files()
-        path = report_path(folder, os.getpid())
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(report, f)
-        os.replace(tmp, path)
+        write_report(report_path(folder, os.getpid()), report)
     except Exception as exc:  # noqa: BLE001 — a handler must never take the engine down
         report["error"] = str(exc)
     return report
