@@ -8,11 +8,19 @@ of GPU memory) the probe restored one in 11.7–12.4 s against 38–77 s (docs/b
 Layout (node-local: an image holds the engine's whole memory, its GPU memory included, tens of GiB):
 
     $MXLAUNCH_ENGINE_SNAPSHOTS (default ~/.cache/mxlaunch/engine-snapshots)/<uid>/   0700, this user's alone
-        <key>/                      one per command (snapshot_key: argv, source id, interpreter, kernel, devices)
+        key-salt                    the salt of the key's digests (launch/snapshot_key.py), 0600
+        <key>/                      one per command and environment (snapshot_key.py: argv, named files, source id,
+                                    interpreter, kernel, cwd, every variable but the run-only ones)
+            key.json                what the key digests: values of variables and secrets only as salted digests
             meta.json               pids, the GPU pids, the output pipe's inode, the files put back before a restore
             *.img                   CRIU's files
             link-remaps/            unlinked files CRIU kept by a link (POSIX semaphores): a restore consumes them
             shm-files/              /dev/shm files the engine had open (the launcher's cleanup removes them)
+
+/dev/shm is every user's (docs/security.md): the post-dump step takes only link-remap files that are regular,
+this user's and held by the dumped tree (launch/snapshot_files.py), the named files are read without following
+a link, and a restore puts each file back only as a new name (O_EXCL | O_NOFOLLOW): a name another user took
+first refuses the restore (one event; the engine starts as usual), nothing is written through it.
         .<key>.<pid>.tmp/           a snapshot in progress, renamed into place when complete
 
 Taking one (`take`, once the first start is ready and its capture is published; the engine pauses for it):
@@ -33,11 +41,13 @@ reconnect. Any failure is a `SnapshotError` or `CriuError`; the launcher then st
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -46,10 +56,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from mxlaunch import settings
-from mxlaunch.fileutil import pid_alive
-from mxlaunch.launch import criu
+from mxlaunch.fileutil import ForeignPath, create_own, foreign, open_own, own_dir, pid_alive
+from mxlaunch.launch import criu, snapshot_files
 from mxlaunch.launch.criu import CriuError
 from mxlaunch.launch.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
+from mxlaunch.launch.snapshot_files import process_tree
+from mxlaunch.launch.snapshot_key import RECORD, snapshot_key  # noqa: F401 (snapshot_key: the tests take it here)
 from mxlaunch.launch.zygote import private_dir
 from mxlaunch.plugin.snapshot_signal import SIGNAL, SUFFIX, action_path, done_path
 
@@ -57,7 +69,6 @@ META = "meta.json"
 SHM = Path("/dev/shm")
 PR_SET_CHILD_SUBREAPER = 36
 DUMP_FLAGS = ("--tcp-close", "--ext-unix-sk", "--file-locks", "--link-remap", "--ghost-limit", str(1 << 30))
-KEY_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")  # which GPUs the image is of
 ACTION_TIMEOUT_S = 300.0  # a sleep copies the weights to host memory, a wake back: seconds for hundreds of GiB
 
 
@@ -74,12 +85,40 @@ def snapshots_root(environ: Mapping[str, str] = os.environ) -> Path:
     return base / str(os.getuid())
 
 
-def snapshot_key(argv: Sequence[str], source_id: str, environ: Mapping[str, str] = os.environ) -> str:
-    """Everything a restored engine must share with the command: the argv (port included: the image listens on
-    it), the weights' source id, the launcher's interpreter, the kernel, and which devices are visible."""
-    facts = {"argv": list(argv), "source_id": source_id, "python": sys.executable, "kernel": os.uname().release,
-             "env": {k: environ.get(k) for k in KEY_ENV}}
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:20]
+def own_root(environ: Mapping[str, str] = os.environ) -> Path:
+    """snapshots_root(), made if missing and checked: a real folder of this uid's that nobody else can enter
+    (fileutil.own_dir, 0700), below folders nobody else can rename it in (safe_ancestors). ForeignPath (one
+    line naming the path and the fix) otherwise: an image is code, restored as this user."""
+    root = snapshots_root(environ)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ForeignPath(f"cannot make {root.parent}: {exc.strerror or exc}",
+                          f"point {settings.ENGINE_SNAPSHOTS} at a folder of yours") from None
+    safe_ancestors(root.parent)
+    own_dir(root)
+    if not private_dir(root):  # own_dir allows group read; an image holds the engine's memory, secrets included
+        raise ForeignPath(f"{root} is open to others (mode {os.lstat(root).st_mode & 0o777:04o})",
+                          f"chmod 700 {root}")
+    return root
+
+
+def safe_ancestors(path: Path) -> None:
+    """ForeignPath unless every folder from `path` up to / belongs to this uid or root and is writable by nobody
+    else, or sticky (as /tmp): otherwise another user could rename the snapshots folder away and put theirs
+    in its place between the check and CRIU reading it."""
+    real = Path(os.path.realpath(path))
+    for folder in (real, *real.parents):
+        st = os.stat(folder)
+        mode = st.st_mode & 0o7777
+        if st.st_uid not in (0, os.getuid()):
+            why = f"belongs to uid {st.st_uid}"
+        elif mode & 0o022 and not mode & 0o1000:
+            why = f"is writable by others without the sticky bit (mode {mode:04o})"
+        else:
+            continue
+        raise ForeignPath(f"{folder} (above the engine snapshots) {why}: another user could swap the snapshots",
+                          f"point {settings.ENGINE_SNAPSHOTS} at a folder only you can write")
 
 
 def find(root: Path, key: str) -> Optional[Path]:
@@ -91,24 +130,6 @@ def find(root: Path, key: str) -> Optional[Path]:
 
 
 # ---- the engine's processes -------------------------------------------------------------------------------
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and its descendants, parents first."""
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop(0)
-        out.append(pid)
-        todo.extend(sorted(kids.get(pid, [])))
-    return out
 
 
 def catches(pid: int, sig: int) -> bool:
@@ -149,9 +170,25 @@ def device_files(pids: Sequence[int]) -> dict[int, list[str]]:
 
 
 def shm_files(pids: Sequence[int]) -> list[str]:
-    """The /dev/shm files the tree holds open or mapped that still have a name (unlinked ones CRIU keeps)."""
+    """The /dev/shm files the tree holds open or mapped that still have a name (unlinked ones CRIU keeps), each
+    a regular file of this user's. SnapshotError for a held name that is another user's (or no longer the
+    held file): its copy would be served back to the restored engine."""
     names = {f for p in pids for f in (*open_files(p), *mapped_files(p))}
-    return sorted(n for n in names if n.startswith(f"{SHM}/") and not n.endswith("(deleted)") and Path(n).is_file())
+    named = sorted(n for n in names if n.startswith(f"{SHM}/") and not n.endswith("(deleted)"))
+    held = snapshot_files.held_inodes(pids, str(SHM))
+    out = []
+    for name in named:
+        try:
+            st = os.lstat(name)
+        except OSError:
+            continue
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            continue  # a folder, a socket: nothing to keep
+        why = snapshot_files.own_held(name, held, os.getuid())
+        if why:
+            raise SnapshotError(f"the engine holds {name}, which {why}: not snapshotting it")
+        out.append(name)
+    return out
 
 
 def output_pipes(pid: int) -> list[str]:
@@ -211,10 +248,11 @@ def engine_action(pid: int, marks: Path, action: str, timeout: float = ACTION_TI
 
 
 def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[CudaCheckpoint],
-         sleep: bool = False) -> dict:
+         sleep: bool = False, facts: Optional[Mapping[str, Any]] = None) -> dict:
     """Snapshot the serving tree at `root_pid` into `folder` (made here); the engine serves on. `sleep`: the
-    engine (vLLM with --enable-sleep-mode) sleeps while it is snapshotted, and the restore wakes it. Returns
-    the meta written to meta.json plus the pause's phases."""
+    engine (vLLM with --enable-sleep-mode) sleeps while it is snapshotted, and the restore wakes it. `facts`:
+    what its key digests (snapshot_key.key_facts), written as key.json. Returns the meta written to meta.json
+    plus the pause's phases."""
     pids = process_tree(root_pid)
     t_pause = time.monotonic()
     sleep_s, sleep_skipped = 0.0, None
@@ -234,7 +272,7 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
         release_nvml(pids, marks)
         gpu = cuda.with_cuda(pids) if cuda is not None else []
         folder.mkdir(parents=True, mode=0o700)
-        script = _post_dump_script(folder)
+        script = _post_dump_script(folder, root_pid)
         checkpoint_s = cuda.run(("lock", "checkpoint"), gpu) if cuda is not None and gpu else 0.0
         try:
             held = device_files(pids)
@@ -256,37 +294,50 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
     pause_s = time.monotonic() - t_pause
     script.unlink(missing_ok=True)
     _keep_files(folder, meta)
+    if facts is not None:
+        _write_new(folder / RECORD, json.dumps(facts, indent=1, sort_keys=True))
     meta.update(made=time.time(), bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()))
-    (folder / META).write_text(json.dumps(meta), encoding="utf-8")
+    _write_new(folder / META, json.dumps(meta))
     phases = {"sleep_s": sleep_s, "checkpoint_s": checkpoint_s, "dump_s": dump_s, "gpu_restore_s": restore_s,
               "wake_s": wake_s, "pause_s": pause_s}
     return {**meta, "sleep_skipped": sleep_skipped, **{k: round(v, 3) for k, v in phases.items()}}
 
 
-def _post_dump_script(folder: Path) -> Path:
-    """CRIU's action script: at post-dump, copy the link-remap files it made (an unlinked file that still has
-    another name, e.g. a POSIX semaphore's first name) before --leave-running makes CRIU delete them; a restore
-    needs them and consumes them."""
-    keep = folder / "link-remaps"
+def _write_new(path: Path, text: str) -> None:
+    fd = create_own(path)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def _post_dump_script(folder: Path, root_pid: int) -> Path:
+    """CRIU's action script: at post-dump (the engine frozen), copy the link-remap files CRIU made for the
+    tree (a hard link to an unlinked file it holds, e.g. a POSIX semaphore) before --leave-running makes CRIU
+    delete them; a restore needs them and consumes them. The copying is launch/snapshot_files.py's, run by
+    this interpreter isolated (-I -S: the standard library only): only regular files of this uid that the
+    tree holds, never blocking on a FIFO, never following a link."""
     script = folder / "post-dump.sh"
-    script.write_text("#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\n"
-                      f"mkdir -p '{keep}' && for f in {SHM}/link_remap.*; do [ -e \"$f\" ] && cp -p \"$f\" '{keep}/'; "
-                      "done\nexit 0\n", encoding="utf-8")
+    command = shlex.join([sys.executable, "-I", "-S", str(Path(snapshot_files.__file__).resolve()), str(SHM),
+                          str(folder / "link-remaps"), str(root_pid), str(os.getuid())])
+    _write_new(script, f"#!/bin/sh\n[ \"$CRTOOLS_SCRIPT_ACTION\" = post-dump ] || exit 0\nexec {command}\n")
     script.chmod(0o700)
     return script
 
 
 def _keep_files(folder: Path, meta: dict) -> None:
-    """Keep what a restore needs that is not in CRIU's images: the link-remap files (post-dump.sh copied
-    them) and copies of the named /dev/shm files as they were at the dump."""
+    """Keep what a restore needs that is not in CRIU's images: the link-remap files (the post-dump step copied
+    them) and copies of the named /dev/shm files as they were at the dump — each read without following a
+    link and only while it is still the file the engine holds (snapshot_files.copy_held)."""
     remaps = folder / "link-remaps"
-    remaps.mkdir(exist_ok=True)
+    remaps.mkdir(mode=0o700, exist_ok=True)
     meta["link_remaps"] = sorted(os.listdir(remaps))
     kept = folder / "shm-files"
-    kept.mkdir()
+    kept.mkdir(mode=0o700)
+    held = snapshot_files.held_inodes(process_tree(meta["root"]), str(SHM))
     for path in meta["shm_files"]:
         try:
-            shutil.copy2(path, kept / Path(path).name)
+            snapshot_files.copy_held(path, str(kept / Path(path).name), held, os.getuid())
+        except ValueError as exc:
+            raise SnapshotError(f"cannot keep {path} for the restore: it {exc}") from None
         except OSError as exc:
             raise SnapshotError(f"cannot keep {path} for the restore: {exc.strerror or exc}") from None
 
@@ -297,10 +348,10 @@ class SnapshotMaker(threading.Thread):
 
     def __init__(self, binary: str, root_pid: int, key: str, marks: Path, emit: Callable[..., None],
                  ready_to_take: Callable[[], Optional[bool]], environ: Mapping[str, str] = os.environ,
-                 sleep: bool = False) -> None:
+                 sleep: bool = False, facts: Optional[Mapping[str, Any]] = None) -> None:
         super().__init__(name="mx-engine-snapshot", daemon=True)
         self.binary, self.root_pid, self.key, self.marks, self.sleep = binary, root_pid, key, marks, sleep
-        self.emit, self.ready_to_take = emit, ready_to_take
+        self.emit, self.ready_to_take, self.facts, self.environ = emit, ready_to_take, facts, environ
         self.root = snapshots_root(environ)
         self.stopping = threading.Event()
 
@@ -317,17 +368,18 @@ class SnapshotMaker(threading.Thread):
             self.emit("engine-snapshot", status="published", key=self.key, **result)
         except (SnapshotError, CriuError, CudaCheckpointError, OSError) as exc:
             self.emit("engine-snapshot", status="failed", key=self.key, reason=str(exc))
+        except ForeignPath as exc:
+            self.emit("engine-snapshot", status="failed", key=self.key, reason=exc.one_line())
 
     def _make(self) -> dict:
-        self.root.mkdir(parents=True, mode=0o700, exist_ok=True)
-        if not private_dir(self.root):
-            raise SnapshotError(f"{self.root} is not a folder of this user's alone (mode 0700): not writing into it")
+        self.root = own_root(self.environ)  # checked again: this user's alone, nobody else can swap it
         if find(self.root, self.key) is not None:
             raise SnapshotError("a snapshot of this command exists already")
         tmp = self.root / f".{self.key}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            result = take(self.binary, self.root_pid, tmp, self.marks, cuda_or_none(), sleep=self.sleep)
+            result = take(self.binary, self.root_pid, tmp, self.marks, cuda_or_none(), sleep=self.sleep,
+                          facts=self.facts)
             final = self.root / self.key
             os.rename(tmp, final)
         except BaseException:
@@ -411,11 +463,7 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
     cuda = cuda_or_none() if meta["gpu_pids"] else None
     if meta["gpu_pids"] and cuda is None:
         raise SnapshotError("the snapshot holds GPU state but this node has no CUDA driver")
-    for name in meta.get("link_remaps", []):
-        shutil.copy2(folder / "link-remaps" / name, SHM / name)
-    for path in meta.get("shm_files", []):
-        if not os.path.exists(path):
-            shutil.copy2(folder / "shm-files" / Path(path).name, path)
+    made = put_back(folder, meta)
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the restored tree becomes our child
     read_fd, write_fd = os.pipe()
     inherit = [arg for pipe in meta["pipes"] for arg in ("--inherit-fd", f"fd[{write_fd}]:{pipe}")]
@@ -425,8 +473,7 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
                             pass_fds=(write_fd,))
     except CriuError:
         os.close(read_fd)
-        for name in meta.get("link_remaps", []):  # a failed restore may not have consumed them
-            (SHM / name).unlink(missing_ok=True)
+        remove_put_back(made)  # a failed restore may not have consumed them
         raise
     finally:
         os.close(write_fd)
@@ -443,6 +490,90 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
     return RestoredEngine(root, read_fd, meta["pids"]), {"criu_restore_s": round(criu_s, 3), "gpu_restore_s": round(gpu_s, 3),
                                                         "wake_s": round(wake_s, 3), "bytes": meta.get("bytes"),
                                                         "gpu_pids": len(meta["gpu_pids"])}
+
+
+LINK_REMAP_NAME = re.compile(r"link_remap\.\d+")
+
+
+def put_back(folder: Path, meta: Mapping[str, Any]) -> list[tuple[str, int, int]]:
+    """Put the kept /dev/shm files back where the image expects them; what was created (path, dev, inode).
+    Each is a new file (create_own: O_EXCL | O_NOFOLLOW), never written through a name that exists. A name that
+    exists and is this user's own regular file: a link-remap file left by an earlier failed restore is replaced,
+    a named file is kept (as before). Another user's name, a link or a FIFO: SnapshotError (nothing of this
+    restore is left in /dev/shm), and the launch starts the engine as usual."""
+    made: list[tuple[str, int, int]] = []
+    try:
+        for name in meta.get("link_remaps", []):
+            if not LINK_REMAP_NAME.fullmatch(name):
+                raise SnapshotError(f"meta.json names {name!r} as a link-remap file")
+            made += _put(folder / "link-remaps" / name, SHM / name, replace_own=True)
+        for path in meta.get("shm_files", []):
+            dest = Path(path)
+            if os.path.normpath(path) != path or dest.parent == dest or SHM not in dest.parents:
+                raise SnapshotError(f"meta.json names {path!r}, which is no file in {SHM}")
+            for parent in reversed([p for p in dest.parents if SHM in p.parents]):  # folders in /dev/shm: ours
+                why = foreign(os.lstat(parent), is_dir=True)
+                if why:
+                    raise SnapshotError(f"{parent}, where the restore puts {dest.name} back, {why} — remove it (or "
+                                        "ask its owner to); the engine starts as usual meanwhile")
+            made += _put(folder / "shm-files" / dest.name, dest, replace_own=False)
+    except BaseException:
+        remove_put_back(made)
+        raise
+    return made
+
+
+def _put(src: Path, dest: Path, replace_own: bool) -> list[tuple[str, int, int]]:
+    for attempt in (1, 2):
+        try:
+            out = create_own(dest)
+            break
+        except FileExistsError:
+            try:
+                st = os.lstat(dest)
+            except FileNotFoundError:
+                continue  # gone meanwhile: try again
+            why = foreign(st, is_dir=False)
+            if why or attempt == 2:
+                raise SnapshotError(f"{dest}, which the restore must create, {why or 'was taken meanwhile'} — remove "
+                                    "it (or ask its owner to); the engine starts as usual meanwhile") from None
+            if not replace_own:
+                return []
+            os.unlink(dest)  # ours: in the sticky /dev/shm nobody else can have swapped it since the lstat
+    else:
+        raise SnapshotError(f"{dest}, which the restore must create, keeps appearing and vanishing")
+    try:
+        try:
+            src_fd = open_own(src)
+        except ForeignPath as exc:  # in the private snapshot folder this cannot be: refuse all the same
+            raise SnapshotError(exc.one_line()) from None
+        try:
+            st = os.fstat(src_fd)
+            while chunk := os.read(src_fd, 1 << 20):
+                os.write(out, chunk)
+        finally:
+            os.close(src_fd)
+        os.fchmod(out, stat.S_IMODE(st.st_mode) & 0o777)
+        os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+        mine = os.fstat(out)
+    except BaseException:
+        os.close(out)
+        dest.unlink(missing_ok=True)  # ours: created above with O_EXCL
+        raise
+    os.close(out)
+    return [(str(dest), mine.st_dev, mine.st_ino)]
+
+
+def remove_put_back(made: Sequence[tuple[str, int, int]]) -> None:
+    """Remove what put_back created, each only while the name is still that same file (never another user's
+    file that took the name after CRIU consumed ours)."""
+    for path, dev, ino in made:
+        try:
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                os.unlink(path)
+        except OSError:
+            continue
 
 
 def _wake_restored(meta: dict) -> float:

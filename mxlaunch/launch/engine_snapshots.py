@@ -14,11 +14,13 @@ from typing import Callable, Mapping, Optional
 
 from mxlaunch import settings
 from mxlaunch.engine_checkpoint import criu_version, run_quietly, socket_blocker
+from mxlaunch.fileutil import ForeignPath
 from mxlaunch.launch import criu
 from mxlaunch.launch.criu import CriuError
 from mxlaunch.launch.cuda_checkpoint import CudaCheckpointError
 from mxlaunch.launch.engine_snapshot import (RestoredEngine, SnapshotError, SnapshotMaker, cuda_or_none, find,
-                                            restore, snapshot_key, snapshots_root)
+                                            own_root, restore, snapshots_root)
+from mxlaunch.launch.snapshot_key import key_facts, key_of, key_salt
 
 
 class EngineSnapshots:
@@ -26,7 +28,7 @@ class EngineSnapshots:
                  emit: Callable[..., None], p2p: bool = False, environ: Mapping[str, str] = os.environ) -> None:
         self.emit, self.log_dir, self.environ = emit, log_dir, environ
         self.binary: Optional[str] = None
-        self.key = snapshot_key(argv, source_id, environ)
+        self.key, self.facts = "", {}  # made once snapshots are on: the key's salt lives in the private folder
         self.marks = shm_dir / "snapshot-marks"
         self.maker: Optional[SnapshotMaker] = None
         self.restored: Optional[RestoredEngine] = None
@@ -40,6 +42,14 @@ class EngineSnapshots:
         if self.binary is not None:  # the zygote's rules, and the engine's HTTP socket
             why = socket_blocker(criu_version(run_quietly([self.binary, "--version"])), os.uname().release) or ""
             self.binary = None if why else self.binary
+        if self.binary is not None:
+            try:  # the launcher's environment, as the engine inherits it (launch/snapshot_key.py: what is keyed)
+                self.facts = key_facts(argv, source_id, environ, key_salt(own_root(environ)), os.getcwd())
+                self.key = key_of(self.facts)
+            except ForeignPath as exc:
+                self.binary, why = None, exc.one_line()
+            except (OSError, ValueError) as exc:
+                self.binary, why = None, f"the engine snapshots' folder: {exc}"
         if self.binary is None:
             emit("engine-snapshot", status="off", reason=why)
 
@@ -84,7 +94,7 @@ class EngineSnapshots:
         if not self.dumpable or find(snapshots_root(self.environ), self.key) is not None:
             return
         self.maker = SnapshotMaker(self.binary or "", root_pid, self.key, self.marks, self.emit, ready_to_take,
-                                   self.environ, sleep=self.sleep)
+                                   self.environ, sleep=self.sleep, facts=self.facts)
         self.maker.start()
 
     def reap(self) -> None:

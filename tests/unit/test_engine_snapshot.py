@@ -87,7 +87,7 @@ def test_checkpoint_steps_run_on_every_pid_in_order_and_a_refusal_names_step_pid
 def test_the_key_follows_the_command_the_weights_and_the_visible_devices() -> None:
     argv = ["vllm", "serve", "m", "--port", "8000"]
     key = es.snapshot_key(argv, "src1", {})
-    assert key == es.snapshot_key(list(argv), "src1", {"UNRELATED": "x"})
+    assert key == es.snapshot_key(list(argv), "src1", {"OLDPWD": "/x"})  # a run-only variable (test_engine_snapshot_safety.py)
     assert key != es.snapshot_key([*argv[:-1], "8001"], "src1", {})  # the image listens on its port
     assert key != es.snapshot_key(argv, "src2", {})
     assert key != es.snapshot_key(argv, "src1", {"CUDA_VISIBLE_DEVICES": "1"})
@@ -297,11 +297,20 @@ def test_the_post_dump_script_keeps_link_remaps_only_at_post_dump(tmp_path: Path
     monkeypatch.setattr(es, "SHM", shm)
     folder = tmp_path / "img"
     folder.mkdir()
-    script = es._post_dump_script(folder)
-    subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "pre-dump"}, check=True)
-    assert not (folder / "link-remaps").exists()
-    subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "post-dump"}, check=True)
-    assert (folder / "link-remaps" / "link_remap.7").read_bytes() == b"sem"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); time.sleep(60)",
+                               str(shm / "link_remap.7")])  # the dumped tree holds it (CRIU's link is to a held file)
+    try:
+        while str(shm / "link_remap.7") not in es.open_files(holder.pid):
+            assert holder.poll() is None
+            time.sleep(0.01)
+        script = es._post_dump_script(folder, holder.pid)
+        subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "pre-dump"}, check=True)
+        assert not (folder / "link-remaps").exists()
+        subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "post-dump"}, check=True)
+        assert (folder / "link-remaps" / "link_remap.7").read_bytes() == b"sem"
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_without_criu_the_launch_says_why_and_starts_the_engine_as_usual(tmp_path: Path) -> None:
