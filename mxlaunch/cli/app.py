@@ -5,6 +5,7 @@ No logic lives here; each command calls into its module and renders the result.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -364,7 +365,10 @@ def main() -> None:
         code = app(standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
     except MxlaunchError as exc:
-        err.print(f"[bold red]error:[/] {escape(exc.one_line())}", highlight=False)
+        from mxlaunch.redact import redact_text, secret_values
+
+        line = redact_text(exc.one_line(), secret_values(sys.argv, os.environ))  # a URL or a flag value in a message
+        err.print(f"[bold red]error:[/] {escape(line)}", highlight=False)
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -12,6 +13,7 @@ from rich.markup import escape
 from mxlaunch.cli.common import artifact_path_option, err, json_option, out, plain_fields, print_json
 from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
 from mxlaunch.engines.registry import ENGINES
+from mxlaunch.redact import redact, redact_argv, redact_env, redact_text, secret_values
 
 CONTEXT = {"allow_interspersed_args": False, "ignore_unknown_options": True}  # CMD's own flags pass through
 _SNAPSHOT_FORMAT_HELP = "raw (mxlaunch's: tensors before post-processing; every engine)" + "".join(
@@ -62,7 +64,10 @@ def launch(
                          engine_fork=not no_engine_fork and not engine_snapshot,
                          zygote_image=not no_zygote_image, engine_snapshot=engine_snapshot)
 
+    known: frozenset[str] = secret_values(command or (), os.environ, [registry])  # what no output may show
+
     def emit(event: str, **fields: object) -> None:
+        fields = redact(fields, known)  # every event, either form: URLs, secret flags, the launch's secret values
         if as_json:
             print_json({"event": event, **fields})
         elif event == "ready":
@@ -84,33 +89,35 @@ def launch(
 
         command = localize_command(command, open_store(artifact_path), emit)
     plan = make_plan(command, opts)
+    known = secret_values(plan.argv, os.environ, [registry, plan.p2p.registry if plan.p2p else None]) | known
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
-        err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(plan.slurm['message'])}", highlight=False)
+        err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(redact_text(plan.slurm['message'], known))}", highlight=False)
     if dry_run:
         if as_json:
-            print_json(plan.to_json())
+            print_json(redact(plan.to_json(), known))
         else:
-            out.print(f"strategy [bold]{plan.strategy}[/]: {escape(plan.reason)}")
+            show = lambda text: escape(redact_text(str(text), known))  # noqa: E731 — the dry run's every free text
+            out.print(f"strategy [bold]{plan.strategy}[/]: {show(plan.reason)}")
             out.print(f"source id {plan.source_id} · engine {plan.spec.engine} {plan.spec.engine_version or '(not installed)'}"
                       f" · tp {plan.spec.tp} pp {plan.spec.pp} dp {plan.spec.dp}")
             if plan.runtime is not None:
-                out.print(f"engine version from {escape(plan.runtime.version_from)}", highlight=False)
-            out.print("command: " + escape(" ".join(plan.argv)))
+                out.print(f"engine version from {show(plan.runtime.version_from)}", highlight=False)
+            out.print("command: " + escape(" ".join(redact_argv(plan.argv, known))))
             kc = plan.kernel_cache or {}
             out.print(f"kernel cache [bold]{kc.get('status', 'off')}[/]{' ' + kc['key'] if kc.get('key') else ''}: "
-                      f"{escape(str(kc.get('reason', '')))}", highlight=False)
+                      f"{show(kc.get('reason', ''))}", highlight=False)
             if plan.p2p is not None:
                 p = plan.p2p
-                out.print(f"p2p {p.layout} layout via {escape(p.registry)}: "
-                          f"{'pull from ' + escape(p.describe()) if p.can_pull else escape(str(p.why_not))}"
+                out.print(f"p2p {p.layout} layout via {show(p.registry)}: "
+                          f"{'pull from ' + show(p.describe()) if p.can_pull else show(p.why_not)}"
                           f"{'; workers serve after loading' if p.serve else ''}", highlight=False)
             start = plan.engine_start
             if start is not None:
-                env = " ".join(f"{k}={v}" for k, v in start.env.items())
-                out.print(f"engine start: {escape(env + ' — ' if env else '')}{escape(start.fork_reason)}; "
-                          f"zygote {'on' if start.zygote else 'off'}: {escape(start.zygote_reason)}", highlight=False)
+                env = " ".join(f"{k}={v}" for k, v in redact_env(start.env, known).items())
+                out.print(f"engine start: {escape(env + ' — ' if env else '')}{show(start.fork_reason)}; "
+                          f"zygote {'on' if start.zygote else 'off'}: {show(start.zygote_reason)}", highlight=False)
             if plan.capture_via:
-                out.print(f"capture via [bold]{plan.capture_via}[/]: {escape(plan.capture_via_reason)}", highlight=False)
+                out.print(f"capture via [bold]{plan.capture_via}[/]: {show(plan.capture_via_reason)}", highlight=False)
             if plan.stage_files:
                 out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
         return

@@ -36,7 +36,7 @@ from mxlaunch.store.opener import open_store
 STRATEGIES = LAUNCH_STRATEGIES
 SNAPSHOT_FORMAT = RAW
 __all__ = ["LaunchOptions", "LaunchPlan", "device_type_for", "make_plan", "parse_command", "plugin_reachable",
-           "snapshot_format_name"]
+           "refuse_missing_model", "snapshot_format_name"]
 
 
 @dataclass
@@ -95,6 +95,12 @@ class LaunchPlan:
         return sum(f.bytes for f in self.stage_files)
 
     def to_json(self) -> dict:
+        """The plan as --json prints it: secrets redacted (mxlaunch/redact.py; the engine gets the real argv)."""
+        from mxlaunch.redact import redact
+
+        return redact(self._fields())
+
+    def _fields(self) -> dict:
         spec = self.spec
         return {
             "engine": spec.engine,
@@ -186,6 +192,7 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
                          "use letters, digits, '.', '_' and '-' (the same id on every node of the capture)")
     capture_id = opts.capture_id or job.capture_id
     spec, runtime = inspect_command(argv)
+    refuse_missing_model(spec.model)
     fmt = snapshot_format_name(spec, opts.snapshot_format)
     device = device_type_for(spec)
     fields = identity_fields(spec, device_type=device, snapshot_format=fmt, snapshot_version=SNAPSHOT_VERSION)
@@ -260,6 +267,17 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
         return plan("capture", f"no snapshot yet ({found.reason}); node {part.node_rank} of {part.nnodes} captures "
                                f"snapshot rank(s) {part.ranks} under capture id {capture_id or '(a new one)'}")
     return plan("capture", f"no snapshot yet ({found.reason}); this run captures it")
+
+
+def refuse_missing_model(model: str) -> None:
+    """A model given as a local path (absolute, ./, ../, ~) that names nothing: one line, exit 2, before anything
+    starts. A hub id (org/name) never looks like one (engines/environment.is_hub_id); an existing file (a GGUF)
+    is the engine's to judge."""
+    if not model.startswith(("/", "./", "../", "~")) and model not in (".", ".."):
+        return
+    if not os.path.exists(os.path.expanduser(model)):
+        raise UsageError(f"model {model}: no such file or folder",
+                         "pass an existing model folder, or a hub id such as org/name")
 
 
 def plugin_reachable(argv: list[str], plugin_group: str) -> bool:

@@ -238,7 +238,7 @@ def _log_to(*paths: str) -> None:
     """Output onto the first of `paths` that opens (else it stays on /dev/null: a zygote without a log serves)."""
     for path in paths:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # never through a link
             break
         except OSError:
             continue

@@ -34,6 +34,7 @@ from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
 from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.fileutil import ensure_dir, last_used, read_json, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
+from mxlaunch.redact import redact
 from mxlaunch.store.capture import (
     CaptureWriter, PendingCapture, _du, _user, discard_capture, node_markers, node_part, node_tmp, ranks_of_markers,
     reap_captures, write_failed)
@@ -53,8 +54,8 @@ def build_manifest(source_id: str, capture_id: str, meta: SnapshotMeta, nranks: 
         "capture_id": capture_id,
         "engine": meta.engine,
         "engine_version": meta.engine_version,
-        "spec": meta.spec,
-        "identity": meta.identity,
+        "spec": redact(meta.spec),  # the store is read by others: the command's secrets never go in (redact.py)
+        "identity": redact(meta.identity),
         "snapshot": {"format": meta.snapshot_format, "version": meta.snapshot_version},
         "nranks": nranks,
         "nnodes": nnodes,
