@@ -16,10 +16,8 @@ from mxlaunch.remote import s3
 from mxlaunch.remote.localize import localize_command
 from mxlaunch.store.core import Store
 from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.s3_server import S3Server, s3_environ
 from tests.helpers.tiny_model import cached_model
-
-pytest.importorskip("moto")
-from tests.helpers.s3_server import S3Server, s3_environ  # noqa: E402
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]

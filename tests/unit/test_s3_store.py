@@ -21,12 +21,10 @@ from mxlaunch.staging.upload import UploadCancelled, UploadItem, UploadJob
 from mxlaunch.store import s3_capture
 from mxlaunch.store.opener import open_store as store_at
 from mxlaunch.store.snapshot import SnapshotMeta, xxh3_file
+from mxlaunch.coord.s3 import S3Coordinator
+from mxlaunch.store.s3_store import S3Store
 from tests.helpers.cli import one_line_error, run_cli
-
-pytest.importorskip("moto")
-from mxlaunch.coord.s3 import S3Coordinator  # noqa: E402
-from mxlaunch.store.s3_store import S3Store  # noqa: E402
-from tests.helpers.s3_server import S3Server, s3_environ  # noqa: E402
+from tests.helpers.s3_server import S3Server, s3_environ
 
 pytestmark = pytest.mark.unit
 BUCKET = "mxstore"
@@ -99,7 +97,21 @@ def test_store_of_an_s3_url_is_an_s3_store(env: dict[str, str], monkeypatch: pyt
 
 
 def test_capture_uploads_then_publishes_and_a_stage_gets_the_same_bytes(env: dict[str, str], server: S3Server,
-                                                                        tmp_path: Path, small_parts: None) -> None:
+                                                                        tmp_path: Path, small_parts: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxlaunch.staging import s3_stage  # noqa: PLC0415
+
+    pagers: list = []
+
+    def recorded(dest, lands_in_mapping: bool):  # the staging's own pager, recorded, its cost limit lifted
+        pager = real_pager(dest, lands_in_mapping)
+        if pager is not None:
+            pager.max_cost = float("inf")  # this VM's fresh memory may be dear: the path is what is under test
+        pagers.append((lands_in_mapping, pager))
+        return pager
+
+    real_pager = s3_stage.tmpfs_pager
+    monkeypatch.setattr(s3_stage, "tmpfs_pager", recorded)
     store = open_store(env, "cap")
     files = rank_files(tmp_path / "shm", seed=1)
     writer, won = capture(store, "sid-a", files)
@@ -120,8 +132,13 @@ def test_capture_uploads_then_publishes_and_a_stage_gets_the_same_bytes(env: dic
     items = [CopyItem(src=f.path, rel=f"{r}/model.safetensors", size=f.bytes) for r, f in enumerate(snap)]
     expected = {i.rel: {"bytes": f.bytes, "xxh3_128": f.xxh3_128} for i, f in zip(items, snap)}
     dest = tmp_path / "stage"
+    data_keys = [k for k in keys(server, "cap/") if "/ranks/" in k]
+    before = {k: server.gets(k) for k in data_keys}
     result = store.stage_job(items, dest, expected=expected, chunk=1 << 20, workers=4).start().wait()
     assert result.bytes == sum(p.stat().st_size for p in files.values())
+    sizes = {f"{r}/model.safetensors": p.stat().st_size for r, p in files.items()}
+    got = {k.split("/ranks/")[1]: server.gets(k) - before[k] for k in data_keys}
+    assert got == {rel: -(-n // (1 << 20)) for rel, n in sizes.items()}  # from the bucket: one ranged GET a chunk
     for r, p in files.items():
         assert (dest / str(r) / "model.safetensors").read_bytes() == p.read_bytes()
     assert sorted(p.name for p in dest.rglob("*") if p.is_file()) == ["model.safetensors"] * 2  # no .incomplete
@@ -129,9 +146,14 @@ def test_capture_uploads_then_publishes_and_a_stage_gets_the_same_bytes(env: dic
 
     shm = Path(tempfile.mkdtemp(prefix="mx-test-s3-", dir="/dev/shm"))  # tmpfs: 2 MiB pages tried, as local staging
     try:
+        del pagers[:]
         result = store.stage_job(items, shm / "stage", expected=expected, chunk=4 << 20).start().wait()
         assert (shm / "stage/0/model.safetensors").read_bytes() == files[0].read_bytes()
-        assert result.huge_bytes > 0 or result.huge_note  # collapsed, or why not (e.g. too dear on this VM)
+        [(lands_in_mapping, pager)] = pagers
+        assert lands_in_mapping and pager is not None  # the ranged GETs land in the mapping
+        if result.huge_note and "MADV_COLLAPSE failed" in result.huge_note:
+            pytest.skip(f"no 2 MiB pages on this kernel: {result.huge_note}")  # tried: the rest above has run
+        assert result.huge_bytes == pager.collapsed > 0 and result.huge_note is None
     finally:
         shutil.rmtree(shm)
 
