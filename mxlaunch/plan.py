@@ -45,10 +45,12 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from mxlaunch import settings
 from mxlaunch.contract import P2P_LAYOUTS, RAW, STRATEGIES, marker_name
 from mxlaunch.errors import UsageError
+from mxlaunch.redact import redact_url
 from mxlaunch.fileutil import open_own, own_dir, untrusted_path, write_json_atomic
 
 MAX_PLAN_BYTES = 64 << 20
@@ -96,7 +98,12 @@ class Plan:
         return self.capture_ranks.get(str(rank))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        """The file's text. Its P2P registry URL is redacted (the file is output like any other); the engine gets
+        the real URL in MXLAUNCH_REGISTRY (launch/run.py) and `registry_url` puts it back when the plan is read."""
+        data = asdict(self)
+        if data.get("p2p"):
+            data["p2p"] = {**data["p2p"], "registry": redact_url(str(data["p2p"]["registry"]))}
+        return json.dumps(data, indent=2, sort_keys=True)
 
     def to_dict(self) -> dict:
         """The file's JSON object (keys sorted, as to_json writes them)."""
@@ -167,8 +174,16 @@ def _p2p(data: object, path: object) -> dict | None:
         raise PlanError(f"plan {path}: malformed p2p block {data!r}")
     if not isinstance(data.get("world"), int) or not isinstance(data.get("run_id"), str):
         raise PlanError(f"plan {path}: the p2p block needs an integer world and a run_id (got {data!r})")
-    return {"registry": data["registry"], "layout": data["layout"], "world": data["world"], "run_id": data["run_id"],
-            "serve": bool(data.get("serve", True)), "timeout_s": float(data.get("timeout_s", 300.0))}
+    return {"registry": registry_url(data["registry"]), "layout": data["layout"], "world": data["world"],
+            "run_id": data["run_id"], "serve": bool(data.get("serve", True)),
+            "timeout_s": float(data.get("timeout_s", 300.0))}
+
+
+def registry_url(shown: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The registry URL a plan file names, with the secret the file leaves out put back from MXLAUNCH_REGISTRY (the
+    engine's environment, which only its own user can read) when that URL redacts to the same text."""
+    real = settings.registry(environ)
+    return real if real and real != shown and redact_url(real) == shown else shown
 
 
 def write_marker(plan: Plan, kind: str, rank: int, payload: dict) -> Path:

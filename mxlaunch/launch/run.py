@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+from mxlaunch import settings
 from mxlaunch.contract import ABORT, RENDEZVOUS_FILE, parse_marker_name, staged_line
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
@@ -39,7 +40,9 @@ from mxlaunch.launch.process import default_log_root
 from mxlaunch.signal_relay import SignalRelay
 from mxlaunch.launch.shutdown import BudgetReader, Stopping
 from mxlaunch.launch.stop_watchdog import StopWatchdog
+from mxlaunch.launch.logfile import open_log
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
+from mxlaunch.redact import Scrubber, redact_text, redact_url, secret_values
 from mxlaunch.slurm import default_readers
 from mxlaunch.store.core import Store
 from mxlaunch.store.opener import open_store
@@ -157,6 +160,8 @@ class Launcher(Stopping):
         start = self.plan.engine_start
         for key, value in (start.env if start else {}).items():  # the engine's start-up cuts (launch/engine_start.py)
             env.setdefault(key, value)
+        if self.plan.p2p and redact_url(self.plan.p2p.registry) != self.plan.p2p.registry:
+            env[settings.REGISTRY] = self.plan.p2p.registry  # the plan file shows it redacted (plan.registry_url)
         allowlist = spec_engine(self.plan.spec).plugin_allowlist
         if env.get(allowlist):  # an allowlist that leaves mxlaunch out would silently disable the plugin
             names = env[allowlist].split(",")
@@ -258,7 +263,7 @@ class Launcher(Stopping):
             if self.signals:  # stopped before the engine started
                 return 128 + self.signals[0]
             env = {**self._env(), **self.snapshots.env(), **(self.kernel.restore() if restored is None else {})}
-            log = open(self.log_dir / "engine.log", "wb")
+            log = open_log(self.log_dir / "engine.log")  # 0600, O_NOFOLLOW (launch/logfile.py)
             # The engine first, then staging: the engine needs the files only once it has built the model
             # (tens of seconds later), while the stage's reader threads, started first, held the GIL against
             # the kernel-cache restore and the spawn (0.7-0.8 s before the engine's first line on the 2-core VM).
@@ -292,18 +297,27 @@ class Launcher(Stopping):
     def _pump(self, proc: subprocess.Popen, log: Any) -> None:
         """The engine's output: raw bytes to engine.log, each line (\n or \r) echoed and profiled."""
         assert proc.stdout is not None
+        known = self._secrets()
+        scrub = Scrubber(known)  # the launch's secrets, wherever the engine prints them (SGLang: its server_args)
 
         def chunk(data: bytes) -> None:
-            log.write(data)
+            log.write(scrub.feed(data))
             log.flush()
 
         def line(text: str, arrival: float) -> None:
-            self.echo(text)
+            self.echo(redact_text(text, known))
             self._feed_profile(text, arrival)
             if self.ready_at is None and self.plan.spec.port and self.bind_failure is None:
                 self.bind_failure = port.bind_failure(text, self.plan.spec.port)
 
         process.read_lines(proc.stdout.fileno(), line, self.t0, on_chunk=chunk)
+        log.write(scrub.end())
+        log.flush()
+
+    def _secrets(self) -> frozenset[str]:
+        """The values of this launch's secrets (argv, registry URL, environment): kept out of what it prints."""
+        urls = [self.opts.registry, self.plan.p2p.registry if self.plan.p2p else None]
+        return secret_values(self.plan.argv, os.environ, urls)
 
     def _supervise(self) -> int:
         assert self.proc is not None
