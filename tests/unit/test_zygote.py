@@ -11,6 +11,7 @@ import socket
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Iterator
 
@@ -66,10 +67,25 @@ def _output(child: zygote.ZygoteChild) -> str:
     return child.stdout.read().decode()
 
 
+def _wait_exit(pid: int, timeout: float = 120.0) -> int:
+    """The exit code of our child `pid`, waited for with a deadline: one that hangs is killed and the test fails
+    (a plain waitpid would hang the suite instead)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"process {pid} did not exit in {timeout:.0f} s (killed)")
+        time.sleep(0.02)
+
+
 def _stop(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGTERM)
-        os.waitpid(pid, 0)
+        _wait_exit(pid, 60)
     except (ProcessLookupError, ChildProcessError):
         pass
 
@@ -130,22 +146,48 @@ def test_no_zygote_or_a_dead_socket_means_spawn_and_the_dead_socket_goes(module_
 def test_an_idle_zygote_exits_and_so_does_one_whose_socket_is_removed(module_dir: Path) -> None:
     env = _env(module_dir)
     key = zygote.zygote_key(_entry(), "1", env, str(module_dir))
-    started = time.monotonic()
     pid = zygote.start_zygote(key, _entry(), env, str(module_dir), module_dir / "logs", idle_s=0.5)
     assert pid is not None
-    _, status = os.waitpid(pid, 0)  # not whether we catch it serving: what it did, from its exit and its log
+    code = _wait_exit(pid)  # not whether we catch it serving: what it did, from its exit and its log
     log = (module_dir / "logs" / "zygote.log").read_text()
-    assert os.waitstatus_to_exitcode(status) == 0, log  # ended on its own: nobody stopped it or removed its socket
-    assert f"{READY_LINE} imported=" in log and f"pid={pid}" in log, log  # it published its socket ...
+    assert code == 0, log  # ended on its own: nobody stopped it or removed its socket
+    assert f"{READY_LINE} imported=" in log and f"pid={pid}" in log, log  # it published its socket
     assert "not serving" not in log and "bad request" not in log, log
-    assert time.monotonic() - started >= 0.5  # ... and served no one for its idle_s before it went
-    assert not zygote.socket_path(key).exists()
+    assert not zygote.socket_path(key).exists()  # (how long it waits first: the fake-clock test below)
     assert zygote.list_zygotes() == []  # its info file went with it
     key, pid = _start(module_dir, env)
     assert zygote.stop_zygotes() == [key]  # `mxlaunch zygotes --stop`: its socket goes, and so does it
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert _wait_exit(pid) == 0
     assert zygote.list_zygotes() == []
+
+
+def test_the_serving_loop_returns_only_after_idle_s_without_a_request_or_once_its_socket_is_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zygote's loop on a clock that moves only when its select waits out its timeout: it returns once
+    idle_s has passed with no request and no child, not before; a removed socket ends it at its next wake."""
+    from mxlaunch.plugin import zygote as plugin
+
+    clock = [1000.0]
+
+    def waited(_r: list, _w: list, _x: list, timeout: float) -> tuple[list, list, list]:
+        clock[0] += timeout  # nothing arrived in `timeout` seconds
+        return [], [], []
+
+    monkeypatch.setattr(plugin, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(plugin, "select", types.SimpleNamespace(select=waited))
+    sock = tmp_path / "z.sock"
+    sock.touch()
+    loop = plugin.Zygote(str(sock), ("module", "m"), idle_s=5.0)
+    loop.listener, loop.inode = socket.socket(socket.AF_UNIX), os.stat(sock).st_ino
+    try:
+        loop.serve()
+        assert clock[0] - 1000.0 > 5.0 and clock[0] - 1000.0 <= 5.0 + 2.0  # idle_s, then the first wake after it
+        loop.idle_s, start = 3600.0, clock[0]
+        sock.unlink()
+        loop.serve()
+        assert clock[0] - start <= 2.0  # the socket is gone: not ours to serve
+    finally:
+        loop.listener.close()
 
 
 def test_the_key_ignores_which_run_this_is_and_nothing_else(tmp_path: Path) -> None:
@@ -198,8 +240,7 @@ def test_a_zygote_whose_imports_start_a_thread_refuses_says_why_and_is_not_start
     key = zygote.zygote_key(entry, "1", env, str(module_dir))
     pid = zygote.start_zygote(key, entry, env, str(module_dir), module_dir / "logs")
     assert pid is not None
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 3
+    assert _wait_exit(pid) == 3
     assert not zygote.socket_path(key).exists()
     why = zygote.refusal(key)
     assert why is not None and "busy" in why and "thread" in why
