@@ -124,27 +124,36 @@ def test_the_maker_claims_only_its_own_zygotes_marker(module_dir: Path) -> None:
 def test_a_zygote_that_holds_gpu_device_files_is_not_dumped_and_the_event_says_why(module_dir: Path) -> None:  # noqa: F811
     """On the H200 vLLM's imports initialised the CUDA driver: the zygote then holds /dev/nvidia* open, which
     CRIU cannot dump. Such a zygote writes why in its marker and serves without waiting; the maker reads it,
-    says it in the event, removes the marker and dumps nothing."""
-    import subprocess
-
-    zygote.zygote_root().mkdir(mode=0o700)
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    why = "the imports left GPU device files open (/dev/nvidiactl), which CRIU cannot dump"
-    marker = zygote.zygote_root() / f"k2{ZYGOTE_DUMPABLE}"
-    marker.write_text(json.dumps({"pid": alive.pid, "undumpable": why}))
+    says it in the event, removes the marker and dumps nothing. A real zygote started for an image, whose
+    preloaded module makes its device-file scan report /dev/nvidiactl (no GPU here)."""
+    (module_dir / "mxz_gpu.py").write_text(
+        "import sys\nsys.modules['__main__'].device_files = lambda: ['/dev/nvidiactl']  # the zygote's own scan\n")
+    env = _env(module_dir)
+    entry = zygote.ZygoteEntry(sys.executable, "module", "mxz_child", (), ("mxz_gpu",))
+    key = zygote.zygote_key(entry, "1", env, str(module_dir))
+    pid = zygote.start_zygote(key, entry, env, str(module_dir), module_dir / "logs", for_image=True)
+    assert pid is not None
     events: list[tuple[str, dict]] = []
-    maker = zygote_image.ImageMaker("/bin/false", alive.pid, "k2", module_dir / "store", module_dir / "log",
-                                    module_dir / "work", lambda e, **f: events.append((e, f)), wait_s=30)
+    maker = zygote_image.ImageMaker("/bin/false", pid, key, module_dir / "store", module_dir / "logs" / "zygote.log",
+                                    module_dir / "work", lambda e, **f: events.append((e, f)), wait_s=60)
     try:
         maker.start()
-        maker.join(30)
-        assert events == [("zygote-image", {"status": "failed", "key": "k2",
+        maker.join(90)
+        why = "the imports left GPU device files open (/dev/nvidiactl), which CRIU cannot dump"
+        assert events == [("zygote-image", {"status": "failed", "key": key,
                                             "reason": f"the zygote cannot be dumped: {why}"})]
-        assert not marker.exists() and not zygote_image.images_root(module_dir / "store").exists()
-        assert alive.poll() is None  # nothing was done to the process
+        assert not (zygote.zygote_root() / f"{key}{ZYGOTE_DUMPABLE}").exists()
+        assert not zygote_image.images_root(module_dir / "store").exists()
+        deadline = time.monotonic() + 30  # it serves at once, as a plain zygote
+        while not zygote.socket_path(key).exists():
+            assert time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG)[0] == 0
+            time.sleep(0.02)
+        child = zygote.fork_from(key, _entry(("5",)), env, str(module_dir))
+        assert child is not None and child.wait(timeout=30) == 5
+        log = (module_dir / "logs" / "zygote.log").read_text()
+        assert f"no image — {why}" in log and "restored=no" in log, log
     finally:
-        alive.kill()
-        alive.wait()
+        _stop(pid)
 
 
 def test_zygotes_lists_this_users_images_in_the_store(tmp_path: Path) -> None:
