@@ -191,7 +191,8 @@ def vmm_source(args: argparse.Namespace) -> dict:
     back = (ctypes.c_ubyte * size)()
     lib.cuMemcpyDtoH_v2(back, ctypes.c_uint64(ptr), ctypes.c_size_t(size))
     seen = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {"error": out.stderr[-1500:]}
-    return {**seen, "granularity": size, "source_bytes_after": sorted(set(bytes(back)))[:4]}
+    # 0x5A: as written; 0xA5: the READWRITE importer's write landed; 0xA6: the read-only mapping's write landed
+    return {**seen, "granularity": size, "source_bytes_after": [hex(b) for b in sorted(set(bytes(back)))][:4]}
 
 
 def vmm_target(args: argparse.Namespace) -> None:
@@ -204,14 +205,17 @@ def vmm_target(args: argparse.Namespace) -> None:
     size = args.vmm_size
     read_rc, ro = _map(lib, handle.value, size, PROT_READ)
     result: dict = {"set_access_read_rc": read_rc}
-    rw_rc, _ = _map(lib, handle.value, size, PROT_READWRITE)  # what a hostile importer would ask for
+    rw_rc, rw = _map(lib, handle.value, size, PROT_READWRITE)  # what a hostile importer would ask for
     result["importer_may_ask_readwrite_rc"] = rw_rc  # 0: read-only is the importer's choice, not the source's
+    if rw_rc == 0:  # and it writes: 0xA5 into bytes 16-31 of the source's allocation
+        rc = lib.cuMemsetD8_v2(ctypes.c_uint64(rw + 16), ctypes.c_ubyte(0xA5), ctypes.c_size_t(16))
+        result["write_through_readwrite_mapping_rc"] = rc or lib.cuCtxSynchronize()
     if read_rc == 0:
         buf = (ctypes.c_ubyte * 16)()
         result["read_rc"] = lib.cuMemcpyDtoH_v2(buf, ctypes.c_uint64(ro), ctypes.c_size_t(16))
         result["read_bytes"] = sorted(set(bytes(buf)))
         # last: a refused write may leave this context unusable
-        write_rc = lib.cuMemsetD8_v2(ctypes.c_uint64(ro), ctypes.c_ubyte(0xA5), ctypes.c_size_t(16))
+        write_rc = lib.cuMemsetD8_v2(ctypes.c_uint64(ro), ctypes.c_ubyte(0xA6), ctypes.c_size_t(16))
         result["write_through_read_mapping_rc"] = write_rc or lib.cuCtxSynchronize()
     print(json.dumps(result), flush=True)
 
@@ -236,9 +240,12 @@ def run(args: argparse.Namespace) -> dict:
         result["same_uid"] = (json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0
                               else {"error": out.stderr[-2000:]})
         other = as_other(RAW_CONNECT, offer["socket"])
-        got = other.get("got", "")
-        result["other_uid"] = {**other, "refused": '"refused"' in got,
-                               "handle_bytes_received": "allocations" in got or "handle" in got}
+        try:
+            reply = json.loads(other.get("got", ""))
+        except ValueError:
+            reply = {}
+        result["other_uid"] = {**other, "refused": isinstance(reply, dict) and set(reply) == {"refused"},
+                               "handle_bytes_received": isinstance(reply, dict) and "allocations" in reply}
     finally:
         src.stdin.write("\n")
         src.stdin.flush()
