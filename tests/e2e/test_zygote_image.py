@@ -111,6 +111,13 @@ def test_a_restored_zygotes_children_read_the_nodes_clocks(module_dir: Path) -> 
     maker.join(120)
     try:
         assert events and events[0][1]["status"] == "published", events
+        assert events[0][1]["pid"] == pid and events[0][1]["restore_s"] > 0, events
+        log = module_dir / "logs" / "zygote.log"
+        deadline = time.monotonic() + 30  # the restored copy logs its ready line once its socket is published
+        while "restored=" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert "restored=yes" in log.read_text(), log.read_text()  # a restored process, not the dumped one let run
         assert not (Path(events[0][1]["image"]) / criu.CLOCKS_IMAGE).exists()
         assert os.readlink(f"/proc/{pid}/ns/time") == os.readlink("/proc/self/ns/time")  # the node's clocks
         child = zygote.fork_from(key, clock, env, str(module_dir))
