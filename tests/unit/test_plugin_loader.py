@@ -13,11 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-
-from mxlaunch.plugin.loader import (  # noqa: E402
+from mxlaunch.plugin.loader import (
     ALIASES_KEY,
     LayoutMismatch,
     RestoreError,

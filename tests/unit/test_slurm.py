@@ -224,7 +224,6 @@ def test_an_unknown_engine_is_left_alone() -> None:
 
 def test_the_vllm_flags_mean_what_we_think_to_vllms_own_parser() -> None:
     """The installed vLLM (0.32) parses the added flags into the multi-node settings."""
-    pytest.importorskip("vllm")
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
