@@ -148,7 +148,9 @@ class RankLoad:
     (without post-processing); `engine` names it in log lines ("vLLM", "SGLang")."""
 
     def __init__(self, model: Any, plan: Any, rank: int, default_load: Callable[[], None], *, engine: str,
-                 log: logging.Logger, layout: Callable[[], dict] = dict) -> None:
+                 log: logging.Logger, layout: Callable[[], dict] = dict,
+                 prepare_layout: Callable[[], list[str]] = list,
+                 capture_problem: Callable[[], str | None] = lambda: None) -> None:
         self.model = model
         self.plan = plan
         self.rank = rank
@@ -156,6 +158,11 @@ class RankLoad:
         self.engine = engine
         self.log = log
         self.layout = layout
+        # Online quantization (plugin/vllm_online_quant.py): the layers the engine quantizes while loading are
+        # brought to that layout on placeholders before a restore lands over them; a capture is refused when
+        # the loaded model keeps state outside its tensors.
+        self.prepare_layout = prepare_layout
+        self.capture_problem = capture_problem
 
     def run(self) -> Outcome:
         """Dispatch on the plan's strategy (no plan: the engine's default, as the adapter decided)."""
@@ -199,13 +206,15 @@ class RankLoad:
         from mxlaunch.plugin.loader import module_tensors
         from mxlaunch.plugin.tensors import RestoreError
 
+        prepared = self._layout_for_restore("P2P pull")
         try:
             result = self._pull(module_tensors(self.model))
         except RestoreError as exc:
-            if exc.landed:
+            if exc.landed or prepared:
                 from mxlaunch.plugin.tensors import Reinitialise
 
-                raise Reinitialise(f"P2P pull failed after bytes landed: {exc}") from exc
+                raise Reinitialise(f"P2P pull failed after {'bytes landed' if exc.landed else _placeholders(prepared)}: "
+                                   f"{exc}") from exc
             if not self.plan.fallback_ok:
                 raise RuntimeError(f"mxlaunch: rank {self.rank}: {exc} and the plan forbids falling back") from exc
             return self.fall_back(f"P2P pull failed before any byte landed: {exc}")
@@ -309,6 +318,9 @@ class RankLoad:
         try:
             outcome = self.default()
             outcome.strategy = "capture"
+            problem = self.capture_problem()
+            if problem is not None:
+                raise CaptureError(f"this model cannot be snapshotted: {problem}")
             result = capture_tensors(module_tensors(self.model), out_dir, metadata=metadata, prepared=prepared)
         except CaptureError as exc:
             report_fallback(plan, rank, f"capture failed, serving without a snapshot: {exc}", log)
@@ -338,6 +350,16 @@ class RankLoad:
             self.log.warning("mxlaunch: rank %d: cannot prepare the capture's files during loading: %s", self.rank, exc)
             return None
 
+    def _layout_for_restore(self, what: str) -> list[str]:
+        """The adapter's prepare_layout (online-quantized layers processed on placeholders); past this point the
+        engine's default loader cannot run on this model, so any failure means a rebuild."""
+        try:
+            return self.prepare_layout()
+        except Exception as exc:  # noqa: BLE001
+            from mxlaunch.plugin.tensors import Reinitialise
+
+            raise Reinitialise(f"{what}: bringing the online-quantized layers to their loaded layout failed: {exc}") from exc
+
     def staged(self) -> Outcome:
         from mxlaunch.plugin.loader import RestoreError, module_tensors, restore_tensors
 
@@ -346,12 +368,17 @@ class RankLoad:
         if not files:
             fall_back_or_stop(plan, rank, f"the plan lists no files for rank {rank}", self.log, self.engine)
             return self.default()
+        prepared = self._layout_for_restore("staged restore")
         try:
             result = restore_tensors(module_tensors(self.model), [(f.path, f.bytes) for f in files],
                                      wait_timeout_s=plan.wait_timeout_s, cancelled=lambda: aborted(plan))
         except RestoreError as exc:
             if aborted(plan):
                 exc = RestoreError(f"the launcher aborted staging: {abort_reason(plan)}", landed=exc.landed)
+            if not exc.landed and prepared and plan.fallback_ok:  # the default loader cannot load this model now
+                from mxlaunch.plugin.tensors import Reinitialise
+
+                raise Reinitialise(f"staged restore failed after {_placeholders(prepared)}: {exc}") from exc
             if not exc.landed and plan.fallback_ok:
                 return self.fall_back(f"staged restore failed before any tensor landed: {exc}")
             where = "after tensors landed" if exc.landed else "and the plan forbids falling back"
@@ -382,3 +409,6 @@ class RankLoad:
                     {"bytes": outcome.bytes, "seconds": round(outcome.seconds, 4), "strategy": outcome.strategy,
                      **outcome.extra, **self.layout()}, self.log)
 
+
+def _placeholders(prepared: list[str]) -> str:
+    return f"{len(prepared)} online-quantized layer(s) were processed on placeholders ({prepared[0]}, …)"

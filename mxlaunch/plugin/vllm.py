@@ -12,7 +12,8 @@ named by MXLAUNCH_PLAN (mxlaunch/plan.py):
 
     capture  vLLM's default weight loading, then this rank's raw tensors → <capture_dir>/<rank>/part-*.safetensors
              (before post-processing), marker captured-<rank>
-    staged   wait for each file of this rank, copy its tensors in by name, check the fill;
+    staged   (online-quantized layers first brought to their loaded layout: plugin/vllm_online_quant.py)
+             wait for each file of this rank, copy its tensors in by name, check the fill;
              log "mxlaunch: rank R loaded N GiB in X s (strategy staged)"
     default  vLLM's default weight loading
     no plan  vLLM's default weight loading, with a warning
@@ -238,8 +239,12 @@ def loader_class() -> type:
                 log.warning("mxlaunch: --load-format mxlaunch without %s: rank %d loads with vLLM's default "
                             "loader (start the engine through `mxlaunch launch` to use snapshots)",
                             "MXLAUNCH_PLAN", rank)
+            from mxlaunch.plugin import vllm_online_quant as online
+
             self._rank_load = RankLoad(model, plan, rank, lambda: self.default_loader().load_weights(model, model_config),
-                                       engine="vLLM", log=log, layout=_layout)
+                                       engine="vLLM", log=log, layout=_layout,
+                                       prepare_layout=lambda: online.prepare_restore(model),
+                                       capture_problem=lambda: online.capture_problem(model))
             self._outcome = self._rank_load.run()
 
     MxlaunchModelLoader.__module__ = __name__

@@ -1,0 +1,169 @@
+"""Tiny pre-quantized checkpoints, written in code from a tiny model (tests/helpers/tiny_model.py).
+
+    quantize_model(src_dir, out_dir, method)    # method: one of METHODS
+    cached_quantized(cache_root, method)        # the seed-0 tiny model, quantized once per generator version
+
+The formats are written by hand, as their producers lay them out (no quantization library needed):
+
+- ``w8a8-int8``: compressed-tensors "int-quantized": each Linear's ``weight`` int8 [out, in], symmetric
+  per output channel, ``weight_scale`` [out, 1]; activations int8 per token, dynamic (no input scales).
+- ``w8a8-fp8``: compressed-tensors "float-quantized": ``weight`` float8_e4m3fn, per-channel ``weight_scale``
+  [out, 1], dynamic per-token fp8 activations.
+- ``awq``: AutoAWQ GEMM, 4 bit, group 32, zero point: ``qweight`` int32 [in, out/8] (nibbles in AWQ's order
+  0 2 4 6 1 3 5 7), ``qzeros`` int32 [in/32, out/8] (same order), ``scales`` fp16 [in/32, out].
+- ``gptq``: AutoGPTQ, 4 bit, group 32, symmetric, no act-order: ``qweight`` int32 [in/8, out] (packed along
+  the input), ``qzeros`` int32 [in/32, out/8] (stored zero - 1 = 7), ``scales`` fp16 [in/32, out], ``g_idx``.
+
+Only the decoder layers' Linears are quantized; embeddings, norms and lm_head stay as they are.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers.tiny_model import cached_model
+
+METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq")
+GROUP = 32
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the nibble k of a packed int32 holds column AWQ_ORDER[k]
+
+
+def _is_linear(name: str) -> bool:
+    return name.endswith(".weight") and any(f".{p}." in name for p in _LINEARS)
+
+
+def _ct_config(kind: str) -> dict:
+    """compressed-tensors' quantization_config for W8A8 (int or float), channel-wise weights, dynamic tokens."""
+    args = {"num_bits": 8, "type": kind, "symmetric": True, "group_size": None, "block_structure": None,
+            "observer": "minmax", "observer_kwargs": {}, "actorder": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized" if kind == "int" else "float-quantized",
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {**args, "strategy": "channel", "dynamic": False},
+            "input_activations": {**args, "strategy": "token", "dynamic": True, "observer": None},
+            "output_activations": None,
+        }},
+    }
+
+
+def _w8(w: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+    w = w.float()
+    amax = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8)
+    if kind == "int":
+        scale = amax / 127.0
+        q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+    else:
+        scale = amax / torch.finfo(torch.float8_e4m3fn).max
+        q = (w / scale).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale.to(torch.float32)}
+
+
+def _pack_cols(q: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """[rows, cols] of 4-bit values → int32 [rows, cols/8], nibble k from column 8j + order[k]."""
+    rows, cols = q.shape
+    q = q.to(torch.int64).view(rows, cols // 8, 8)
+    packed = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for k, col in enumerate(order):
+        packed |= q[:, :, col] << (4 * k)
+    return _int32(packed)
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def _int4_groups(w: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] → (q [in, out] in 0..15, scales [in/G, out], zeros [in/G, out]) per group of G inputs."""
+    wt = w.float().t().contiguous()  # [in, out]
+    groups = wt.view(wt.shape[0] // GROUP, GROUP, wt.shape[1])
+    if symmetric:
+        scale = (groups.abs().amax(dim=1) / 7.0).clamp(min=1e-8)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo, hi = groups.amin(dim=1), groups.amax(dim=1)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+        zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(groups / scale[:, None, :] + zero[:, None, :]).clamp(0, 15)
+    return q.view_as(wt), scale, zero
+
+
+def _awq(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    q, scale, zero = _int4_groups(w, symmetric=False)
+    return {"qweight": _pack_cols(q, _AWQ_ORDER), "qzeros": _pack_cols(zero, _AWQ_ORDER),
+            "scales": scale.to(torch.float16)}
+
+
+def _gptq(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    q, scale, zero = _int4_groups(w, symmetric=True)
+    rows = q.t().contiguous()  # pack along the input: [out, in] → [out, in/8] → transposed [in/8, out]
+    qweight = _pack_cols(rows, tuple(range(8))).t().contiguous()
+    return {"qweight": qweight, "qzeros": _pack_cols(zero - 1, tuple(range(8))),
+            "scales": scale.to(torch.float16),
+            "g_idx": torch.arange(w.shape[1], dtype=torch.int32) // GROUP}
+
+
+def _quant_config(method: str) -> dict:
+    if method == "w8a8-int8":
+        return _ct_config("int")
+    if method == "w8a8-fp8":
+        return _ct_config("float")
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
+    if method == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
+                "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
+    raise ValueError(f"unknown method {method!r}; one of {', '.join(METHODS)}")
+
+
+def quantize_model(src: Path, out: Path, method: str) -> Path:
+    """Write `src` (a tiny float model folder) quantized by `method` into `out`; returns `out`."""
+    config = json.loads((Path(src) / "config.json").read_text())
+    config["quantization_config"] = _quant_config(method)
+    config["torch_dtype"] = "bfloat16" if method.startswith("w8a8") else "float16"
+    convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
+               "awq": _awq, "gptq": _gptq}[method]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(Path(src) / "model.safetensors")).items():
+        if _is_linear(name):
+            stem = name[: -len("weight")]
+            tensors.update({stem + k: v.contiguous() for k, v in convert(t).items()})
+        else:
+            tensors[name] = t.to(torch.bfloat16 if method.startswith("w8a8") else torch.float16).contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors") and not f.name.endswith(".index.json"):
+            shutil.copy2(f, out / f.name)
+    save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def cached_quantized(cache_root: Path, method: str, seed: int = 0) -> Path:
+    """The tiny model of `seed`, quantized by `method`, made once per version of this file."""
+    cache_root = Path(cache_root)
+    src = cached_model(cache_root, seed=seed)
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    out = cache_root / f"{src.name}-{method}-{digest}"
+    with open(cache_root / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            quantize_model(src, tmp, method)
+            tmp.rename(out)
+    return out
