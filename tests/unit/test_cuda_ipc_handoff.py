@@ -195,3 +195,25 @@ def test_a_record_carrying_handles_is_not_published_and_a_foreign_socket_name_ma
     for bad in ({**ok, "socket": "/tmp/planted.sock"}, {**ok, "allocations": 0}, {**ok, "handles": allocations()}):
         assert rec({}).from_json(rec({p2p.HANDOFF: bad}).to_json()) is None
     assert not registry.sources("src", 0)
+
+
+@pytest.mark.parametrize("case", ["handles in the record", "socket of another process"])
+def test_a_target_uses_no_handle_from_a_record_nor_from_a_socket_that_is_not_the_source(case: str, monkeypatch) -> None:
+    """An older mxlaunch's record with handles in it, or a record whose socket is held by another process than
+    the record's: nothing is opened, the same source is pulled over NIXL, and the line says why."""
+    import types
+
+    from mxlaunch.transfer.tensor_set import Pair
+
+    opened: list = []
+    monkeypatch.setattr(cuda_ipc, "pull", lambda *a, **k: opened.append(a))
+    pairs = [Pair("w", 0x50000, 0x1000, 64, 0, 0, "cuda", "cuda")]
+    with ipc_handoff.HandoffServer({"worker": WORKER, "allocations": allocations()}).start() as server:
+        extra = ({"cuda_ipc": allocations()} if case == "handles in the record"
+                 else {p2p.HANDOFF: {"socket": server.address, "allocations": 2}})
+        rec = types.SimpleNamespace(extra=extra, boot_id=p2p.boot_id(), worker=WORKER, host="node-a",
+                                    pid=os.getpid() + 1)
+        skipped: list[str] = []
+        assert p2p._ipc_pull(rec, pairs, skipped) is None and not opened
+    why = "wrote them into its record" if case == "handles in the record" else "not the source"
+    assert len(skipped) == 1 and why in skipped[0] and skipped[0].endswith("(pulled over NIXL instead)")
