@@ -118,6 +118,10 @@ def evict(*folders: Path) -> int:
 
 RECORD_EACH = {"on": False}  # --record-each: every start's answers are kept (a gold file each)
 COMPILE = {"on": False}  # --compile: vLLM's default torch.compile + CUDA graphs (no --enforce-eager)
+# --quant METHOD (issue 40): every start of the batch serves the model quantized. fp8-online: the bf16 Llama with
+# vLLM's `--quantization fp8`; the others: a checkpoint written from it by tests/helpers/quantized_model.py
+QUANT = {"method": None, "extra": ()}
+QUANT_METHODS = {"fp8-online": ("--quantization", "fp8"), "w8a8-fp8": (), "w8a8-int8": (), "awq": (), "gptq": ()}
 
 
 def jit_cache_dirs() -> list[Path]:
@@ -172,7 +176,7 @@ def engine_argv(model: Path, port: int, util: float, extra: tuple[str, ...] = ()
     eager = () if COMPILE["on"] else ("--enforce-eager",)
     return [sys.executable, "-m", API, "--model", str(model), "--dtype", "bfloat16", *eager,
             "--max-model-len", "2048", "--gpu-memory-utilization", f"{util:g}", "--host", "127.0.0.1",
-            "--port", str(port), *extra]
+            "--port", str(port), *QUANT["extra"], *extra]
 
 
 class Start:
@@ -540,6 +544,10 @@ def main() -> int:
                     "start (the store stays): each start as on a node that never ran the model")
     ap.add_argument("--record-each", action="store_true", help="also record every start's own answers "
                     "(logs/NN-name.answers.json), to compare starts with each other, not only with the gold")
+    ap.add_argument("--quant", choices=tuple(QUANT_METHODS), help="serve the model quantized (issue 40): fp8-online "
+                    "(--quantization fp8) or a pre-quantized checkpoint written from it; use a --work of its own")
+    ap.add_argument("--quant-out", type=Path, help="with --quant: add one record per start (method, engine, strategy, "
+                    "verify, fallback, weight_s) to this JSON file, e.g. docs/bench-results/quantized_<date>.json")
     ap.add_argument("--flashinfer-sampler", action="store_true", help="leave VLLM_USE_FLASHINFER_SAMPLER unset (vLLM's "
                     "default on CUDA: FlashInfer's sampler, JIT-built on a node's first start)")
     args = ap.parse_args()
@@ -552,6 +560,15 @@ def main() -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model),
                         "--size", args.size], check=True)
+    if args.quant and args.quant != "fp8-online":
+        sys.path.insert(0, str(REPO))
+        from tests.helpers.quantized_model import quantize_model  # noqa: PLC0415 — torch, in the engine's env
+
+        quantized = args.work / f"llama-{args.size}-{args.quant}"
+        if not (quantized / "config.json").exists():
+            quantize_model(model, quantized.with_name(quantized.name + ".tmp"), args.quant).rename(quantized)
+        model = quantized
+    QUANT["method"], QUANT["extra"] = args.quant, QUANT_METHODS.get(args.quant or "", ())
     COMPILE["on"] = args.compile
     ENGINE["name"], ENGINE["attention"] = args.engine, args.sglang_attention
     if args.engine == "sglang" and {"p2p", "zygote", "default-fork", *ENGINE_OPTIONS} & set(scenarios):
@@ -571,10 +588,26 @@ def main() -> int:
            "env": ENV, "command": shown_argv([sys.executable, *sys.argv]), "runs": harness.runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for scenario in scenarios:  # the record is rewritten after every start: a run cut short keeps what it did
-        harness.run(scenario)
+        rec = harness.run(scenario)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        if args.quant and args.quant_out:
+            add_quant_record(args.quant_out, rec, args.quant, version, doc)
     print_table(harness.runs)
     return 0
+
+
+def add_quant_record(path: Path, rec: dict, method: str, version: str, doc: dict) -> None:
+    """One record per start in the quantized results file (issue 40's targets), added to what it holds."""
+    data = json.loads(path.read_text()) if path.exists() else {"schema": 1, "gpu": doc["gpu"], "model": doc["model"],
+                                                                "records": []}
+    data["records"].append({
+        "method": method, "engine": ENGINE["name"], "engine_version": version, "start": rec.get("name"),
+        "strategy": rec.get("strategy"), "planned": rec.get("planned"),
+        "verify": rec.get("verify") or rec.get("error") or rec.get("skipped"),
+        "fallback": bool(rec.get("fallback")), "fallback_reason": rec.get("fallback"),
+        "weight_s": rec.get("weight_s"), "ready_s": rec.get("ready_s"), "compile": COMPILE["on"], "at": rec.get("at")})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def print_table(runs: list[dict]) -> None:

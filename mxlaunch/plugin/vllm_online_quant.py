@@ -53,6 +53,19 @@ def _layerwise() -> Any:
     return layerwise
 
 
+def _deferred_attention() -> Any:
+    """The engine's test for layers its finalize step processes last (attention): vLLM 0.32 names it,
+    vLLM 0.26 checks the classes inline."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        return is_deferred_attention_layer
+    except ImportError:
+        from vllm.model_executor.layers.attention import Attention, MLAAttention
+
+        return lambda layer: isinstance(layer, (Attention, MLAAttention))
+
+
 def capture_problem(model: nn.Module) -> str | None:
     """After the engine's weight loading: why this model's tensors do not hold its loaded state (None: they do)."""
     layers = list(online_layers(model))
@@ -82,7 +95,7 @@ def prepare_restore(model: nn.Module) -> list[str]:
     if not layers:
         return []
     layerwise = _layerwise()
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    deferred = _deferred_attention()
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload.meta import materialize_layer
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
@@ -90,7 +103,7 @@ def prepare_restore(model: nn.Module) -> list[str]:
     done: list[str] = []
     for name, layer in layers:
         info = layerwise.get_layerwise_info(layer)
-        if not info.can_load() or is_deferred_attention_layer(layer):
+        if not info.can_load() or deferred(layer):
             continue  # processed already, or left to the engine's finalize step as in the capture run
         materialize_layer(layer, info)
         with torch.no_grad():

@@ -130,25 +130,36 @@ def _quant_config(method: str) -> dict:
 
 
 def quantize_model(src: Path, out: Path, method: str) -> Path:
-    """Write `src` (a tiny float model folder) quantized by `method` into `out`; returns `out`."""
-    config = json.loads((Path(src) / "config.json").read_text())
+    """Write `src` (a float model folder: one model.safetensors, or shards with their index) quantized by
+    `method` into `out`, shard by shard under the same file names; returns `out`."""
+    src, out = Path(src), Path(out)
+    config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = _quant_config(method)
-    config["torch_dtype"] = "bfloat16" if method.startswith("w8a8") else "float16"
+    dtype = torch.bfloat16 if method.startswith("w8a8") else torch.float16
+    config["torch_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
     convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
                "awq": _awq, "gptq": _gptq}[method]
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in load_file(str(Path(src) / "model.safetensors")).items():
-        if _is_linear(name):
-            stem = name[: -len("weight")]
-            tensors.update({stem + k: v.contiguous() for k, v in convert(t).items()})
-        else:
-            tensors[name] = t.to(torch.bfloat16 if method.startswith("w8a8") else torch.float16).contiguous()
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for f in Path(src).iterdir():
-        if f.is_file() and f.name not in ("config.json", "model.safetensors") and not f.name.endswith(".index.json"):
+    weight_map: dict[str, str] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in load_file(str(shard)).items():
+            if _is_linear(name):
+                stem = name[: -len("weight")]
+                tensors.update({stem + k: v.contiguous() for k, v in convert(t).items()})
+            else:
+                tensors[name] = t.to(dtype).contiguous()
+        save_file(dict(sorted(tensors.items())), str(out / shard.name), metadata={"format": "pt"})
+        weight_map.update({name: shard.name for name in tensors})
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".index.json")):
             shutil.copy2(f, out / f.name)
-    save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        doc = json.loads(index.read_text())
+        doc["weight_map"] = dict(sorted(weight_map.items()))
+        doc.setdefault("metadata", {})["total_size"] = sum((out / n).stat().st_size for n in set(weight_map.values()))
+        (out / index.name).write_text(json.dumps(doc, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
