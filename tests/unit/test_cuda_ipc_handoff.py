@@ -217,3 +217,47 @@ def test_a_target_uses_no_handle_from_a_record_nor_from_a_socket_that_is_not_the
         assert p2p._ipc_pull(rec, pairs, skipped) is None and not opened
     why = "wrote them into its record" if case == "handles in the record" else "not the source"
     assert len(skipped) == 1 and why in skipped[0] and skipped[0].endswith("(pulled over NIXL instead)")
+
+
+def test_bytes_pulled_through_the_handoff_are_checked_and_a_changed_source_is_never_served(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """The whole same-host path: p2p.serve publishes the socket, p2p.pull fetches the handles from it and copies
+    (host memory and memmove stand in for the driver's mapping and copies), then checks every checksum. A
+    source whose memory was written after it published (what a holder of a handle could do) is refused with
+    bytes landed: the target rebuilds, never serves."""
+    import ctypes
+    import types
+
+    weights = torch.arange(256, dtype=torch.float32)
+    driver = FakeDriver()
+    driver.alloc(weights.data_ptr(), bytes(weights.numel() * 4))
+    monkeypatch.setattr(cuda_ipc, "Driver", lambda: driver)
+    monkeypatch.setattr(p2p, "agent", lambda: StubAgent())
+    monkeypatch.setattr(p2p, "_regions", [])
+    monkeypatch.setattr(p2p, "regions_for", lambda tensors: [Region(weights.data_ptr(), 1024, 0, "cuda")])
+    monkeypatch.setattr(cuda_ipc, "split", lambda pairs: (list(pairs), []))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
+    handed: list = []
+
+    def copy(allocations, pairs, stream):
+        handed.append([base64.b64decode(a["handle"]) for a in allocations])
+        for p in pairs:
+            ctypes.memmove(p.local_addr, p.remote_addr, p.bytes)
+        return cuda_ipc.IpcStats(sum(p.bytes for p in pairs), 0.0, 0.0, len(allocations))
+
+    monkeypatch.setattr(cuda_ipc, "pull", copy)
+    registry = FileRegistry(tmp_path)
+    p2p.serve([("w", weights)], registry=registry, source_id="src", rank=0, world=1, layout="processed",
+              run_id="run-1")
+    try:
+        mine = torch.zeros_like(weights)
+        result = p2p.pull([("w", mine)], registry=registry, source_id="src", rank=0, world=1, layout="processed")
+        assert result.transport == "CUDA IPC" and torch.equal(mine, weights) and handed == [list(driver.handles)]
+        weights[7] = -1.0  # written after it published its checksums
+        with pytest.raises(p2p.RestoreError, match="differ from the checksums") as refused:
+            p2p.pull([("w", torch.zeros_like(weights))], registry=registry, source_id="src", rank=0, world=1,
+                     layout="processed")
+        assert refused.value.landed is True
+    finally:
+        p2p._unpublish_all()
+        p2p._serving.clear()
