@@ -16,6 +16,9 @@ if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = os.pathsep.join(p for p in (_BIN, os.environ.get("PATH", "")) if p)
 
 _MARKER_BY_FOLDER = {"unit": "unit", "e2e": "e2e", "slurm": "slurm", "redis": "redis"}
+# A live test starts real engines (one or two vLLM/SGLang starts of ~30-60 s each, up to their own deadlines):
+# its pytest-timeout deadline, where the test names none itself (the unit default is pyproject's `timeout`).
+LIVE_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,6 +27,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = _MARKER_BY_FOLDER.get(folder)
         if marker:
             item.add_marker(getattr(pytest.mark, marker))
+        if marker in ("e2e", "slurm", "redis") and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LIVE_TIMEOUT_S))
 
 
 @pytest.fixture(autouse=True, scope="session")
