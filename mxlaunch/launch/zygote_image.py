@@ -20,6 +20,13 @@ The flow (the plugin's half is plugin/zygote.py `await_image`):
 - a later start with no zygote: `restore_zygote` writes `<key>.resume` (where to log), restores the image and
   waits for the socket. Any failure (the pid is taken here, a library changed size, no capability) is a
   `CriuError`, and the launcher spawns as always.
+
+Restoring an image runs it, so only this user's own image is ever restored (an image also holds its writer's
+environment: MXLAUNCH_TRUSTED_WRITERS does not widen this). `open_image` opens <uid>/ and <key>/ without
+following links and judges them and every file in the image on their descriptors; CRIU is then given the
+folder through that descriptor (/proc/self/fd/N), so a folder renamed in its place after the check (a group
+store's members may rename what is above <uid>/) is never what CRIU reads. Something there that fails the
+check is refused: one `zygote-image` event with the reason, and the engine is spawned as always.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -52,12 +60,75 @@ def image_dir(store_root: Path, key: str) -> Path:
 private = zygote.private_dir  # an image is restored, and dumped into, only from a folder this user alone controls
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_image(store_root: Path, key: str) -> tuple[Optional[int], str]:
+    """A descriptor of the published image for `key` (the caller closes it): (fd, ""); (None, "") when there is
+    none; (None, why) when something is there that must not be restored (not this user's alone, a link, a file
+    another user wrote or could write)."""
+    root = images_root(store_root)
+    try:
+        root_fd = os.open(root, _DIR_FLAGS)
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        return None, f"{root} is not a real folder ({exc.strerror or exc})"
+    try:
+        st = os.fstat(root_fd)
+        if not os.path.lexists(root / key):
+            return None, ""
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return None, (f"{root} is not a folder of this user's alone (uid {st.st_uid}, mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}): no image in it is restored")
+        try:
+            fd = os.open(key, _DIR_FLAGS, dir_fd=root_fd)
+        except FileNotFoundError:
+            return None, ""
+        except OSError as exc:
+            return None, f"{root / key} is not a real folder ({exc.strerror or exc})"
+    finally:
+        os.close(root_fd)
+    why = _foreign_in(fd, root / key)
+    if why is None and not _is_file(fd, META):
+        why = ""  # not published (a dump renames a finished folder into place): no image
+    if why is not None:
+        os.close(fd)
+        return None, why
+    return fd, ""
+
+
+def _foreign_in(fd: int, folder: Path) -> Optional[str]:
+    """Why the image folder (open as fd) or a file in it is not this user's own, or None."""
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return f"{folder} belongs to uid {st.st_uid} or others can write it (mode {stat.S_IMODE(st.st_mode):04o})"
+    for name in os.listdir(fd):
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return f"{folder / name} is not a file of this user's alone (uid {st.st_uid}, mode {st.st_mode:o})"
+    return None
+
+
+def _is_file(fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def check_image(store_root: Path, key: str) -> tuple[Optional[Path], str]:
+    """(folder, "") for a usable image; (None, "") when there is none; (None, why) when one is refused."""
+    fd, why = open_image(store_root, key)
+    if fd is None:
+        return None, why
+    os.close(fd)
+    return image_dir(store_root, key), ""
+
+
 def find_image(store_root: Path, key: str) -> Optional[Path]:
     """The published image for `key`, if one is there in a folder only this user controls."""
-    folder = image_dir(store_root, key)
-    if not private(images_root(store_root)) or not (folder / META).is_file() or os.lstat(folder).st_uid != os.getuid():
-        return None
-    return folder
+    return check_image(store_root, key)[0]
 
 
 def list_images(store_root: Path) -> list[dict]:
@@ -104,25 +175,29 @@ def wait_for_socket(key: str, pid: int, timeout: float) -> None:
 def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Path, timeout: float = 30.0) -> dict:
     """Restore the image for `key` and wait until it serves: {"pid", "restore_s", "image"}; CriuError when
     there is no usable image or CRIU refuses (the caller spawns as always)."""
-    folder = find_image(store_root, key)
-    if folder is None:
-        raise CriuError("no image for this zygote yet")
-    zygote.zygote_root().mkdir(mode=0o700, exist_ok=True)
-    blocked = zygote.image_blocker()  # the image's zygote listens under the usual name: it must be this user's
-    if blocked:
-        raise CriuError(blocked)
-    if not zygote.private_root():
-        raise CriuError(f"{zygote.zygote_root()} is not a folder of this user's alone")
-    t0 = time.monotonic()
-    _wait_pid_free(_pid_in(folder / META), 5.0)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    write_resume(key, log, restored=True)
+    fd, why = open_image(store_root, key)
+    if fd is None:
+        raise CriuError(f"image refused: {why}" if why else "no image for this zygote yet")
+    folder, by_fd = image_dir(store_root, key), Path(f"/proc/self/fd/{fd}")
     try:
-        pid = criu.restore(binary, folder, work, timeout)
-        wait_for_socket(key, pid, timeout)
-    except CriuError:
-        _marker(key, ZYGOTE_RESUME).unlink(missing_ok=True)
-        raise
+        zygote.zygote_root().mkdir(mode=0o700, exist_ok=True)
+        blocked = zygote.image_blocker()  # the image's zygote listens under the usual name: it must be this user's
+        if blocked:
+            raise CriuError(blocked)
+        if not zygote.private_root():
+            raise CriuError(f"{zygote.zygote_root()} is not a folder of this user's alone")
+        t0 = time.monotonic()
+        _wait_pid_free(_pid_in(by_fd / META), 5.0)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        write_resume(key, log, restored=True)
+        try:  # CRIU reads the folder that was checked, through its descriptor, whatever its name holds by now
+            pid = criu.restore(binary, by_fd, work, timeout, pass_fds=(fd,))
+            wait_for_socket(key, pid, timeout)
+        except CriuError:
+            _marker(key, ZYGOTE_RESUME).unlink(missing_ok=True)
+            raise
+    finally:
+        os.close(fd)
     mark_used(folder)  # `store prune` removes the least recently used first
     return {"pid": pid, "restore_s": round(time.monotonic() - t0, 3), "image": str(folder)}
 

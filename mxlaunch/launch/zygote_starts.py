@@ -67,7 +67,8 @@ class ZygoteStarts:
         key, entry, env = self._next
         self._next = None
         binary = self._criu()
-        for_image = binary is not None and zygote_image.find_image(self.store_root, key) is None
+        # an image refused (said by _restore) means the store's image folder is not this user's alone: no dump into it
+        for_image = binary is not None and zygote_image.check_image(self.store_root, key) == (None, "")
         try:
             pid = zygote.start_zygote(key, entry, env, os.getcwd(), self.log_dir, for_image=for_image)
         except OSError as exc:
@@ -105,7 +106,11 @@ class ZygoteStarts:
 
     def _restore(self, key: str) -> Optional[dict]:
         """Restore this key's zygote image; None when there is none or CRIU refused (said in an event)."""
-        if zygote_image.find_image(self.store_root, key) is None:
+        found, why = zygote_image.check_image(self.store_root, key)
+        if why:  # an image is there that this user did not write alone: one event, then spawn as always
+            self.emit("zygote-image", status="refused", key=key, reason=why)
+            return None
+        if found is None:
             return None
         binary = self._criu()
         if binary is None:

@@ -59,8 +59,10 @@ def test_only_an_image_in_this_users_private_folder_is_found(tmp_path: Path) -> 
     assert zygote_image.find_image(tmp_path, "k2") is None
     os.chmod(zygote_image.images_root(tmp_path), 0o755)  # others may enter: someone could have put an image there
     assert zygote_image.find_image(tmp_path, "k1") is None
-    with pytest.raises(CriuError, match="no image for this zygote yet"):
+    with pytest.raises(CriuError, match="image refused: .* is not a folder of this user's alone"):
         zygote_image.restore_zygote("/bin/false", tmp_path, "k1", tmp_path / "log", tmp_path / "work")
+    with pytest.raises(CriuError, match="no image for this zygote yet"):
+        zygote_image.restore_zygote("/bin/false", tmp_path, "k2", tmp_path / "log", tmp_path / "work")
 
 
 def test_a_restore_whose_pid_is_held_names_it_and_leaves_no_resume_file(module_dir: Path) -> None:  # noqa: F811
