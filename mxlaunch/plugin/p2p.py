@@ -13,8 +13,8 @@ Source (any worker whose plan has p2p serving on, after its weights are final):
     registered memory for remote WRITE too), register them (processed: the model's own memory, zero-copy;
     raw: a host copy made before post-processing), publish a record with the NIXL metadata and the
     manifest (GPU memory: also the address of the socket that hands CUDA IPC handles to this uid's
-    same-host peers — the handles themselves never enter a record), heartbeat in a daemon thread, unpublish at exit (the launcher also removes its run's
-    records when it stops).
+    same-host peers — the handles themselves never enter a record), heartbeat in a daemon thread,
+    unpublish at exit (the launcher also removes its run's records when it stops).
 
 One NIXL agent per worker process: the memory a target registered to pull into is what it serves
 afterwards (processed layout), so becoming a source costs no second registration.
@@ -253,7 +253,7 @@ def _ipc_pull(rec: Any, pairs: Sequence[Any], skipped: list[str]) -> Any:
         skipped.append(f"{rec.worker}: CUDA IPC: {exc} (pulled over NIXL instead)")
         return None
     try:
-        return cuda_ipc.pull(allocations, gpu, torch.cuda.current_stream().cuda_stream), rest
+        return cuda_ipc.pull(allocations, gpu, torch.cuda.current_stream().cuda_stream), pairs
     except cuda_ipc.CudaIpcError as exc:
         if exc.landed:
             raise RestoreError(f"the CUDA IPC copy from {rec.worker} on {rec.host} failed after bytes landed: {exc}",

@@ -169,7 +169,8 @@ def test_a_served_gpu_source_publishes_the_socket_not_the_handles_and_stops_hand
         files = [p for p in tmp_path.rglob("*") if p.is_file()]
         assert files and not any(handle in p.read_bytes() or base64.b64encode(handle) in p.read_bytes() for p in files)
         (entry,) = registry.sources("src", 0)
-        assert set(entry.record.extra[p2p.HANDOFF]) == {"socket", "allocations"} and "cuda_ipc" not in entry.record.extra
+        extra = entry.record.extra
+        assert set(extra[p2p.HANDOFF]) == {"socket", "allocations"} and "cuda_ipc" not in extra
         got = fetch_in_child(entry.record.extra[p2p.HANDOFF]["socket"], entry.record.pid)
         assert [base64.b64decode(a["handle"]) for a in got["allocations"]] == [handle]
         publication.unpublish()
