@@ -202,7 +202,8 @@ def test_a_same_host_source_whose_memory_cannot_be_opened_is_pulled_over_nixl_an
     def broke(*_a, **_k):
         raise cuda_ipc.CudaIpcError("a copy out of the source's memory failed", landed=True)
 
-    torch = pytest.importorskip("torch")
+    import torch  # noqa: PLC0415
+
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
     rec = record(p2p.boot_id(), [{"addr": 0x1000, "bytes": 64, "handle": base64.b64encode(b"h" * 64).decode()}])
     pairs = [Pair("a", 0x50000, 0x1000, 64, 0, 0, "cuda", "cuda")]
@@ -254,3 +255,32 @@ def test_a_handle_with_nul_bytes_travels_whole_from_export_to_open() -> None:
     exported = driver.export(0x1000)
     assert exported == handle
     assert driver.open(exported) == 0x7000 and opened == [handle]
+
+
+def test_a_same_host_pull_copies_the_gpu_pairs_through_the_driver_and_leaves_the_host_ones_to_nixl(monkeypatch) -> None:
+    """The success path of the target's choice (p2p._ipc_pull, as p2p.pull calls it): the handles come over the
+    source's socket, the GPU pairs alone go to the driver (the fake one: bytes land at their offsets), the host
+    pairs come back for NIXL, every mapping is closed and nothing is said."""
+    import torch  # noqa: PLC0415
+
+    driver = FakeDriver()
+    regions, pairs = two_allocations(driver)
+    allocations, why = cuda_ipc.export_regions(regions, driver)
+    assert why == ""
+    monkeypatch.setattr(cuda_ipc, "Driver", lambda: driver)
+    streams: list[int] = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: streams.append(7) or types.SimpleNamespace(cuda_stream=7))
+    copies: list[tuple[int, int, int, int]] = []
+    real_copy = driver.copy
+    monkeypatch.setattr(driver, "copy", lambda dst, src, n, stream: copies.append((dst, src, n, stream))
+                        or real_copy(dst, src, n, stream))
+    host = Pair("rope", 0x6000_0000, 0x7000_0000, 64, 0, 0, "cpu", "cpu")
+    skipped: list[str] = []
+    got = p2p._ipc_pull(record(p2p.boot_id(), allocations), [pairs[0], host, *pairs[1:]], skipped)
+    assert got is not None, skipped
+    stats, rest = got
+    assert rest == [host] and skipped == [] and streams == [7]
+    assert [(dst, n, stream) for dst, _, n, stream in copies] == [(p.local_addr, p.bytes, 7) for p in pairs]
+    target, first, second = driver.allocs[0x50000], driver.allocs[0x1000], driver.allocs[0x8000]
+    assert target[:300] == first[100:400] and target[300:500] == first[700:900] and target[600:1100] == second[12:512]
+    assert stats.bytes == sum(p.bytes for p in pairs) and stats.allocations == 2 and not driver.mapped
