@@ -253,7 +253,7 @@ def _ipc_pull(rec: Any, pairs: Sequence[Any], skipped: list[str]) -> Any:
         skipped.append(f"{rec.worker}: CUDA IPC: {exc} (pulled over NIXL instead)")
         return None
     try:
-        return cuda_ipc.pull(allocations, gpu, torch.cuda.current_stream().cuda_stream), pairs
+        return cuda_ipc.pull(allocations, gpu, torch.cuda.current_stream().cuda_stream), rest
     except cuda_ipc.CudaIpcError as exc:
         if exc.landed:
             raise RestoreError(f"the CUDA IPC copy from {rec.worker} on {rec.host} failed after bytes landed: {exc}",
