@@ -3,7 +3,9 @@ the registry's file backend, and the faults the strategy must survive."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -93,35 +95,86 @@ def test_processed_layout_pull_is_exact_and_the_target_serves_without_registerin
 
 
 def test_a_same_host_pull_copies_gpu_pairs_through_ipc_and_only_the_rest_over_nixl(tmp_path, sources, monkeypatch) -> None:
-    """vLLM 0.26 serves a few tensors from host memory: the IPC half and the NIXL half make one exact pull."""
-    from mxlaunch.transfer import cuda_ipc
+    """vLLM 0.26 serves a few tensors from host memory: the IPC half and the NIXL half make one exact pull. The
+    real choice (p2p._ipc_pull: the handles fetched over a real handoff socket, cuda_ipc.split, cuda_ipc.pull)
+    on what this CPU machine lacks, stood in for: every other matched tensor is labelled GPU memory on both
+    sides, the record names this test's handoff socket, and the driver maps a handle to the gold copy's bytes
+    in this process and copies with memmove. The rest goes over real NIXL from the source process."""
+    import ctypes
+    import dataclasses
+    import types
+
+    from mxlaunch.transfer import cuda_ipc, ipc_handoff, tensor_set
 
     sources("--layout", "processed")
     target = build(7)
-    mine, gold = dict(processed_tensors(target)), dict(processed_tensors(build(0)))
+    gold = dict(processed_tensors(build(0)))
+    [entry] = registry(tmp_path).sources(SOURCE_ID, 0)
+    spans: list[list] = []  # the source's allocations: its tensors, views of one storage merged
+    for e in sorted(entry.record.tensors, key=lambda e: int(e["addr"])):
+        addr, end = int(e["addr"]), int(e["addr"]) + int(e["bytes"])
+        if spans and addr < spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([addr, end, e["name"]])
+    handles = {a.to_bytes(8, "little") * 8: (a, name) for a, _, name in spans}  # a handle names its allocation
+    server = ipc_handoff.HandoffServer({"worker": entry.record.worker, "allocations": [
+        {"addr": a, "bytes": end - a, "handle": base64.b64encode(a.to_bytes(8, "little") * 8).decode()}
+        for a, end, _ in spans]}).start()
+
+    class Registry:  # the real file registry; its source's record names this test's handoff socket
+        def __init__(self, real) -> None:
+            self.real = real
+
+        def __getattr__(self, name: str):
+            return getattr(self.real, name)
+
+        def sources(self, *a, **k):
+            return [dataclasses.replace(e, record=dataclasses.replace(e.record, pid=os.getpid(), extra={
+                **e.record.extra, p2p.HANDOFF: {"socket": server.address, "allocations": len(handles)}}))
+                for e in self.real.sources(*a, **k)]
+
+    class HostDriver:  # a handle opens as the gold copy's tensor; copies are memmoves
+        def on_device(self, ordinal: int) -> None:
+            pass
+
+        def open(self, handle: bytes) -> int:
+            return gold[handles[handle][1]].data_ptr()  # the gold copy is laid out as the source
+
+        def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+            ctypes.memmove(dst, src, nbytes)
+
+        def wait(self, stream: int) -> None:
+            pass
+
+        def close(self, ptr: int) -> None:
+            pass
+
+    real_match = tensor_set.match
+
+    def every_other_on_gpu(named, tensors):
+        return [dataclasses.replace(p, local_kind="cuda", remote_kind="cuda") if i % 2 == 0 else p
+                for i, p in enumerate(real_match(named, tensors))]
+
     over_nixl: list = []
     over_ipc: list = []
-
-    def ipc_half(rec, pairs, skipped):  # stands in for the driver's copies: the even pairs, from the gold
-        gpu, rest = pairs[::2], pairs[1::2]
-        over_ipc.extend(gpu)
-        with torch.no_grad():
-            for pair in gpu:
-                mine[pair.name].copy_(gold[pair.name])
-        return cuda_ipc.IpcStats(sum(p.bytes for p in gpu), 0.0, 0.001, 1), rest
-
-    real_pull = p2p.agent().pull
-
-    def counted(metadata, pairs, **kw):
-        over_nixl.extend(pairs)
-        return real_pull(metadata, pairs, **kw)
-
-    monkeypatch.setattr(p2p, "_ipc_pull", ipc_half)
-    monkeypatch.setattr(p2p.agent(), "pull", counted)
-    result = p2p.pull(processed_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
-                      layout="processed")
-    assert equal_to_seed0(target) and result.transport == "CUDA IPC + NIXL"
+    real_ipc, real_nixl = cuda_ipc.pull, p2p.agent().pull
+    monkeypatch.setattr(tensor_set, "match", every_other_on_gpu)
+    monkeypatch.setattr(cuda_ipc, "Driver", HostDriver)
+    monkeypatch.setattr(cuda_ipc, "pull", lambda allocs, pairs, stream, **k: over_ipc.extend(pairs)
+                        or real_ipc(allocs, pairs, stream, **k))
+    monkeypatch.setattr(p2p.agent(), "pull", lambda metadata, pairs, **kw: over_nixl.extend(pairs)
+                        or real_nixl(metadata, pairs, **kw))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
+    try:
+        result = p2p.pull(processed_tensors(target), registry=Registry(registry(tmp_path)), source_id=SOURCE_ID,
+                          rank=0, world=1, layout="processed")
+    finally:
+        server.close()
+    assert equal_to_seed0(target) and result.transport == "CUDA IPC + NIXL", result.skipped
     assert over_ipc and over_nixl and {p.name for p in over_ipc}.isdisjoint(p.name for p in over_nixl)
+    assert all(p.local_kind == p.remote_kind == "cuda" for p in over_ipc)
+    assert all("cuda" not in (p.local_kind, p.remote_kind) for p in over_nixl)
     assert result.tensors == len(over_ipc) + len(over_nixl) and result.bytes == sum(p.bytes for p in over_ipc + over_nixl)
 
 
