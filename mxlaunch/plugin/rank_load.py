@@ -353,8 +353,14 @@ class RankLoad:
     def _layout_for_restore(self, what: str) -> list[str]:
         """The adapter's prepare_layout (online-quantized layers processed on placeholders); past this point the
         engine's default loader cannot run on this model, so any failure means a rebuild."""
+        started = time.perf_counter()
         try:
-            return self.prepare_layout()
+            done = self.prepare_layout()
+            if done:
+                self.placeholders = {"layers": len(done), "seconds": round(time.perf_counter() - started, 4)}
+                self.log.info("mxlaunch: rank %d brought %d online-quantized layer(s) to their loaded layout on "
+                              "placeholders in %.3f s", self.rank, len(done), self.placeholders["seconds"])
+            return done
         except Exception as exc:  # noqa: BLE001
             from mxlaunch.plugin.tensors import Reinitialise
 
@@ -394,6 +400,7 @@ class RankLoad:
         return Outcome("staged", result.bytes, result.seconds, plan,
                        {"wait_seconds": round(result.wait_seconds, 4), "files": result.files,
                         "copy_bytes": result.copy_bytes, "tensors": result.tensors,
+                        **({"placeholders": self.placeholders} if getattr(self, "placeholders", None) else {}),
                         **({"gpu": result.gpu} if result.gpu else {})})
 
     def write_loaded(self, outcome: Outcome) -> None:

@@ -129,6 +129,7 @@ def test_online_fp8_restores_exactly_through_the_processed_layout(vllm_fp8: obje
     assert fresh.a.weight.is_meta  # the trap: the fresh model has no fp8 weight and no scale yet
     outcome = rank_load(fresh, plan_for(tmp_path, "staged", files)).run()
     assert outcome.strategy == "staged" and outcome.bytes > 0, outcome
+    assert outcome.extra["placeholders"]["layers"] == 2  # the loaded marker says what the placeholder step did
     post_process(fresh)  # the engine's post-processing after the restore: processed layers are skipped
 
     want = dict(module_tensors(reference))
