@@ -605,7 +605,9 @@ def add_quant_record(path: Path, rec: dict, method: str, version: str, doc: dict
         "strategy": rec.get("strategy"), "planned": rec.get("planned"),
         "verify": rec.get("verify") or rec.get("error") or rec.get("skipped"),
         "fallback": bool(rec.get("fallback")), "fallback_reason": rec.get("fallback"),
-        "weight_s": rec.get("weight_s"), "ready_s": rec.get("ready_s"), "compile": COMPILE["on"], "at": rec.get("at")})
+        "weight_s": rec.get("weight_s"), "ready_s": rec.get("ready_s"), "compile": COMPILE["on"], "at": rec.get("at"),
+        # online quantization: the staged/p2p restore first quantizes placeholders (not in the "loaded" line's time)
+        "placeholder_s": ((rec.get("loaded_event") or {}).get("placeholders") or {}).get("seconds")})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
 
