@@ -193,11 +193,14 @@ def test_a_launch_leaves_what_it_should_to_the_engine(server: HubServer, tmp_pat
 
     cache, store = tmp_path / "hub", Store(tmp_path / "store")
     serve = ["vllm", "serve", "org/tiny"]
-    cases = [({}, ["vllm", "serve", str(tmp_path)]), ({"HF_HUB_OFFLINE": "1"}, serve),
-             ({"VLLM_USE_MODELSCOPE": "true"}, serve), ({}, [*serve, "--download-dir", str(tmp_path / "d")])]
-    for extra, argv in cases:
+    cases = [({}, ["vllm", "serve", str(tmp_path)], None), ({"HF_HUB_OFFLINE": "1"}, serve, "HF_HUB_OFFLINE is set"),
+             ({"VLLM_USE_MODELSCOPE": "true"}, serve, "reads models from ModelScope"),
+             ({}, [*serve, "--download-dir", str(tmp_path / "d")], "--download-dir names the engine's own cache")]
+    for extra, argv, why in cases:
         seen, emit = events()
         assert download_for_command(argv, store, emit, environ=env_for(server, cache, **extra)) is None, argv
+        # a hub id left to the engine is said, with why; a local folder is no download at all
+        assert [(e, f["status"], why in f["message"]) for e, f in seen] == ([] if why is None else [("download", "off", True)]), seen
     assert server.requests == []
     got = download_for_command(serve, store, events()[1], environ=env_for(server, cache))
     assert got is not None and got.by == "here"

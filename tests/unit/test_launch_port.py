@@ -4,6 +4,7 @@ instead of waiting out the ready timeout. The bind-error line is the one SGLang 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -117,3 +118,24 @@ def test_a_port_taken_after_the_check_stops_the_hanging_engine_at_once(tmp_path:
     assert launcher.stop_reason and "ready" not in [e for e, _ in events]
     assert launcher.proc is not None and launcher.proc.poll() is not None  # stopped, not left hanging
     assert not launcher.shm_dir.exists()
+
+
+def test_a_port_a_stopped_server_left_in_time_wait_counts_as_free() -> None:
+    """A server that just stopped leaves the connections it closed first in TIME_WAIT on its port; uvicorn binds
+    with SO_REUSEADDR and gets the port, so the check must call it free too (a relaunch right after a stop)."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's (its connections inherit it)
+    server.bind(("127.0.0.1", free_port()))
+    server.listen()
+    number = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", number))
+    conn, _ = server.accept()
+    conn.close()  # the server's side closes first ...
+    server.close()
+    client.settimeout(30)
+    assert client.recv(1) == b""  # ... its FIN arrived
+    client.close()
+    with socket.socket() as plain, pytest.raises(OSError) as taken:  # a bind without SO_REUSEADDR still fails
+        plain.bind(("127.0.0.1", number))
+    assert taken.value.errno == errno.EADDRINUSE
+    port.check_free("127.0.0.1", number)
