@@ -111,7 +111,11 @@ def test_a_region_inside_an_allocation_exports_the_allocation_once_and_pulls_fro
     driver.alloc(0x1000, bytes(range(256)) * 4)
     driver.alloc(0x50000, bytes(300))
     inside = [Region(0x1000 + 64, 512, 0, "cuda"), Region(0x1000 + 640, 128, 0, "cuda")]
+    exported: list[int] = []
+    real_export = driver.export
+    driver.export = lambda addr: exported.append(addr) or real_export(addr)  # type: ignore[method-assign]
     allocations, why = cuda_ipc.export_regions(inside, driver)
+    assert exported == [0x1000]  # one handle for the allocation, whichever regions lie in it
     assert why == "" and [(a["addr"], a["bytes"]) for a in allocations] == [(0x1000, 1024)]
     assert driver.handles == {base64.b64decode(allocations[0]["handle"]): 0x1000}
     cuda_ipc.pull(allocations, [Pair("w", 0x50000, 0x1000 + 640, 100, 0, 0, "cuda", "cuda")], stream=0, driver=driver)

@@ -130,3 +130,15 @@ def test_non_tmpfs_destination_does_not_collapse(sources, tmp_path: Path) -> Non
     result = stage(items, tmp_path / "out", readers=2)
     assert result.huge_bytes == 0
     assert result.huge_note == "the destination is not tmpfs"
+
+
+def test_the_pagers_average_forgets_what_lies_beyond_its_window() -> None:
+    """Memory that gets dear after a long cheap run stops the collapses within a window's bytes: the average
+    weighs the last `window` bytes, not the whole job."""
+    pager = HugePager(max_cpu_s_per_gib=0.3, probe_bytes=32 * MiB, window=64 * MiB)
+    for _ in range(100):  # 1.6 GiB at 0.06 CPU s/GiB
+        pager._record(16 * MiB, 0.001)
+    assert pager.enabled
+    pager._record(16 * MiB, 0.047)  # then 3 s/GiB: a quarter of the window already
+    pager._record(16 * MiB, 0.047)
+    assert not pager.enabled and "CPU s/GiB" in (pager.reason or "")
