@@ -304,7 +304,10 @@ class KernelCacheStore:
             return RestoreResult("miss", str(miss), refused=miss.refused)
         try:
             with os.fdopen(fd, "rb") as fh:
-                digest = hashlib.file_digest(fh, "sha256").hexdigest()  # type: ignore[arg-type]
+                sha = hashlib.sha256()  # (hashlib.file_digest is 3.11+)
+                while chunk := fh.read(1 << 20):
+                    sha.update(chunk)
+                digest = sha.hexdigest()
                 if digest != meta["archive_sha256"]:  # before a member is read
                     return RestoreResult("miss", f"kernel cache {key} refused: its archive is not the one its writer "
                                          f"recorded (sha256 {digest[:12]}…, key.json says {meta['archive_sha256'][:12]}…)",
