@@ -34,9 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
 
-from mxlaunch import __version__
+from mxlaunch import __version__, trust
 from mxlaunch.coord.base import Coordinator, valid_id
-from mxlaunch import trust
 from mxlaunch.fileutil import ensure_dir, last_used, mark_used, read_json, secure, unique_name, write_json_temp
 from mxlaunch.kernelcache.caches import cache_key
 from mxlaunch.store.snapshot import _utc_now
