@@ -274,3 +274,16 @@ def test_each_file_is_renamed_in_as_its_last_chunk_lands_not_when_all_are_done(s
         download(client, targets, chunk=CHUNK, workers=1,
                  on_file=lambda t: seen.append((t.dest.name, t.dest.is_file(), targets[1].dest.exists())))
     assert seen == [("model.safetensors", True, False), ("config.json", True, True)]
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_CACHE": "/a/hub"}, {"HUGGINGFACE_HUB_CACHE": "/b/hub", "HF_HOME": "/h"},
+                                 {"HF_HOME": "/h", "XDG_CACHE_HOME": "/x"}, {"XDG_CACHE_HOME": "/x"}, {}])
+def test_the_hub_cache_is_where_huggingface_hub_itself_looks(env: dict[str, str]) -> None:
+    """Oracle: the installed huggingface_hub's HF_HUB_CACHE, read in a fresh interpreter with the same variables."""
+    from mxlaunch.engines.environment import hub_cache_dir
+
+    names = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+    environ = {**{k: v for k, v in os.environ.items() if k not in names}, **env}
+    theirs = subprocess.run([sys.executable, "-c", "from huggingface_hub import constants; print(constants.HF_HUB_CACHE)"],
+                            env=environ, capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    assert hub_cache_dir(dict(env)) == Path(theirs)  # (only these variables: no environment in a failure)
