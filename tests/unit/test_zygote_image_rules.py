@@ -38,6 +38,7 @@ def test_which_criu_may_run(tmp_path: Path) -> None:
     assert binary is None and "criu 3.17.1 is older than 4.0" in why
     binary, why = criu.why_not({"MXLAUNCH_CRIU": new}, NO_CAPS)
     assert binary is None and "no CAP_CHECKPOINT_RESTORE" in why
+    assert criu.why_not({"MXLAUNCH_CRIU": new}, "CapEff:\t0000000000200000\n") == (new, "")  # CAP_SYS_ADMIN does too
     binary, why = criu.why_not({"MXLAUNCH_CRIU": str(tmp_path / "missing")}, ROOT_CAPS)
     assert binary is None and "is not executable" in why and "build_criu_kit.sh" in why
     binary, why = criu.why_not({"PATH": str(tmp_path / "empty")}, ROOT_CAPS)
