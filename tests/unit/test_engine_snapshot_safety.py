@@ -222,12 +222,50 @@ def test_the_post_dump_step_takes_only_own_held_link_remaps_and_never_blocks(
         assert sorted(os.listdir(keep)) == [ours.name]
         assert (keep / ours.name).read_bytes() == b"semaphore"
         assert stat.S_IMODE(os.stat(keep).st_mode) == 0o700
-        for name in (fifo, planted, link):
-            assert f"not keeping {name}" in done.stderr
+        assert f"not keeping {unheld}: it is no file the dumped engine holds" in done.stderr
+        assert f"not keeping {planted}: it belongs to uid {intruder.uid}" in done.stderr
+        for name in (fifo, link):
+            assert f"not keeping {name}: it is not a regular file" in done.stderr
         assert planted.read_text() == "planted" and os.lstat(planted).st_uid == intruder.uid  # left alone
     finally:
         engine.kill()
         engine.wait()
+
+
+COPY_PROBE = """
+import json, os, sys
+from mxlaunch.launch.snapshot_files import copy_held
+path, dest, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+st = os.stat(path)  # the name passed the lstat: the descriptor is checked again
+try:
+    copy_held(path, dest, {(st.st_dev, st.st_ino)}, uid)
+    print("copied")
+except ValueError as exc:
+    print(exc)
+"""
+
+
+def test_the_copy_checks_the_opened_file_again_and_opens_no_fifo_or_link(
+        tmp_path: Path, intruder: User, shm_names: list[Path]) -> None:
+    fifo, planted, link = remap_name(shm_names), remap_name(shm_names), remap_name(shm_names)
+    intruder.python(f"""
+        import os
+        os.mkfifo({str(fifo)!r}, 0o666)
+        open({str(planted)!r}, "w").write("planted")
+        os.symlink({str(planted)!r}, {str(link)!r})
+    """)
+
+    def copy(path: Path, uid: int) -> str:  # in a child: a blocking open would only fail its deadline
+        dest = tmp_path / f"copy-{path.name}"
+        done = subprocess.run([sys.executable, "-c", COPY_PROBE, str(path), str(dest), str(uid)], capture_output=True,
+                              text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip() + (" (written)" if dest.exists() else "")
+
+    assert copy(fifo, intruder.uid) == "changed after it was examined"  # a FIFO that passed the lstat by a swap
+    assert copy(planted, os.getuid()) == "changed after it was examined"  # another uid's file
+    assert copy(link, intruder.uid).startswith("cannot be opened")  # a link: O_NOFOLLOW
+    assert copy(planted, intruder.uid) == "copied (written)"  # the same checks pass a file they may pass
 
 
 def test_a_held_shm_file_another_user_owns_is_not_snapshotted(intruder: User, shm_names: list[Path]) -> None:
@@ -314,3 +352,16 @@ def test_a_restore_puts_its_files_back_as_new_private_names_and_replaces_only_it
     assert stat.S_IMODE(os.lstat(fresh).st_mode) == 0o640  # as kept
     es.remove_put_back(made)
     assert not [p for p in (left, fresh, named) if os.path.lexists(p)]
+
+
+def test_removing_what_a_restore_put_back_spares_a_name_another_user_took_since(
+        tmp_path: Path, intruder: User, shm_names: list[Path]) -> None:
+    name = remap_name(shm_names)
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    folder = fake_snapshot(root, "k", [name.name], [])
+    made = es.put_back(folder, json.loads((folder / "meta.json").read_text()))
+    name.unlink()  # CRIU consumed it; then another user takes the name
+    intruder.python(f"open({str(name)!r}, 'w').write('theirs')")
+    es.remove_put_back(made)
+    assert name.read_text() == "theirs"
