@@ -353,3 +353,22 @@ def test_a_restored_trees_orphans_are_reaped_and_no_other_childs_status_is_taken
         engine.stdout.close()
     finally:
         libc.prctl(36, 0, 0, 0, 0)
+
+
+def test_a_restored_engine_that_is_not_this_process_s_child_reports_alive_then_gone() -> None:
+    """A restored tree's root may be reparented elsewhere (not our child): waitpid cannot tell its exit, so the
+    handle says running while it lives and 255 once it is gone (a zombie of its parent counts as gone)."""
+    code = ("import os, subprocess, sys\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(c.pid, flush=True); sys.stdin.read()\n")
+    middle = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(middle.stdout.readline())
+        engine = es.RestoredEngine(grandchild, os.open(os.devnull, os.O_RDONLY))
+        assert engine.poll() is None
+        os.kill(grandchild, signal.SIGKILL)  # its parent does not reap it: a zombie, not ours to wait for
+        assert engine.wait(timeout=30) == 255 and engine.poll() == 255
+        engine.stdout.close()
+    finally:
+        middle.kill()
+        middle.wait()

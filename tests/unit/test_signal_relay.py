@@ -46,3 +46,21 @@ def test_the_old_way_hangs_which_is_why_the_relay_exists() -> None:
     """)
     with pytest.raises(subprocess.TimeoutExpired):
         subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=5, cwd=REPO)
+
+
+def test_the_handlers_before_the_block_are_back_after_it_and_its_thread_is_gone() -> None:
+    import signal
+
+    from mxlaunch.signal_relay import SignalRelay
+
+    def mine(_s: int, _f: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGUSR1, mine)
+    try:
+        with SignalRelay((signal.SIGUSR1,)) as relay:
+            assert signal.getsignal(signal.SIGUSR1) == relay._handler
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        assert relay._thread is not None and not relay._thread.is_alive()  # its pipe closed: the relay ended
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
