@@ -103,7 +103,8 @@ VARIABLES: dict[str, str] = {
     SNAPSHOT_DIR: "set by the engine-snapshot path for the engine: where each engine process reports, on SIGUSR2, that "
                   "it released NVML for a CRIU dump (never set it by hand)",
     ENGINE_SNAPSHOTS: "where `launch --engine-snapshot` keeps its snapshots (node-local; they hold the engine's memory, "
-                      "GPU memory included; default ~/.cache/mxlaunch/engine-snapshots)",
+                      "GPU memory included; default ~/.cache/mxlaunch/engine-snapshots; its <uid> folder must be "
+                      "this user's alone, below folders nobody else can write unless sticky)",
     SNAPSHOT_SLEEP: "1: `launch --engine-snapshot` on a CUDA node starts vLLM with --enable-sleep-mode and sleeps it at "
                     "level 1 while it is snapshotted, so the image holds no KV cache (default 0: not yet proven on a "
                     "GPU end to end, see docs/launch.md)",
