@@ -46,6 +46,7 @@ class LaunchProcess:
                                      cwd=REPO, env={**_environ(), **engine_env, **(env or {})})
         self.events: list[dict] = []
         self.stderr_lines: list[str] = []
+        self.stdout_lines: list[str] = []  # every line as printed (the events are the JSON ones)
         self._queue: "queue.Queue[dict]" = queue.Queue()
         threading.Thread(target=self._read_events, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
@@ -57,6 +58,7 @@ class LaunchProcess:
     def _read_events(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            self.stdout_lines.append(line)
             try:
                 event = json.loads(line)
             except ValueError:
