@@ -2,25 +2,33 @@
 serves, then is snapshotted (CRIU --leave-running: it serves on, exactly), the next start of the same command
 restores that engine instead of starting one, serves the gold's numbers, and leaves nothing behind. A start with
 a secret variable rotated in between is no restore (the key covers the environment, issue 41), and no file the
-snapshot wrote beside CRIU's images, nor any line the launches printed, holds that secret.
+snapshot wrote beside CRIU's images, nor any line the launches printed, holds that secret. And, with CRIU alone
+(a process holding an unlinked /dev/shm file, seconds): a second real user's FIFO and planted file named
+link_remap.<n> neither block nor enter a real dump, and the kept name taken before the restore refuses it.
 
 The GPU half (the CUDA driver's checkpoint API) cannot run here: it was run on the H200 (docs/benchmarks.md).
 Where CRIU cannot run (not root, no kit) the test is skipped with the reason; as root it must run."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from mxlaunch.fileutil import pid_alive
+from mxlaunch.launch import engine_snapshot as es
 from tests.e2e.test_zygote_image import usable_criu
 from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess
+from tests.helpers.second_user import User, intruder  # noqa: F401 (a fixture)
 from tests.helpers.vllm_server import free_port
 
 pytestmark = pytest.mark.e2e
@@ -83,3 +91,71 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
     assert not running(meta["pids"])  # stopped like a spawned engine
     put_back = [*meta["shm_files"], *(f"/dev/shm/{n}" for n in meta["link_remaps"])]
     assert put_back and not [p for p in put_back if os.path.exists(p)]  # what a restore puts back goes with the run
+
+
+HOLDER = """
+import os, sys, time
+a, b = sys.argv[1], sys.argv[2]
+fd = os.open(a, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.write(fd, b"held bytes")
+os.link(a, b)  # a second name, then the first goes: CRIU keeps the file by a link-remap in /dev/shm
+os.unlink(a)
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_real_dump_keeps_only_its_link_remap_and_a_name_squatted_before_the_restore_refuses_it(
+        tmp_path: Path, intruder: User) -> None:
+    """CRIU itself (no engine: a process holding an unlinked /dev/shm file) with a second real user's FIFO and
+    planted file named link_remap.<n> in /dev/shm during the dump, and the kept name taken before the restore."""
+    binary = usable_criu()
+    tag = secrets.token_hex(6)
+    first, second = Path(f"/dev/shm/mxl-test-held-{tag}"), Path(f"/dev/shm/mxl-test-name-{tag}")
+    fifo, planted = (Path(f"/dev/shm/link_remap.{secrets.randbelow(10**9) + 10**9}") for _ in range(2))
+    names = [first, second, fifo, planted]
+    intruder.python(f"import os; os.mkfifo({str(fifo)!r}, 0o666); open({str(planted)!r}, 'w').write('planted')")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(first), str(second)], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    libc = ctypes.CDLL(None)
+    try:
+        assert holder.stdout.readline().strip() == b"ready"
+        marks = tmp_path / "marks"
+        marks.mkdir()
+        meta = es.take(binary, holder.pid, tmp_path / "snap", marks, None, facts={"test": 1})
+        [kept] = meta["link_remaps"]  # the FIFO did not block the frozen tree; the planted file was not taken
+        names.append(Path("/dev/shm") / kept)
+        assert os.listdir(tmp_path / "snap" / "link-remaps") == [kept] and fifo.name != kept != planted.name
+        assert not os.path.lexists(Path("/dev/shm") / kept)  # CRIU removed its link after --leave-running
+        holder.kill()
+        holder.wait()
+        second.unlink()
+
+        intruder.python(f"open('/dev/shm/{kept}', 'w').write('theirs')")  # the name the restore needs
+        with pytest.raises(es.SnapshotError, match=f"/dev/shm/{kept}, which the restore must create, belongs to uid"):
+            es.restore(binary, tmp_path / "snap", tmp_path / "work")
+        assert Path(f"/dev/shm/{kept}").read_text() == "theirs" and not pid_alive(holder.pid)
+        os.unlink(f"/dev/shm/{kept}")  # gone again (root may): the same snapshot restores
+        engine, _ = es.restore(binary, tmp_path / "snap", tmp_path / "work")
+        try:
+            assert Path(f"/proc/{engine.pid}/fd/3").read_bytes() == b"held bytes"
+        finally:
+            engine.send_signal(signal.SIGKILL)
+            engine.wait(timeout=30)
+            engine.stdout.close()
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)  # es.restore made this process a subreaper: not for the rest of the session
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        try:  # a restore that should have been refused and was not: its copy of the holder runs on
+            if tag in Path(f"/proc/{holder.pid}/cmdline").read_text():
+                os.kill(holder.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for path in names:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
