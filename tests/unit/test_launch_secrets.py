@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -16,6 +19,7 @@ from mxlaunch.launch.logfile import open_log
 from mxlaunch.plan import Plan, load_plan
 from mxlaunch.store.core import SnapshotMeta, build_manifest
 from tests.helpers.cli import one_line_error, run_cli
+from tests.helpers.second_user import intruder_or_skip
 from tests.unit.test_launch_plan import write_checkpoint
 
 API_KEY, HF_TOKEN, REDIS_PW = "sk-unit-apikey-4417", "hf_unittoken_9925", "unit-redis-pw-3381"
@@ -106,3 +110,37 @@ def test_hub_ids_and_existing_paths_still_plan(tmp_path: Path, monkeypatch: pyte
         result = run_cli("launch", "--dry-run", "--json", "--artifact-path", str(tmp_path / "store"), "--",
                          "vllm", "serve", model)
         assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture
+def shared_run_dir() -> Iterator[Path]:
+    """A --run-dir in a place others can write (0777, no sticky bit: links in it are followed), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="mx41-shared-", dir="/tmp"))
+    folder.chmod(0o777)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_another_user_can_neither_read_the_log_nor_plant_its_name(shared_run_dir: Path) -> None:
+    intruder = intruder_or_skip()
+    log = shared_run_dir / "engine.log"
+    with open_log(log) as fh:
+        fh.write(b"what the engine printed\n")
+    tried = intruder.python(f"open({str(log)!r}).read()", check=False)
+    assert tried.returncode != 0 and "PermissionError" in tried.stderr, tried.stdout + tried.stderr
+    victim = shared_run_dir.parent / f"{shared_run_dir.name}-victim"
+    victim.write_text("the victim's own file")
+    try:
+        for kind in ("link", "fifo", "file"):
+            name = shared_run_dir / f"{kind}.log"
+            intruder.python({"link": f"import os; os.symlink({str(victim)!r}, {str(name)!r})",
+                             "fifo": f"import os; os.mkfifo({str(name)!r}, 0o666)",
+                             "file": f"import os; open({str(name)!r}, 'w').close(); os.chmod({str(name)!r}, 0o666)"}[kind])
+            with pytest.raises(ForeignPath):
+                open_log(name, append=kind == "file")
+        assert victim.read_text() == "the victim's own file"
+        assert (shared_run_dir / "file.log").read_bytes() == b""  # nothing written into the intruder's file
+    finally:
+        victim.unlink()
