@@ -189,6 +189,7 @@ def registry_url(shown: str, environ: Mapping[str, str] = os.environ) -> str:
 def write_marker(plan: Plan, kind: str, rank: int, payload: dict) -> Path:
     """markers/<kind>-<rank>.json, atomically, private, in a markers folder of this user's alone (own_dir:
     made 0700 or checked; ForeignPath for a link or another user's folder)."""
+    os.makedirs(plan.run_dir, mode=0o700, exist_ok=True)  # the launcher made it (load_plan checked it); a bare Plan may not
     path = own_dir(plan.markers_dir) / marker_name(kind, rank)
     write_json_atomic(path, {"rank": rank, **payload}, private=True)
     return path
