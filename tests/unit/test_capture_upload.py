@@ -488,3 +488,18 @@ def test_a_stop_signal_during_the_upload_gives_the_capture_up_quickly(tmp_path: 
     assert Store(tmp_path / "store").coordinator.holder(sid) is None
     assert not runner.shm_dir.exists()
     assert runner.capture is not None and runner.capture.upload is not None and not runner.capture.upload.running
+
+
+def test_the_largest_files_are_copied_first(tmp_path: Path) -> None:
+    """The job's length is its largest file's copy: begun first, it is not left to start last on an idle pool."""
+    sizes = [3, 700, 40, 5000, 1]
+    items = [UploadItem(0, f"f{n}", tmp_path / f"f{n}", tmp_path / "out" / f"f{n}", n) for n in sizes]
+    order: list[int] = []
+
+    def copy(src: Path, dst: Path, **_: object) -> tuple[int, str]:
+        order.append(int(src.name[1:]))
+        return int(src.name[1:]), "x"
+
+    job = UploadJob(items, writers=1, copy=copy).start()
+    job.join()
+    assert job.ok and order == sorted(sizes, reverse=True)
