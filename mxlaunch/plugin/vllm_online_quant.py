@@ -75,11 +75,14 @@ def capture_problem(model: nn.Module) -> str | None:
         layerwise = _layerwise()
     except ImportError as exc:
         return f"online quantization in a vLLM without the layerwise loader mxlaunch knows ({exc})"
+    deferred = _deferred_attention()
     for name, layer in layers:
         info = layerwise.get_layerwise_info(layer)
-        if info.can_load() and info.load_numel > 0:
-            return (f"{name} was loaded in part ({info.load_numel} of {info.load_numel_total} values): its checkpoint "
-                    "tensors wait in the engine's buffers, outside the model")
+        if info.can_load() and info.load_numel > 0:  # attention too: its checkpoint scales would be lost
+            return (f"{name} holds {info.load_numel} of {info.load_numel_total} values in the engine's buffers, "
+                    "outside the model (loaded in part, or left to the engine's finalize step)")
+        if info.can_load() or deferred(layer):
+            continue  # not processed yet: the engine's finalize step processes it after the capture, as after a restore
         hidden = hidden_tensors(layer)
         if hidden:
             return f"{name} keeps tensors outside its parameters and buffers after quantizing: {', '.join(hidden)}"
