@@ -26,7 +26,7 @@ import torch
 
 from mxlaunch import settings
 from mxlaunch.plugin import pinned
-from mxlaunch.plugin.cuda_copier import CHUNK, CudaCopier, cuda_contiguous
+from mxlaunch.plugin.cuda_copier import CHUNK, CudaCopier
 
 
 MODES = settings.GPU_COPY_MODES
@@ -147,7 +147,8 @@ class GpuRestore:
     def for_targets(cls, tensors: list[torch.Tensor]) -> "GpuRestore | None":
         """A pinned path when the targets live on one CUDA device; None keeps the pageable copies."""
         mode = gpu_copy_mode()
-        devices = {t.device for t in tensors if cuda_contiguous(t)}
+        # non-contiguous CUDA targets count too: they land through scratch tensors (plugin/scratch_landing.py)
+        devices = {t.device for t in tensors if t.device.type == "cuda" and t.numel() > 0}
         if mode == "pageable" or len(devices) != 1:
             return None
         try:

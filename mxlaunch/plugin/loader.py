@@ -39,6 +39,7 @@ import torch
 from mxlaunch import settings
 from mxlaunch.plugin import host_pages
 from mxlaunch.plugin.capture import CaptureResult, capture_tensors
+from mxlaunch.plugin.scratch_landing import ScratchLanding
 from mxlaunch.plugin.snapshot_files import (
     ALIASES_KEY, MAX_HEADER, PART_BYTES, PART_NAME, SCHEMA_KEY, FileEntry, FileHeader, read_header,
 )
@@ -218,14 +219,27 @@ def _gpu_path(groups: list[Group]) -> object | None:
     return GpuRestore.for_targets([g.tensor for g in groups])
 
 
-def _split_cuda(plan: list[tuple[FileEntry, Group]], gpu_on: bool) -> tuple[list, list]:
-    """Contiguous CUDA destinations go to the pinned path (gpu_restore); the rest stay here."""
+def _split_cuda(plan: list[tuple[FileEntry, Group]], gpu_on: bool,
+                scratch: ScratchLanding | None = None) -> tuple[list, list]:
+    """Contiguous CUDA destinations go to the pinned path (gpu_restore), and so do non-contiguous ones that
+    get a contiguous scratch tensor (plugin/scratch_landing.py: settled after the copies); the rest stay here."""
     if not gpu_on:
         return [], plan
     from mxlaunch.plugin.cuda_copier import cuda_contiguous
 
-    fast = [(e, g) for e, g in plan if e.end > e.begin and cuda_contiguous(g.tensor)]
-    keep = [(e, g) for e, g in plan if not (e.end > e.begin and cuda_contiguous(g.tensor))]
+    fast: list[tuple[FileEntry, Group]] = []
+    keep: list[tuple[FileEntry, Group]] = []
+    for e, g in plan:
+        if e.end > e.begin and cuda_contiguous(g.tensor):
+            fast.append((e, g))
+            continue
+        landing = None
+        if scratch is not None and e.end > e.begin and g.tensor.device.type == "cuda":
+            landing = scratch.take(g.tensor)
+        if landing is not None:
+            fast.append((e, Group(g.names, landing)))
+        else:
+            keep.append((e, g))
     return fast, keep
 
 
@@ -268,6 +282,7 @@ def restore_tensors(
     n_threads = threads or default_threads()
     pool = ThreadPoolExecutor(n_threads, thread_name_prefix="mxlaunch-restore") if n_threads > 1 else None
     gpu = _gpu_path(fill.groups)
+    scratch = ScratchLanding() if gpu is not None else None
     try:
         for i, (path, size) in enumerate(specs):
             if i not in headers:
@@ -280,7 +295,7 @@ def restore_tensors(
                 exc.landed = landed
                 raise
             landed = landed or bool(plan)
-            fast, plan = _split_cuda(plan, gpu is not None)
+            fast, plan = _split_cuda(plan, gpu is not None, scratch)
             try:
                 if fast:
                     gpu.submit(header, fast)
@@ -296,7 +311,9 @@ def restore_tensors(
                 on_file(header, time.perf_counter() - started)
         if gpu is not None:
             try:
-                gpu.finish()
+                gpu.finish()  # every copy has completed: the scratch tensors hold their bytes
+                if scratch is not None and scratch.pairs:
+                    gpu.report["scratch_bytes"] = scratch.settle()
             except (OSError, RuntimeError, ValueError) as exc:
                 raise RestoreError(f"copying the snapshot to the GPU failed: {exc}", landed=True) from exc
     except SnapshotCorrupt as exc:
@@ -307,6 +324,8 @@ def restore_tensors(
             pool.shutdown(wait=True)
         if gpu is not None:
             gpu.abort()
+        if scratch is not None:
+            scratch.drop()
     missing = fill.missing()
     if missing:
         raise LayoutMismatch(f"the snapshot lacks {len(missing)} tensor(s) of the model: {_few(missing)}",
