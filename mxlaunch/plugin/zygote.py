@@ -45,6 +45,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_RESUME, ZYGOTE_SOCKET
+from mxlaunch.transfer.ipc_handoff import peer_cred
 
 READY_LINE = "mxlaunch zygote: ready"
 
@@ -355,6 +356,11 @@ class Zygote:
     def _accept(self) -> None:
         assert self.listener is not None
         conn, _ = self.listener.accept()
+        _, uid, _ = peer_cred(conn)
+        if uid != os.getuid():  # the folder's 0700 keeps others out; the kernel's word on the peer makes sure
+            print(f"mxlaunch zygote: refused a request from uid {uid} (not this user)", flush=True)
+            conn.close()
+            return
         try:
             conn.settimeout(10.0)
             _, fds, _, _ = socket.recv_fds(conn, 1, 2)

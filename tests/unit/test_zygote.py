@@ -264,3 +264,63 @@ def test_a_zygote_folder_others_can_enter_is_never_used(module_dir: Path) -> Non
         assert child is not None and child.wait(timeout=30) == 0
     finally:
         _stop(pid)
+
+
+INTRUDER_REQUEST = '''
+import json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+r, w = os.pipe()
+try:
+    socket.send_fds(s, [b"x"], [r, w])
+    s.sendall(json.dumps({"argv": ["x"], "env": {}, "cwd": "/"}).encode() + b"\\n")
+    data = s.recv(100)
+except OSError:  # the zygote closed the connection while the request was on its way
+    data = b""
+print("reply", data)
+'''
+
+
+def test_a_request_from_another_uid_is_refused_by_the_kernels_word_on_the_peer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even with the socket reachable (here: a folder and socket others may use), a request whose peer is another
+    uid (SO_PEERCRED) is closed before its descriptors or its request are read: nothing is forked for it."""
+    import subprocess
+
+    from mxlaunch.plugin import zygote as plugin
+    from tests.helpers.second_user import SYSTEM_PYTHON, intruder_or_skip
+
+    intruder = intruder_or_skip()
+    folder = Path(tempfile.mkdtemp(prefix="mxzp", dir="/tmp"))
+    try:
+        folder.chmod(0o755)
+        sock_path = str(folder / "z.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0)
+        try:
+            listener.bind(sock_path)
+        finally:
+            os.umask(old)
+        listener.listen(4)
+        loop = plugin.Zygote(sock_path, ("module", "m"), idle_s=60.0)
+        loop.listener = listener
+        forks: list[int] = []
+
+        def no_fork() -> int:
+            forks.append(1)
+            raise RuntimeError("forked for a request")
+
+        monkeypatch.setattr(plugin.os, "fork", no_fork)
+        proc = subprocess.Popen([SYSTEM_PYTHON, "-c", INTRUDER_REQUEST, sock_path], user=intruder.uid,
+                                group=intruder.gid, extra_groups=[], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
+        try:
+            loop._accept()  # blocks until the intruder connects
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            listener.close()
+        assert forks == [], "a request from another uid was served"
+        assert "reply b''" in out, (out, err)  # closed without an answer
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
