@@ -50,7 +50,7 @@ from typing import Mapping
 from mxlaunch import settings
 from mxlaunch.contract import P2P_LAYOUTS, RAW, STRATEGIES, marker_name
 from mxlaunch.errors import UsageError
-from mxlaunch.redact import redact_url
+from mxlaunch.safety.redact import redact_url
 from mxlaunch.fileutil import open_own, own_dir, untrusted_path, write_json_atomic
 
 MAX_PLAN_BYTES = 64 << 20

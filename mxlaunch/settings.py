@@ -150,7 +150,7 @@ def device(environ: Mapping[str, str] = os.environ) -> Optional[str]:
 
 def trusted_writers(environ: Mapping[str, str] = os.environ) -> list[str]:
     """The names in $MXLAUNCH_TRUSTED_WRITERS as given (users; `%name` a group), [] when unset: resolved, and a
-    name that is no user or group refused, by mxlaunch/trust.py."""
+    name that is no user or group refused, by mxlaunch/safety/trust.py."""
     return [w for w in re.split(r"[\s,]+", environ.get(TRUSTED_WRITERS, "")) if w]
 
 

@@ -365,7 +365,7 @@ def main() -> None:
         code = app(standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
     except MxlaunchError as exc:
-        from mxlaunch.redact import redact_text, secret_values
+        from mxlaunch.safety.redact import redact_text, secret_values
 
         line = redact_text(exc.one_line(), secret_values(sys.argv, os.environ))  # a URL or a flag value in a message
         err.print(f"[bold red]error:[/] {escape(line)}", highlight=False)

@@ -13,7 +13,7 @@ from rich.markup import escape
 from mxlaunch.cli.common import artifact_path_option, err, json_option, out, plain_fields, print_json
 from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
 from mxlaunch.engines.registry import ENGINES
-from mxlaunch.redact import redact, redact_argv, redact_env, redact_text, secret_values
+from mxlaunch.safety.redact import redact, redact_argv, redact_env, redact_text, secret_values
 
 CONTEXT = {"allow_interspersed_args": False, "ignore_unknown_options": True}  # CMD's own flags pass through
 _SNAPSHOT_FORMAT_HELP = "raw (mxlaunch's: tensors before post-processing; every engine)" + "".join(

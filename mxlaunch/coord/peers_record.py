@@ -359,7 +359,7 @@ def check_ttl(ttl_s: float) -> None:
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password or secret query values, for tables and logs (mxlaunch/redact.py)."""
-    from mxlaunch.redact import redact_url as _redact
+    """The URL without its password or secret query values, for tables and logs (mxlaunch/safety/redact.py)."""
+    from mxlaunch.safety.redact import redact_url as _redact
 
     return _redact(url)

@@ -32,6 +32,18 @@ def hub_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(xdg) / "huggingface" / "hub"
 
 
+def model_config(model_path: Optional[str]) -> Dict:
+    """The model folder's config.json as a dict ({} when there is none or it is not a JSON object): what the
+    engines' plan-time checks read (architecture, quantization, MoE keys)."""
+    if not model_path:
+        return {}
+    try:
+        data = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def is_hub_id(model: str) -> bool:
     """org/name (or name): not a path. A hub id names a repo; a path never parses as one."""
     return bool(_REPO_ID.match(model)) and not model.startswith((".", "/", "~")) and not Path(model).expanduser().exists()

@@ -66,3 +66,7 @@ class Engine(Protocol):
 
     def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
         """Why --snapshot-format `option` (one of snapshot_formats) cannot hold this model, or None."""
+
+    def quantization_refusal(self, spec: LaunchSpec) -> Optional[str]:
+        """Why this command's quantization cannot be restored from a snapshot (the plan serves `default` with
+        it, before the engine starts), or None (docs/quantized.md)."""

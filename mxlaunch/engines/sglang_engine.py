@@ -8,12 +8,11 @@ and the plugin's hook on the loader factory decides what loads, per the plan fil
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.engines import sglang_argv
 from mxlaunch.engines.base import LaunchSpec
+from mxlaunch.engines.environment import model_config
 from mxlaunch.engines.sglang import SGLangLog
 
 SNAPSHOT_FORMATS = ("sharded_state", "presharded")  # SGLang's stock dump formats, besides raw
@@ -86,6 +85,9 @@ class SGLangEngine:
     def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
         return snapshot_format_refusal(spec, option)
 
+    def quantization_refusal(self, spec: LaunchSpec) -> Optional[str]:
+        return None  # its quantized loaders keep the raw tensors until post-processing (docs/quantized.md)
+
 
 ENGINE = SGLangEngine()
 
@@ -134,7 +136,7 @@ def snapshot_format_refusal(spec: LaunchSpec, snapshot_format: str) -> Optional[
     if snapshot_format not in choices:
         return f"--snapshot-format {snapshot_format} is not one of {', '.join(choices)}"
     quant = (spec.quantization or "").lower()
-    cfg = _model_config(spec.model_path)
+    cfg = model_config(spec.model_path)
     arch = " ".join(cfg.get("architectures") or [])
     qcfg = cfg.get("quantization_config") or {}
     quant_method = (quant or str(qcfg.get("quant_method", ""))).lower()
@@ -151,12 +153,3 @@ def snapshot_format_refusal(spec: LaunchSpec, snapshot_format: str) -> Optional[
         return f"{snapshot_format}: MLA models ({arch or 'kv_lora_rank set'}) lose kv_b_proj, which SGLang splits after loading"
     return None
 
-
-def _model_config(model_path: Optional[str]) -> Dict[str, Any]:
-    if not model_path:
-        return {}
-    try:
-        data = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -10,7 +10,7 @@ import importlib.metadata as md
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.contract import LOAD_FORMAT
-from mxlaunch.engines import vllm_argv
+from mxlaunch.engines import vllm_argv, vllm_quantization
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.vllm import VLLMLog
 from mxlaunch.errors import UsageError
@@ -111,6 +111,9 @@ class VLLMEngine:
 
     def snapshot_format_refusal(self, spec: LaunchSpec, option: str) -> Optional[str]:
         return None  # raw only (snapshot_formats is empty)
+
+    def quantization_refusal(self, spec: LaunchSpec) -> Optional[str]:
+        return vllm_quantization.quantization_refusal(spec)
 
 
 ENGINE = VLLMEngine()

@@ -10,7 +10,7 @@ or devices — regular files and folders only — and a size cap), and the store
 asked for: a cache is never restored under another key.
 
 An archive is code (Triton's .so launchers, Inductor's .py modules and pickles), so it is restored only when
-a trusted writer wrote it (mxlaunch/trust.py: this user alone unless MXLAUNCH_TRUSTED_WRITERS names more):
+a trusted writer wrote it (mxlaunch/safety/trust.py: this user alone unless MXLAUNCH_TRUSTED_WRITERS names more):
 the key's folder, key.json and the archive are each opened without following links and judged on their
 descriptor (owner a trusted writer, nobody else can write the files), both files inside the one folder
 descriptor, and the archive's sha256 — computed while it was written — must match the one key.json records
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
 
-from mxlaunch import __version__, trust
+from mxlaunch import __version__
+from mxlaunch.safety import trust
 from mxlaunch.coord.base import Coordinator, valid_id
 from mxlaunch.fileutil import ensure_dir, last_used, mark_used, read_json, secure, unique_name, write_json_temp
 from mxlaunch.kernelcache.caches import cache_key

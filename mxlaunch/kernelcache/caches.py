@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from mxlaunch import settings, trust
+from mxlaunch import settings
+from mxlaunch.safety import trust
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import engine_python, installed_versions
 from mxlaunch.engines.registry import spec_engine

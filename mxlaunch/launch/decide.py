@@ -95,8 +95,8 @@ class LaunchPlan:
         return sum(f.bytes for f in self.stage_files)
 
     def to_json(self) -> dict:
-        """The plan as --json prints it: secrets redacted (mxlaunch/redact.py; the engine gets the real argv)."""
-        from mxlaunch.redact import redact
+        """The plan as --json prints it: secrets redacted (mxlaunch/safety/redact.py; the engine gets the real argv)."""
+        from mxlaunch.safety.redact import redact
 
         return redact(self._fields())
 
@@ -217,7 +217,7 @@ def _decide(argv: list[str], opts: LaunchOptions, store: Optional[Store] = None)
         return plan("default", spec.unsafe_reasons[0])
     if spec.model_path is None:
         return plan("default", f"model {spec.model} is not a local folder or a local hub-cache snapshot")
-    quant_refusal = quantization_refusal(spec)
+    quant_refusal = engine.quantization_refusal(spec)
     if quant_refusal:
         return plan("default", quant_refusal)
     if spec.engine_version is None:
@@ -281,52 +281,6 @@ def refuse_missing_model(model: str) -> None:
     if not os.path.exists(os.path.expanduser(model)):
         raise UsageError(f"model {model}: no such file or folder",
                          "pass an existing model folder, or a hub id such as org/name")
-
-
-# Quantization a raw snapshot cannot restore in vLLM (issue 40; docs/quantized.md). Pre-quantized checkpoints
-# (compressed-tensors, fp8, AWQ, GPTQ, ...) load their tensors as stored and convert them in post-processing:
-# the raw snapshot restores them. Online fp8 is restored through its processed layout (plugin/vllm_online_quant.py).
-_VLLM_OWN_LOADER = {
-    "bitsandbytes": "bitsandbytes models load through vLLM's own bitsandbytes loader (it quantizes while reading)",
-    "gguf": "GGUF checkpoints load through vLLM's own GGUF loader",
-    "torchao": "torchao quantizes through its own load and reload path, not verified with snapshots",
-}
-_VLLM_ONLINE_FP8 = ("fp8", "fp8_per_tensor", "fp8_per_block", "fp8_per_channel")
-_VLLM_ONLINE_OTHER = ("online", "int8_per_channel_weight_only", "nvfp4_per_token", "mxfp8", "mxfp4")
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def quantization_refusal(spec: LaunchSpec) -> Optional[str]:
-    """Why this vLLM command's quantization cannot be restored from a snapshot (said in the plan, before the run),
-    or None. Other engines decide for themselves."""
-    if spec.engine != "vllm":
-        return None
-    config = _model_config(spec.model_path)
-    stored = str((config.get("quantization_config") or {}).get("quant_method", "")).lower()
-    method = (spec.quantization or "").lower()
-    for name in (method, stored):
-        if name in _VLLM_OWN_LOADER:
-            return f"--quantization {name}: {_VLLM_OWN_LOADER[name]}; serving with the default loader"
-    online = method and not stored and (method in _VLLM_ONLINE_FP8 or method in _VLLM_ONLINE_OTHER)
-    if not online:
-        return None
-    if method not in _VLLM_ONLINE_FP8:
-        return (f"--quantization {method}: online quantization other than fp8 is not restorable from a snapshot yet "
-                "(issue 40); serving with the default loader")
-    if any(config.get(k) for k in _MOE_KEYS) or any((config.get("text_config") or {}).get(k) for k in _MOE_KEYS):
-        return (f"--quantization {method} on a mixture-of-experts model: its experts' online quantization is not "
-                "restorable from a snapshot yet (issue 40); serving with the default loader")
-    return None
-
-
-def _model_config(model_path: Optional[str]) -> dict:
-    import json
-
-    try:
-        data = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8")) if model_path else {}
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def plugin_reachable(argv: list[str], plugin_group: str) -> bool:

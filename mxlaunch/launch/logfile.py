@@ -1,7 +1,7 @@
 """The launcher's log files (engine.log, zygote.log): this user's alone, never written through a planted name.
 
 An engine log holds what the engine prints — its arguments among it (SGLang logs its server_args, API key
-included; the launcher scrubs the launch's known secrets on the way, mxlaunch/redact.py Scrubber) — so it is
+included; the launcher scrubs the launch's known secrets on the way, mxlaunch/safety/redact.py Scrubber) — so it is
 created 0600, and an older log left 0644 is made 0600 when it is opened again.
 """
 

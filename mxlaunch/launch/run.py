@@ -42,7 +42,7 @@ from mxlaunch.launch.shutdown import BudgetReader, Stopping
 from mxlaunch.launch.stop_watchdog import StopWatchdog
 from mxlaunch.launch.logfile import open_log
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
-from mxlaunch.redact import Scrubber, redact_text, redact_url, secret_values
+from mxlaunch.safety.redact import Scrubber, redact_text, redact_url, secret_values
 from mxlaunch.slurm import default_readers
 from mxlaunch.store.core import Store
 from mxlaunch.store.opener import open_store

@@ -34,7 +34,7 @@ from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
 from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.fileutil import ensure_dir, last_used, read_json, write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
-from mxlaunch.redact import redact
+from mxlaunch.safety.redact import redact
 from mxlaunch.store.capture import (
     CaptureWriter, PendingCapture, _du, _user, discard_capture, node_markers, node_part, node_tmp, ranks_of_markers,
     reap_captures, write_failed)

@@ -1,4 +1,4 @@
-"""Code from the store comes only from trusted writers (docs/security.md, mxlaunch/trust.py): a real second user
+"""Code from the store comes only from trusted writers (docs/security.md, mxlaunch/safety/trust.py): a real second user
 (tests/helpers/second_user.py) plants kernel-cache archives and zygote images in a group store and default cache
 folders in a shared TMPDIR; the victim (this process) refuses each with one event and the engine never gets it,
 while an archive of a writer named in MXLAUNCH_TRUSTED_WRITERS is restored. Real files, real uids."""

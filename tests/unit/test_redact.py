@@ -1,4 +1,4 @@
-"""The one redaction (mxlaunch/redact.py): each URL form, each flag form, both engines' secret flags from their own
+"""The one redaction (mxlaunch/safety/redact.py): each URL form, each flag form, both engines' secret flags from their own
 option tables, known values in free text and in a byte stream — and nothing else altered."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from mxlaunch.coord.peers import redact_url as peers_redact_url
 from mxlaunch.engines import sglang_flags, vllm_flags
-from mxlaunch.redact import (MASK, Scrubber, names_secret, redact, redact_argv, redact_env, redact_text, redact_url,
+from mxlaunch.safety.redact import (MASK, Scrubber, names_secret, redact, redact_argv, redact_env, redact_text, redact_url,
                              secret_flags, secret_values)
 
 PW = "s3cr3t-Pa55"
