@@ -25,7 +25,7 @@ import pytest
 import tests.helpers.launcher as helper
 from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess
-from tests.helpers.second_user import SYSTEM_PYTHON, User
+from tests.helpers.second_user import SYSTEM_PYTHON, User, tree
 
 READY_S = 400
 VICTIM_SEGMENT = "psm_victim01"
@@ -67,15 +67,6 @@ class SquattedLaunch(LaunchProcess):
     def shm(self) -> Path:
         """The namespace's /dev/shm, seen from outside it."""
         return Path(f"/proc/{self.proc.pid}/root/dev/shm")
-
-
-def tree(folder: Path) -> dict[str, tuple[int, int, bytes]]:
-    out = {}
-    for path in sorted(folder.rglob("*")):
-        st = path.lstat()
-        out[str(path.relative_to(folder))] = (st.st_uid, stat.S_IMODE(st.st_mode),
-                                              path.read_bytes() if stat.S_ISREG(st.st_mode) else b"")
-    return out
 
 
 def planted(intruder: User) -> dict[str, int]:

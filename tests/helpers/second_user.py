@@ -11,9 +11,11 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import stat
 import subprocess
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
@@ -77,3 +79,13 @@ def intruder_or_skip() -> User:
 @pytest.fixture
 def intruder() -> User:
     return intruder_or_skip()
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every name under `folder` with its owner, mode and (for files) bytes: what "untouched" is compared by."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        st = path.lstat()
+        out[str(path.relative_to(folder))] = (st.st_uid, stat.S_IMODE(st.st_mode),
+                                              path.read_bytes() if stat.S_ISREG(st.st_mode) else b"")
+    return out

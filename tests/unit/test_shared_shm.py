@@ -24,7 +24,7 @@ from mxlaunch.fileutil import ForeignPath, mark_used, own_dir, untrusted_path
 from mxlaunch.launch import cleanup, zygote
 from mxlaunch.plan import Plan, PlanError, load_plan, write_marker
 from mxlaunch.plugin import snapshot_signal
-from tests.helpers.second_user import User, intruder  # noqa: F401 — the fixture
+from tests.helpers.second_user import User, intruder, tree  # noqa: F401 — the fixture
 
 PY = sys.executable
 
@@ -44,16 +44,6 @@ def dead_pid() -> int:
     proc = subprocess.Popen([PY, "-c", "pass"])
     proc.wait()
     return proc.pid
-
-
-def tree(folder: Path) -> dict[str, tuple[int, int, bytes]]:
-    """Every name under `folder` with its owner, mode and (for files) bytes: what "untouched" is compared by."""
-    out = {}
-    for path in sorted(folder.rglob("*")):
-        st = path.lstat()
-        out[str(path.relative_to(folder))] = (st.st_uid, stat.S_IMODE(st.st_mode),
-                                              path.read_bytes() if stat.S_ISREG(st.st_mode) else b"")
-    return out
 
 
 def squat_user_root(user: User, shm: Path, victim_segment: Path) -> Path:
