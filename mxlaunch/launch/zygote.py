@@ -5,9 +5,10 @@ from it: the engine's imports are done already. Otherwise the engine is spawned 
 ready a zygote is started for the next start (after ready, so it never competes with this one's imports).
 
 The key is a digest of everything a child inherits from the zygote's imports rather than from its request:
-the interpreter, the engine's version, the entry, the folder, and the environment without the variables that
-only say which run this is (the plan file's path, Slurm's step and task ids). A start that differs in
-anything else gets its own zygote. Sockets live in /dev/shm/mxlaunch-zygote-<uid>/ (0700), one per key. That
+the interpreter, the engine's version, the entry, the folder, and only the environment those imports read
+(launch/zygote_env.py: names and prefixes found by tracing them), each value as a salted digest. Everything
+else (which Slurm job, node, host or TMPDIR this is) reaches the child with its request, so a new job's first
+start finds the zygote image the last job left in the store (issue 42). Sockets live in /dev/shm/mxlaunch-zygote-<uid>/ (0700), one per key. That
 folder must be this user's own (fileutil.own_root): where another user made the name first, this user's private
 fallback `/dev/shm/mxlaunch-zygote-<uid>.XXXXXXXX` holds the sockets instead (zygotes keep working), and zygote
 images are off (`image_blocker`): a restored image listens where it was dumped, in the name another user holds.
@@ -33,12 +34,12 @@ from mxlaunch.contract import ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_SOCKET
 from mxlaunch.engines.environment import PYTHON_EXE
 from mxlaunch.fileutil import foreign, own_root, pid_alive
 from mxlaunch.launch.logfile import open_log
+from mxlaunch.launch.snapshot_key import digest
+from mxlaunch.launch.zygote_env import IMPORT_TMPDIR, PINNED, import_env
 from mxlaunch.plan import PLAN_ENV
 
 SHM_ROOT = Path("/dev/shm")
 IDLE_S = 900.0  # a zygote with no engine and no request for this long exits
-RUN_ONLY_VARS = (PLAN_ENV, "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_TASK_PID",
-                 "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "OLDPWD", "_")
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,12 @@ def image_blocker() -> Optional[str]:
             "ask its owner or root to remove it")
 
 
-def zygote_key(entry: ZygoteEntry, engine_version: Optional[str], env: Mapping[str, str], cwd: str) -> str:
-    kept = {k: v for k, v in env.items() if k not in RUN_ONLY_VARS}
+def zygote_key(entry: ZygoteEntry, engine_version: Optional[str], env: Mapping[str, str], cwd: str,
+               salt: bytes = b"") -> str:
+    """The zygote's (and its image's) key: interpreter and entry, engine version, folder, and the variables its
+    imports read (zygote_env.import_env), values as HMAC digests under this user's salt (snapshot_key.digest):
+    a key in a log or a file name says nothing of a token's value."""
+    kept = {k: digest(salt, v.encode()) for k, v in import_env(env).items() if k != PLAN_ENV}
     blob = json.dumps({"entry": entry.to_json(), "version": engine_version, "cwd": cwd, "env": sorted(kept.items())},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
@@ -295,6 +300,9 @@ def start_zygote(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str,
     cmd = [entry.python, "-m", "mxlaunch.plugin.zygote", "--socket", str(path),
            "--module" if entry.kind == "module" else "--path", entry.target,
            "--preload", ",".join(entry.preload), "--idle-s", str(idle_s)]
+    tmp = root / IMPORT_TMPDIR  # the imports keep TMPDIR in module constants: one fixed private folder (zygote_env)
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    env = {**{k: v for k, v in env.items() if k not in PINNED}, "TMPDIR": str(tmp)}
     log_dir.mkdir(parents=True, exist_ok=True)
     if for_image:
         cmd += ["--image-log", str(log_dir / "zygote.log")]

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 
 from mxlaunch.fileutil import last_used, mark_used, pid_alive
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
-from mxlaunch.launch import criu, zygote
+from mxlaunch.launch import criu, snapshot_key, zygote
 from mxlaunch.launch.criu import CriuError
 
 IMAGES = "zygote-images"
@@ -58,6 +58,18 @@ def image_dir(store_root: Path, key: str) -> Path:
 
 
 private = zygote.private_dir  # an image is restored, and dumped into, only from a folder this user alone controls
+
+
+def key_salt(store_root: Path) -> bytes:
+    """This user's salt for the zygote key's digests (launch/zygote.py zygote_key), kept beside the images
+    (`<uid>/key-salt`, snapshot_key.key_salt) so that every node using this store makes the same keys; b""
+    (plain digests) when that folder cannot be this user's alone."""
+    root = images_root(store_root)
+    try:
+        root.mkdir(parents=True, mode=0o700, exist_ok=True)
+        return snapshot_key.key_salt(root) if private(root) else b""
+    except (OSError, ValueError):
+        return b""
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

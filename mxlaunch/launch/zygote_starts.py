@@ -38,7 +38,8 @@ class ZygoteStarts:
         if entry is None:
             self.emit("zygote", status="off", reason=why)
             return None
-        key = zygote.zygote_key(entry, self.plan.spec.engine_version, env, os.getcwd())
+        key = zygote.zygote_key(entry, self.plan.spec.engine_version, env, os.getcwd(),
+                                salt=zygote_image.key_salt(self.store_root))
         child = zygote.fork_from(key, entry, env, os.getcwd())
         if child is not None:
             self.emit("zygote", status="forked", key=key, pid=child.pid, reason="forked from a warm interpreter")

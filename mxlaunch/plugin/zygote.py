@@ -40,6 +40,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
@@ -192,6 +193,7 @@ def become_engine(req: dict, out_fd: int, life_fd: int, entry: Tuple[str, str]) 
         os.close(fd)
     os.environ.clear()
     os.environ.update(req["env"])
+    tempfile.tempdir = None  # the zygote imported under its own pinned TMPDIR (launch/zygote_env.py): use the request's
     os.chdir(req["cwd"])
     if os.environ.get("PYTHONUNBUFFERED"):
         for stream in (sys.stdout, sys.stderr):
