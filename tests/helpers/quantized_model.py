@@ -11,10 +11,16 @@ The formats are written by hand, as their producers lay them out (no quantizatio
   [out, 1], dynamic per-token fp8 activations.
 - ``awq``: AutoAWQ GEMM, 4 bit, group 32, zero point: ``qweight`` int32 [in, out/8] (nibbles in AWQ's order
   0 2 4 6 1 3 5 7), ``qzeros`` int32 [in/32, out/8] (same order), ``scales`` fp16 [in/32, out].
+- ``w8a8-int8-kvfp8``: ``w8a8-int8`` plus a compressed-tensors fp8 ``kv_cache_scheme`` and per-tensor
+  ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` (serve with ``--kv-cache-dtype fp8``).
 - ``gptq``: AutoGPTQ, 4 bit, group 32, symmetric, no act-order: ``qweight`` int32 [in/8, out] (packed along
   the input), ``qzeros`` int32 [in/32, out/8] (stored zero - 1 = 7), ``scales`` fp16 [in/32, out], ``g_idx``.
 
 Only the decoder layers' Linears are quantized; embeddings, norms and lm_head stay as they are.
+
+``mixtral_from_llama`` makes a tiny random Mixtral with the tiny Llama's tokenizer (hidden 128, EXPERTS
+experts ``block_sparse_moe.experts.E.w1/w2/w3``, a router ``gate``, top 2);
+``cached_quantized(..., moe=True)`` quantizes that instead (the router stays float, as vLLM builds it).
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers.tiny_model import cached_model
 
-METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq")
+METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8")
+KV_SCALES = {"k": 0.03125, "v": 0.0625}  # per-tensor fp8 KV-cache scales written for "w8a8-int8-kvfp8"
 GROUP = 32
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+EXPERTS = 4
+MOE_HIDDEN = 128
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the nibble k of a packed int32 holds column AWQ_ORDER[k]
 
 
@@ -49,7 +58,7 @@ def _ct_config(kind: str) -> dict:
         "format": "int-quantized" if kind == "int" else "float-quantized",
         "quantization_status": "compressed",
         "global_compression_ratio": None,
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", "re:.*block_sparse_moe.gate$"],  # the MoE router stays float
         "kv_cache_scheme": None,
         "config_groups": {"group_0": {
             "targets": ["Linear"],
@@ -119,6 +128,9 @@ def _gptq(w: torch.Tensor) -> dict[str, torch.Tensor]:
 def _quant_config(method: str) -> dict:
     if method == "w8a8-int8":
         return _ct_config("int")
+    if method == "w8a8-int8-kvfp8":
+        return {**_ct_config("int"), "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                         "dynamic": False, "symmetric": True}}
     if method == "w8a8-fp8":
         return _ct_config("float")
     if method == "awq":
@@ -137,7 +149,7 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     config["quantization_config"] = _quant_config(method)
     dtype = torch.bfloat16 if method.startswith("w8a8") else torch.float16
     config["torch_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
-    convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
+    convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-int8-kvfp8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
                "awq": _awq, "gptq": _gptq}[method]
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
@@ -147,6 +159,9 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
             if _is_linear(name):
                 stem = name[: -len("weight")]
                 tensors.update({stem + k: v.contiguous() for k, v in convert(t).items()})
+                if method.endswith("-kvfp8") and (".k_proj." in name or ".v_proj." in name):
+                    kv = "k" if ".k_proj." in name else "v"  # vLLM maps self_attn.k_proj.k_scale → attn.k_scale
+                    tensors[f"{stem}{kv}_scale"] = torch.tensor(KV_SCALES[kv], dtype=torch.float32)
             else:
                 tensors[name] = t.to(dtype).contiguous()
         save_file(dict(sorted(tensors.items())), str(out / shard.name), metadata={"format": "pt"})
@@ -164,17 +179,68 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     return out
 
 
-def cached_quantized(cache_root: Path, method: str, seed: int = 0) -> Path:
-    """The tiny model of `seed`, quantized by `method`, made once per version of this file."""
+def mixtral_from_llama(src: Path, out: Path, experts: int = EXPERTS, top_k: int = 2, seed: int = 0) -> Path:
+    """A tiny random Mixtral with the float Llama folder `src`'s tokenizer, vocabulary and heads, hidden size
+    MOE_HIDDEN (vLLM's CPU int4 MoE kernel takes only hidden % 128 == 0); byte-identical per seed."""
+    src, out = Path(src), Path(out)
+    gen = torch.Generator().manual_seed(seed)
+    config = json.loads((src / "config.json").read_text())
+    h, inter, heads, kv, hd = MOE_HIDDEN, MOE_HIDDEN, config["num_attention_heads"], \
+        config["num_key_value_heads"], config["head_dim"]
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=h,
+                  intermediate_size=inter, num_local_experts=experts, num_experts_per_tok=top_k,
+                  router_aux_loss_coef=0.02, output_router_logits=False, sliding_window=None,
+                  router_jitter_noise=0.0, torch_dtype="bfloat16")
+    for key in ("mlp_bias", "pretraining_tp"):
+        config.pop(key, None)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * 0.08).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": rand(config["vocab_size"], h), "lm_head.weight": rand(config["vocab_size"], h),
+               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    for i in range(config["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        tensors.update({pre + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                        pre + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                        pre + "self_attn.q_proj.weight": rand(heads * hd, h),
+                        pre + "self_attn.k_proj.weight": rand(kv * hd, h),
+                        pre + "self_attn.v_proj.weight": rand(kv * hd, h),
+                        pre + "self_attn.o_proj.weight": rand(h, heads * hd),
+                        pre + "block_sparse_moe.gate.weight": rand(experts, h) * 8})
+        for e in range(experts):
+            moe = f"{pre}block_sparse_moe.experts.{e}."
+            tensors.update({moe + "w1.weight": rand(inter, h), moe + "w3.weight": rand(inter, h),
+                            moe + "w2.weight": rand(h, inter)})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".index.json")):
+            shutil.copy2(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def cached_quantized(cache_root: Path, method: str | None, seed: int = 0, moe: bool = False) -> Path:
+    """The tiny model of `seed` (as a Mixtral when `moe`), quantized by `method` (None: float), made once per
+    version of this file."""
     cache_root = Path(cache_root)
     src = cached_model(cache_root, seed=seed)
     digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    out = cache_root / f"{src.name}-{method}-{digest}"
+    out = cache_root / f"{src.name}{'-moe' if moe else ''}-{method or 'float'}-{digest}"
     with open(cache_root / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").exists():
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            quantize_model(src, tmp, method)
+            if moe:
+                base = tmp.with_name(tmp.name + ".float")
+                shutil.rmtree(base, ignore_errors=True)
+                mixtral_from_llama(src, base if method else tmp, seed=seed)
+                if method:
+                    quantize_model(base, tmp, method)
+                    shutil.rmtree(base)
+            else:
+                quantize_model(src, tmp, method)
             tmp.rename(out)
     return out
