@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.launch import criu, zygote, zygote_image
+from mxlaunch.launch import criu, zygote, zygote_env, zygote_image
 from tests.unit.test_zygote import _env, _stop, module_dir  # noqa: F401 — the fixture
 
 pytestmark = pytest.mark.e2e
@@ -134,3 +134,62 @@ def test_a_restored_zygotes_children_read_the_nodes_clocks(module_dir: Path) -> 
         _stop(pid)
         wait_gone(pid)
 
+
+
+ENV_CHILD = '''
+import os, sys, tempfile
+IMPORTED_TMP = tempfile.gettempdir()  # the zygote keeps its import of this module (a child reruns it as __main__), as torch's inductor and dill keep it
+if __name__ == "__main__":
+    print("env", os.environ["SLURM_JOB_ID"], os.environ["SLURMD_NODENAME"], os.environ["HOSTNAME"],
+          os.environ["TMPDIR"], tempfile.gettempdir(), "imported", sys.modules["mxz_env"].IMPORTED_TMP, flush=True)
+'''
+
+
+def job_env(module_dir: Path, job: str, **more: str) -> dict[str, str]:
+    tmp = module_dir / f"tmp.{job}"
+    tmp.mkdir(exist_ok=True)
+    return {**_env(module_dir), "SLURM_JOB_ID": job, "SLURM_JOBID": job, "SLURM_NODELIST": f"gpu[{job}]",
+            "SLURMD_NODENAME": f"gpu{job}", "HOSTNAME": f"host{job}", "TMPDIR": str(tmp),
+            "VLLM_LOGGING_LEVEL": "INFO", **more}
+
+
+def test_a_zygote_image_travels_to_a_new_job_and_not_to_changed_imports(module_dir: Path) -> None:  # noqa: F811
+    """Issue 42: the image a job left in the store is restored by the next job (new Slurm ids, node, host name
+    and TMPDIR: the same key), whose engine sees its own environment, TMPDIR included; a variable the engine
+    reads at import (VLLM_LOGGING_LEVEL) changed makes another key, and that job finds no image."""
+    binary = usable_criu()
+    (module_dir / "mxz_env.py").write_text(ENV_CHILD)
+    store, salt = module_dir / "store", zygote_image.key_salt(module_dir / "store")
+    ent = zygote.ZygoteEntry(os.sys.executable, "module", "mxz_env", (), ("json",))
+    first = job_env(module_dir, "101")
+    key = zygote.zygote_key(ent, "1", first, str(module_dir), salt=salt)
+    pid = zygote.start_zygote(key, ent, first, str(module_dir), module_dir / "logs", for_image=True)
+    assert pid is not None
+    events: list[tuple[str, dict]] = []
+    maker = zygote_image.ImageMaker(binary, pid, key, store, module_dir / "logs" / "zygote.log", module_dir / "criu",
+                                    lambda e, **f: events.append((e, f)))
+    maker.start()
+    maker.join(120)
+    try:
+        assert events and events[0][1]["status"] == "published", events
+        zygote.socket_path(key).unlink()  # the first job ends: its zygote goes, the image stays in the store
+        wait_gone(pid)
+
+        second = job_env(module_dir, "202")
+        assert zygote.zygote_key(ent, "1", second, str(module_dir), salt=salt) == key  # the next job's key: a hit
+        restored = zygote_image.restore_zygote(binary, store, key, module_dir / "logs2" / "zygote.log",
+                                               module_dir / "criu2")
+        assert restored["pid"] == pid
+        child = zygote.fork_from(key, ent, second, str(module_dir))
+        assert child is not None and child.wait(timeout=60) == 0
+        tmp = second["TMPDIR"]
+        pinned = zygote.zygote_root() / zygote_env.IMPORT_TMPDIR  # the zygote imported under its own TMPDIR
+        assert f"env 202 gpu202 host202 {tmp} {tmp} imported {pinned}" in child.stdout.read().decode()
+
+        changed = job_env(module_dir, "303", VLLM_LOGGING_LEVEL="DEBUG")
+        other = zygote.zygote_key(ent, "1", changed, str(module_dir), salt=salt)
+        assert other != key and zygote_image.check_image(store, other) == (None, "")  # a miss: spawned as always
+    finally:
+        zygote.socket_path(key).unlink(missing_ok=True)
+        _stop(pid)
+        wait_gone(pid)
