@@ -56,6 +56,10 @@ STALE_OK = {
     "HOSTNAME": "SGLang 0.5.23 tokenizer_manager.dump_requests_before_crash's default argument: only the host "
                 "part of a crash-dump file name (its socket.gethostname() fallback is baked in the same way)",
     "TERM": "IPython's terminal-title helpers (imported by SGLang), never used by a server",
+    # loguru (imported by SGLang) decides at import whether its default sink is coloured: with CI set (keyed) it
+    # looks for a CI service; colours of a log sink are not the engine's state
+    **{name: "loguru's colour choice for its default sink when CI is set (SGLang imports loguru)"
+       for name in ("TRAVIS", "CIRCLECI", "APPVEYOR", "GITLAB_CI", "GITHUB_ACTIONS")},
 }
 IMPORT_TMPDIR = "import-tmp"  # under the zygote root (launch/zygote.py zygote_root), made 0700 by start_zygote
 
