@@ -175,7 +175,10 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     plan.kernel_cache = plan_kernel_cache(plan.spec, source_id=plan.source_id, device_type=plan.device_type,
                                           kc_store=KernelCacheStore(store.root, store.coordinator), enabled=opts.kernel_cache)
     plan.engine_start = plan_engine_start(plan.spec, plan.argv, plan.device_type, os.environ, plan.runtime,
-                                          fork=opts.engine_fork, zygote=opts.zygote)
+                                          fork=opts.engine_fork, zygote=opts.zygote,
+                                          no_fork_by="--engine-snapshot: a forked engine core keeps the API server's "
+                                                     "CUDA device files, which no checkpoint releases"
+                                          if opts.engine_snapshot else "--no-engine-fork")
     return plan
 
 

@@ -32,15 +32,17 @@ class EngineStart:
 
 
 def plan_engine_start(spec: LaunchSpec, argv: list[str], device_type: str, environ: Mapping[str, str],
-                      runtime: Optional[EngineRuntime], *, fork: bool = True, zygote: bool = False) -> EngineStart:
+                      runtime: Optional[EngineRuntime], *, fork: bool = True, zygote: bool = False,
+                      no_fork_by: str = "--no-engine-fork") -> EngineStart:
+    """no_fork_by: the option that turned `fork` off, named in the reason only where it changed something (the
+    CPU build spawns whatever is asked: then the engine's own reason is the real one)."""
     engine = spec_engine(spec)
-    if fork:
-        env, fork_reason = engine.start_env(spec, device_type, environ)
-    else:
-        env, fork_reason = {}, "off (--no-engine-fork)"
+    env, fork_reason = engine.start_env(spec, device_type, environ)
+    if not fork and env:
+        env, fork_reason = {}, f"the engine's own start method ({no_fork_by})"
     start = EngineStart(env=env, fork_reason=fork_reason)
     if not zygote:
-        start.zygote_reason = "off (--zygote starts restarts from a warm interpreter)"
+        start.zygote_reason = "not asked (--zygote forks restarts from a warm interpreter)"
         return start
     if runtime is None or runtime.problem:
         start.zygote_reason = "the command cannot start"

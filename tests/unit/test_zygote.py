@@ -232,6 +232,17 @@ def test_the_plan_forks_vllm_s_engine_core_on_cuda_only_and_keeps_a_user_s_choic
     assert plan_engine_start(sg, sg.argv, "cuda", {}, None).env == {}
 
 
+def test_the_plan_says_why_the_engine_core_is_not_forked_and_no_reason_repeats_off() -> None:
+    """Issue 42: the CPU build spawns whatever is asked, so no flag is the reason there; on CUDA the option that
+    turned fork off is named; and the dry run's "zygote off: <reason>" must not read "zygote off: off"."""
+    spec = parse_command(["vllm", "serve", "m"])
+    cpu = plan_engine_start(spec, spec.argv, "cpu", {}, None, fork=False, no_fork_by="--engine-snapshot")
+    assert cpu.env == {} and "spawns its engine core" in cpu.fork_reason and "--" not in cpu.fork_reason
+    cuda = plan_engine_start(spec, spec.argv, "cuda", {}, None, fork=False, no_fork_by="--engine-snapshot")
+    assert cuda.env == {} and "--engine-snapshot" in cuda.fork_reason
+    assert not plan_engine_start(spec, spec.argv, "cuda", {}, None).zygote_reason.startswith("off")
+
+
 def test_a_zygote_whose_imports_start_a_thread_refuses_says_why_and_is_not_started_again(module_dir: Path) -> None:
     (module_dir / "mxz_thread.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True, name='busy').start()\n")
