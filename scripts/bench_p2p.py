@@ -3,7 +3,7 @@
 Two processes, one per GPU. The source builds a transformers Llama from a config (≥ 8 GiB bf16, random
 weights), runs a post-processing that packs each MLP's gate and up weights into one tensor attached as a
 plain attribute (like the engines' qkv/gate_up packing), computes gold logits, and publishes itself
-through the file registry (plugin/p2p.serve: registration by allocation). Each target run is a fresh
+through the file registry (plugin/p2p_source.serve: registration by allocation). Each target run is a fresh
 process that loads the way an engine adapter does (load_step.build_and_load + RankLoad, strategy p2p,
 processed layout): NIXL agent started while the model is built, post-processing on placeholder values,
 then the pull of every tensor the model holds; logits compared with `torch.equal`. In the same target
@@ -132,7 +132,7 @@ def run_source(args: argparse.Namespace) -> None:
     import torch
 
     from mxlaunch.coord.peers import open_registry
-    from mxlaunch.plugin import p2p
+    from mxlaunch.plugin import p2p_agent, p2p_source
     from mxlaunch.transfer.tensor_set import processed_tensors
 
     device = args.device
@@ -144,9 +144,9 @@ def run_source(args: argparse.Namespace) -> None:
     torch.save(gold, Path(args.work) / gold_name(args))
     named = processed_tensors(model)
     started = time.perf_counter()
-    pub = p2p.serve(named, registry=open_registry(f"file:{args.work}/reg", None), source_id=SOURCE_ID, rank=args.rank,
+    pub = p2p_source.serve(named, registry=open_registry(f"file:{args.work}/reg", None), source_id=SOURCE_ID, rank=args.rank,
                     world=args.world, layout="processed", run_id=f"bench-source-{args.rank}", ttl_s=60)
-    info = {"serve_seconds": time.perf_counter() - started, "agent_start_seconds": p2p.agent().start_seconds,
+    info = {"serve_seconds": time.perf_counter() - started, "agent_start_seconds": p2p_agent.agent().start_seconds,
             **pub.record.extra, "tensors": len(pub.record.tensors), "rank": args.rank, "device": device}
     (Path(args.work) / source_name(args.rank, args.world)).write_text(json.dumps(info))
     stop = Path(args.work) / "stop"
@@ -258,7 +258,7 @@ def sweep(args: argparse.Namespace, named, nbytes: int) -> list[dict]:
     import base64
 
     from mxlaunch.coord.peers import open_registry
-    from mxlaunch.plugin import p2p
+    from mxlaunch.plugin import p2p_agent
     from mxlaunch.transfer.tensor_set import match
 
     rec = [e for e in open_registry(f"file:{args.work}/reg", None).sources(SOURCE_ID, 0)
@@ -269,13 +269,13 @@ def sweep(args: argparse.Namespace, named, nbytes: int) -> list[dict]:
     for chunk, inflight in SWEEP:
         rates = []
         for _ in range(3):
-            stats = p2p.agent().pull(meta, pairs, chunk_bytes=chunk, inflight=inflight)
+            stats = p2p_agent.agent().pull(meta, pairs, chunk_bytes=chunk, inflight=inflight)
             rates.append(nbytes / GiB / stats.transfer_seconds)
         out.append({"chunk_mib": chunk >> 20, "inflight": inflight, "gibps": rates,
                     "median": statistics.median(rates), "descriptors": stats.descriptors})
         print(json.dumps(out[-1]), flush=True)
     # the push direction: the same spans written from this GPU into the source's (identical bytes)
-    rates = [nbytes / GiB / p2p.agent().pull(meta, pairs, op="WRITE").transfer_seconds for _ in range(3)]
+    rates = [nbytes / GiB / p2p_agent.agent().pull(meta, pairs, op="WRITE").transfer_seconds for _ in range(3)]
     out.append({"op": "WRITE", "gibps": rates, "median": statistics.median(rates)})
     print(json.dumps(out[-1]), flush=True)
     # time = fixed + bytes / rate: pulls of growing prefixes of the same spans
@@ -291,7 +291,7 @@ def sweep(args: argparse.Namespace, named, nbytes: int) -> list[dict]:
         if not share:
             some = [some[0].__class__("one", some[0].local_addr, some[0].remote_addr, min(4096, some[0].bytes),
                                       some[0].local_dev, some[0].remote_dev, some[0].local_kind, some[0].remote_kind)]
-        secs = sorted(p2p.agent().pull(meta, some).transfer_seconds for _ in range(5))
+        secs = sorted(p2p_agent.agent().pull(meta, some).transfer_seconds for _ in range(5))
         fit.append({"bytes": sum(p.bytes for p in some), "descriptors": len(some), "seconds_median": secs[2]})
         print(json.dumps(fit[-1]), flush=True)
     return {"shapes": out, "fit": fit}
@@ -465,7 +465,7 @@ def run_knob(args: argparse.Namespace) -> None:
     import torch
 
     from mxlaunch.coord.peers import open_registry
-    from mxlaunch.plugin import p2p
+    from mxlaunch.plugin import p2p_agent
     from mxlaunch.plugin.tensors import group_tensors
     from mxlaunch.transfer import nixl
     from mxlaunch.transfer.regions import regions_for
@@ -484,7 +484,7 @@ def run_knob(args: argparse.Namespace) -> None:
            if e.record.run_id == "bench-source"][0].record
     pairs = match(named, rec.tensors)
     meta = base64.b64decode(rec.agent_metadata)
-    agent = p2p.agent()  # MXLAUNCH_NIXL_* of this process apply
+    agent = p2p_agent.agent()  # MXLAUNCH_NIXL_* of this process apply
     register_s = agent.register(regions_for([t for _, t in named]))
     nbytes = sum(p.bytes for p in pairs)
     whole = [g.tensor for g in group_tensors(named) if g.tensor.numel()]

@@ -50,9 +50,9 @@ _preparing: list = []
 
 def _start_agent(rank: int, log: logging.Logger) -> None:
     try:
-        from mxlaunch.plugin import p2p
+        from mxlaunch.plugin import p2p_agent
 
-        p2p.agent()
+        p2p_agent.agent()
     except Exception as exc:  # noqa: BLE001 - serve() reports it when it tries again
         log.debug("mxlaunch: rank %d: NIXL agent did not start early: %s", rank, exc)
 

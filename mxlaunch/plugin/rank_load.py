@@ -180,19 +180,19 @@ class RankLoad:
             self.raw_copy = self._keep_raw()
         return outcome
 
-    # -- p2p (plugin/p2p.py): pull before post-processing (raw) or after it (processed) --
+    # -- p2p (plugin/p2p.py pulls, plugin/p2p_source.py serves): pull before post-processing (raw) or after it (processed) --
 
     def _serves(self, layout: str) -> bool:
         p2p = getattr(self.plan, "p2p", None)
         return bool(p2p and p2p.get("serve") and p2p.get("layout") == layout)
 
     def _keep_raw(self) -> Any:
-        from mxlaunch.plugin import p2p
+        from mxlaunch.plugin import p2p_source
         from mxlaunch.plugin.loader import module_tensors
 
         try:
             started = time.perf_counter()
-            copy = p2p.keep_raw(module_tensors(self.model))
+            copy = p2p_source.keep_raw(module_tensors(self.model))
             self.log.info("mxlaunch: rank %d keeps a %s GiB host copy of its raw tensors to serve them over P2P "
                           "(%.2f s; --no-p2p skips this)", self.rank, gib(copy.bytes), time.perf_counter() - started)
             return copy
@@ -266,7 +266,7 @@ class RankLoad:
             return
         try:
             from mxlaunch.coord.peers import open_registry
-            from mxlaunch.plugin import p2p
+            from mxlaunch.plugin import p2p_source
             from mxlaunch.plugin.p2p_prepare import join_p2p_prepare
             from mxlaunch.transfer.tensor_set import processed_tensors
 
@@ -278,14 +278,14 @@ class RankLoad:
                 what: Any = self.raw_copy
             else:
                 what = processed_tensors(self.model)
-            pub = p2p.serve(what, registry=open_registry(p["registry"], None), source_id=self.plan.source_id,
+            pub = p2p_source.serve(what, registry=open_registry(p["registry"], None), source_id=self.plan.source_id,
                             rank=self.rank % p["world"], world=p["world"], layout=p["layout"], run_id=p["run_id"])
             extra = pub.record.extra
             host = extra.get("cuda_ipc_host_tensors")
-            ipc = (f"CUDA IPC handles for {extra[p2p.HANDOFF]['allocations']} allocation(s), to this uid's peers "
+            ipc = (f"CUDA IPC handles for {extra[p2p_source.HANDOFF]['allocations']} allocation(s), to this uid's peers "
                    "over a socket" + (
                        f", {host['count']} host-memory tensor(s) over NIXL ({', '.join(host['names'])})" if host else "")
-                   if extra.get(p2p.HANDOFF) else
+                   if extra.get(p2p_source.HANDOFF) else
                    f"no CUDA IPC handles ({extra['cuda_ipc_why']})" if extra.get("cuda_ipc_why") else "NIXL only")
             self.log.info("mxlaunch: rank %d serves %s GiB (%s layout) over P2P as %s: %d region(s) registered in "
                           "%.3f s, checksums in %.3f s; %s", self.rank, gib(extra.get("bytes", 0)), p["layout"],

@@ -134,7 +134,7 @@ def match(targets: Iterable[tuple[str, torch.Tensor]], manifest: Sequence[dict])
         if t.numel():
             pairs.append(Pair(name, t.data_ptr(), int(e["addr"]), span_bytes(t), device_index(t), int(e["dev"]),
                               t.device.type, str(e.get("device", "cpu"))))
-    # a zero-size tensor holds no byte to pull, and sources do not serve one (plugin/p2p.py): vLLM's attention
+    # a zero-size tensor holds no byte to pull, and sources do not serve one (plugin/p2p_source.py): vLLM's attention
     # layers keep an empty `kv_cache` placeholder attached until the KV cache is allocated (seen on the H200)
     missing = [g.name for g in groups if id(g) not in filled and g.tensor.numel()]
     if missing:

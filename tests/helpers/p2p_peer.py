@@ -1,4 +1,4 @@
-"""A P2P source or target process for the tests, through the plugin core (plugin/p2p.py) and real NIXL.
+"""A P2P source or target process for the tests, through the plugin core (plugin/p2p.py, plugin/p2p_source.py) and real NIXL.
 
     python -m tests.helpers.p2p_peer serve  --registry DIR --layout processed|raw --seed 0 --size tiny --ready FILE
     python -m tests.helpers.p2p_peer pull   --registry DIR --layout processed --size tiny --out FILE
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from mxlaunch.coord.peers import open_registry
-from mxlaunch.plugin import p2p
+from mxlaunch.plugin import p2p, p2p_agent, p2p_source
 from mxlaunch.plugin.loader import module_tensors
 from mxlaunch.transfer.tensor_set import processed_tensors
 from tests.helpers.p2p_models import build
@@ -33,12 +33,12 @@ def serve(args: argparse.Namespace) -> None:
     registry = open_registry(f"file:{args.registry}", None)
     if args.layout == "raw":
         model = build(args.seed, args.size, post=False)
-        what = p2p.keep_raw(module_tensors(model))
+        what = p2p_source.keep_raw(module_tensors(model))
         model.post_process(args.variant)
     else:
         model = build(args.seed, args.size, variant=args.variant)
         what = processed_tensors(model)
-    pub = p2p.serve(what, registry=registry, source_id=args.source_id, rank=0, world=1, layout=args.layout,
+    pub = p2p_source.serve(what, registry=registry, source_id=args.source_id, rank=0, world=1, layout=args.layout,
                     run_id=args.run_id, ttl_s=args.ttl)
     Path(args.ready).write_text(json.dumps({"worker": pub.record.worker}))
     time.sleep(args.seconds)
@@ -53,7 +53,7 @@ def pull(args: argparse.Namespace) -> None:
         model.post_process()
     gold = build(0, args.size)
     equal = all(torch.equal(a, b) for (_, a), (_, b) in zip(processed_tensors(gold), processed_tensors(model)))
-    a = p2p.agent()
+    a = p2p_agent.agent()
     Path(args.out).write_text(json.dumps({"equal": equal, "bytes": result.bytes, "source": result.source,
                                           "ucx_params": a.ucx_params, "prepped": a.pull_config.prepped,
                                           "progress_thread": a.progress_thread}))

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from mxlaunch.plugin import p2p
+from mxlaunch.plugin import p2p, p2p_source
 from mxlaunch.transfer import cuda_ipc, ipc_handoff
 from mxlaunch.transfer.regions import Region
 from mxlaunch.transfer.tensor_set import Pair
@@ -169,7 +169,7 @@ def record(boot: str, allocations: list[dict] | None) -> types.SimpleNamespace:
     extra: dict = {}
     if allocations:
         _servers.append(ipc_handoff.HandoffServer({"worker": "src-1", "allocations": allocations}).start())
-        extra[p2p.HANDOFF] = {"socket": _servers[-1].address, "allocations": len(allocations)}
+        extra[p2p_source.HANDOFF] = {"socket": _servers[-1].address, "allocations": len(allocations)}
     return types.SimpleNamespace(extra=extra, boot_id=boot, worker="src-1", host="node-a", pid=os.getpid())
 
 

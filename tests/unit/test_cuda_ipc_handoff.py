@@ -18,7 +18,7 @@ import torch
 from mxlaunch.coord.peers import local_record
 from mxlaunch.coord.peers_file import FileRegistry
 from mxlaunch.errors import UsageError
-from mxlaunch.plugin import p2p
+from mxlaunch.plugin import p2p, p2p_agent, p2p_source
 from mxlaunch.transfer import cuda_ipc, ipc_handoff
 from mxlaunch.transfer.regions import Region
 from tests.helpers.second_user import ensure_group, intruder_or_skip
@@ -151,18 +151,18 @@ class StubAgent:
 
 def test_a_served_gpu_source_publishes_the_socket_not_the_handles_and_stops_handing_out_with_its_record(
         tmp_path, monkeypatch) -> None:
-    """p2p.serve as a GPU source: its record (the file another reader of the registry sees) holds no handle byte
+    """p2p_source.serve as a GPU source: its record (the file another reader of the registry sees) holds no handle byte
     and only the socket's name; a process of this uid gets the handles from the socket; once the publication is
     withdrawn (`peers --verify` found its bytes changed, or it stopped) the socket hands out nothing."""
     weights = torch.arange(256, dtype=torch.float32)
     driver = FakeDriver()
     driver.alloc(weights.data_ptr(), bytes(weights.numel() * 4))
     monkeypatch.setattr(cuda_ipc, "Driver", lambda: driver)
-    monkeypatch.setattr(p2p, "agent", lambda: StubAgent())
-    monkeypatch.setattr(p2p, "_regions", [])
-    monkeypatch.setattr(p2p, "regions_for", lambda tensors: [Region(weights.data_ptr(), 1024, 0, "cuda")])
+    monkeypatch.setattr(p2p_agent, "agent", lambda: StubAgent())
+    monkeypatch.setattr(p2p_agent, "_regions", [])
+    monkeypatch.setattr(p2p_source, "regions_for", lambda tensors: [Region(weights.data_ptr(), 1024, 0, "cuda")])
     registry = FileRegistry(tmp_path)
-    publication = p2p.serve([("w", weights)], registry=registry, source_id="src", rank=0, world=1,
+    publication = p2p_source.serve([("w", weights)], registry=registry, source_id="src", rank=0, world=1,
                             layout="processed", run_id="run-1")
     try:
         handle = next(iter(driver.handles))
@@ -170,15 +170,15 @@ def test_a_served_gpu_source_publishes_the_socket_not_the_handles_and_stops_hand
         assert files and not any(handle in p.read_bytes() or base64.b64encode(handle) in p.read_bytes() for p in files)
         (entry,) = registry.sources("src", 0)
         extra = entry.record.extra
-        assert set(extra[p2p.HANDOFF]) == {"socket", "allocations"} and "cuda_ipc" not in extra
-        got = fetch_in_child(entry.record.extra[p2p.HANDOFF]["socket"], entry.record.pid)
+        assert set(extra[p2p_source.HANDOFF]) == {"socket", "allocations"} and "cuda_ipc" not in extra
+        got = fetch_in_child(entry.record.extra[p2p_source.HANDOFF]["socket"], entry.record.pid)
         assert [base64.b64decode(a["handle"]) for a in got["allocations"]] == [handle]
         publication.unpublish()
-        assert "error" in fetch_in_child(entry.record.extra[p2p.HANDOFF]["socket"], entry.record.pid)
+        assert "error" in fetch_in_child(entry.record.extra[p2p_source.HANDOFF]["socket"], entry.record.pid)
     finally:
-        p2p._unpublish_all()
-        p2p._serving.clear()
-    assert not p2p._handoffs
+        p2p_source._unpublish_all()
+        p2p_source._serving.clear()
+    assert not p2p_source._handoffs
 
 
 def test_a_record_carrying_handles_is_not_published_and_a_foreign_socket_name_makes_it_invalid(tmp_path) -> None:
@@ -192,9 +192,9 @@ def test_a_record_carrying_handles_is_not_published_and_a_foreign_socket_name_ma
     with pytest.raises(UsageError, match="carries CUDA IPC handles"):
         registry.publish(rec({"cuda_ipc": allocations()}))
     ok = {"socket": f"@mxlaunch-ipc-{os.getuid()}-{os.getpid()}-{'ab' * 16}", "allocations": 2}
-    assert type(rec({}).from_json(rec({p2p.HANDOFF: ok}).to_json())).__name__ == "SourceRecord"
+    assert type(rec({}).from_json(rec({p2p_source.HANDOFF: ok}).to_json())).__name__ == "SourceRecord"
     for bad in ({**ok, "socket": "/tmp/planted.sock"}, {**ok, "allocations": 0}, {**ok, "handles": allocations()}):
-        assert rec({}).from_json(rec({p2p.HANDOFF: bad}).to_json()) is None
+        assert rec({}).from_json(rec({p2p_source.HANDOFF: bad}).to_json()) is None
     assert not registry.sources("src", 0)
 
 
@@ -211,7 +211,7 @@ def test_a_target_uses_no_handle_from_a_record_nor_from_a_socket_that_is_not_the
     pairs = [Pair("w", 0x50000, 0x1000, 64, 0, 0, "cuda", "cuda")]
     with ipc_handoff.HandoffServer({"worker": WORKER, "allocations": allocations()}).start() as server:
         extra = ({"cuda_ipc": allocations()} if case == "handles in the record"
-                 else {p2p.HANDOFF: {"socket": server.address, "allocations": 2}})
+                 else {p2p_source.HANDOFF: {"socket": server.address, "allocations": 2}})
         rec = types.SimpleNamespace(extra=extra, boot_id=p2p.boot_id(), worker=WORKER, host="node-a",
                                     pid=os.getpid() + 1)
         skipped: list[str] = []
@@ -222,7 +222,7 @@ def test_a_target_uses_no_handle_from_a_record_nor_from_a_socket_that_is_not_the
 
 def test_bytes_pulled_through_the_handoff_are_checked_and_a_changed_source_is_never_served(tmp_path,
                                                                                           monkeypatch) -> None:
-    """The whole same-host path: p2p.serve publishes the socket, p2p.pull fetches the handles from it and copies
+    """The whole same-host path: p2p_source.serve publishes the socket, p2p.pull fetches the handles from it and copies
     (host memory and memmove stand in for the driver's mapping and copies), then checks every checksum. A
     source whose memory was written after it published (what a holder of a handle could do) is refused with
     bytes landed: the target rebuilds, never serves."""
@@ -233,9 +233,9 @@ def test_bytes_pulled_through_the_handoff_are_checked_and_a_changed_source_is_ne
     driver = FakeDriver()
     driver.alloc(weights.data_ptr(), bytes(weights.numel() * 4))
     monkeypatch.setattr(cuda_ipc, "Driver", lambda: driver)
-    monkeypatch.setattr(p2p, "agent", lambda: StubAgent())
-    monkeypatch.setattr(p2p, "_regions", [])
-    monkeypatch.setattr(p2p, "regions_for", lambda tensors: [Region(weights.data_ptr(), 1024, 0, "cuda")])
+    monkeypatch.setattr(p2p_agent, "agent", lambda: StubAgent())
+    monkeypatch.setattr(p2p_agent, "_regions", [])
+    monkeypatch.setattr(p2p_source, "regions_for", lambda tensors: [Region(weights.data_ptr(), 1024, 0, "cuda")])
     monkeypatch.setattr(cuda_ipc, "split", lambda pairs: (list(pairs), []))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
     handed: list = []
@@ -248,7 +248,7 @@ def test_bytes_pulled_through_the_handoff_are_checked_and_a_changed_source_is_ne
 
     monkeypatch.setattr(cuda_ipc, "pull", copy)
     registry = FileRegistry(tmp_path)
-    p2p.serve([("w", weights)], registry=registry, source_id="src", rank=0, world=1, layout="processed",
+    p2p_source.serve([("w", weights)], registry=registry, source_id="src", rank=0, world=1, layout="processed",
               run_id="run-1")
     try:
         mine = torch.zeros_like(weights)
@@ -260,5 +260,5 @@ def test_bytes_pulled_through_the_handoff_are_checked_and_a_changed_source_is_ne
                      layout="processed")
         assert refused.value.landed is True
     finally:
-        p2p._unpublish_all()
-        p2p._serving.clear()
+        p2p_source._unpublish_all()
+        p2p_source._serving.clear()

@@ -17,7 +17,7 @@ import torch
 
 from mxlaunch import settings
 from mxlaunch.coord.peers import open_registry
-from mxlaunch.plugin import p2p
+from mxlaunch.plugin import p2p, p2p_agent, p2p_source
 from mxlaunch.plugin.loader import module_tensors
 from mxlaunch.plugin.tensors import RestoreError
 from mxlaunch.transfer import nixl as nixl_transfer
@@ -63,7 +63,7 @@ def sources(tmp_path: Path):
     yield start
     for s in started:
         s.kill()
-    p2p.close_agent()  # a pull this test failed leaves UCX requests behind: end them with its agent, here
+    p2p_agent.close_agent()  # a pull this test failed leaves UCX requests behind: end them with its agent, here
 
 
 def registry(tmp_path: Path):
@@ -83,11 +83,11 @@ def test_processed_layout_pull_is_exact_and_the_target_serves_without_registerin
                       layout="processed")
     assert equal_to_seed0(target)
     assert result.bytes > 0 and result.registrations >= 1
-    before = p2p.agent().registrations
-    pub = p2p.serve(processed_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
+    before = p2p_agent.agent().registrations
+    pub = p2p_source.serve(processed_tensors(target), registry=registry(tmp_path), source_id=SOURCE_ID, rank=0, world=1,
                     layout="processed", run_id="t2")
     try:
-        assert p2p.agent().registrations == before  # the memory it pulled into is what it serves
+        assert p2p_agent.agent().registrations == before  # the memory it pulled into is what it serves
         workers = {e.record.worker for e in registry(tmp_path).sources(SOURCE_ID, 0)}
         assert pub.record.worker in workers and len(workers) == 2
     finally:
@@ -131,7 +131,7 @@ def test_a_same_host_pull_copies_gpu_pairs_through_ipc_and_only_the_rest_over_ni
 
         def sources(self, *a, **k):
             return [dataclasses.replace(e, record=dataclasses.replace(e.record, pid=os.getpid(), extra={
-                **e.record.extra, p2p.HANDOFF: {"socket": server.address, "allocations": len(handles)}}))
+                **e.record.extra, p2p_source.HANDOFF: {"socket": server.address, "allocations": len(handles)}}))
                 for e in self.real.sources(*a, **k)]
 
     class HostDriver:  # a handle opens as the gold copy's tensor; copies are memmoves
@@ -158,12 +158,12 @@ def test_a_same_host_pull_copies_gpu_pairs_through_ipc_and_only_the_rest_over_ni
 
     over_nixl: list = []
     over_ipc: list = []
-    real_ipc, real_nixl = cuda_ipc.pull, p2p.agent().pull
+    real_ipc, real_nixl = cuda_ipc.pull, p2p_agent.agent().pull
     monkeypatch.setattr(tensor_set, "match", every_other_on_gpu)
     monkeypatch.setattr(cuda_ipc, "Driver", HostDriver)
     monkeypatch.setattr(cuda_ipc, "pull", lambda allocs, pairs, stream, **k: over_ipc.extend(pairs)
                         or real_ipc(allocs, pairs, stream, **k))
-    monkeypatch.setattr(p2p.agent(), "pull", lambda metadata, pairs, **kw: over_nixl.extend(pairs)
+    monkeypatch.setattr(p2p_agent.agent(), "pull", lambda metadata, pairs, **kw: over_nixl.extend(pairs)
                         or real_nixl(metadata, pairs, **kw))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
     try:
@@ -250,9 +250,9 @@ def test_a_worker_destroys_its_agent_before_the_interpreter_exits() -> None:
     """At exit UCX tears itself down before Python's objects go; an agent still alive then, holding what a
     failed pull left in UCX, aborted the process (seen in CI: the ucs_arbiter assertion after every test
     had passed). The plugin's atexit hook destroys the agent first."""
-    code = ("from mxlaunch.plugin import p2p\nfrom mxlaunch.transfer import nixl as n\nreal = n.Agent.close\n"
+    code = ("from mxlaunch.plugin import p2p_agent\nfrom mxlaunch.transfer import nixl as n\nreal = n.Agent.close\n"
             "def close(self):\n    real(self)\n    print('closed', self._agent is None, flush=True)\n"
-            "n.Agent.close = close\np2p.agent()\nprint('started', flush=True)\n")
+            "n.Agent.close = close\np2p_agent.agent()\nprint('started', flush=True)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["started", "closed", "True"]

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from mxlaunch.plugin.p2p import byte_view, keep_raw
+from mxlaunch.plugin.p2p_source import keep_raw
 from mxlaunch.plugin.tensors import LayoutMismatch, group_tensors
 from mxlaunch.transfer.regions import region_index, regions_for
-from mxlaunch.transfer.tensor_set import describe, match, processed_tensors, span_bytes
+from mxlaunch.transfer.tensor_set import byte_view, describe, match, processed_tensors, span_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -141,7 +141,7 @@ def test_empty_placeholders_a_source_does_not_serve_are_not_missing() -> None:
     src, dst = _model(0), _model(1)
     for m in (src, dst):
         m.layer.kv_cache = torch.tensor([])
-    served = [g for g in group_tensors(processed_tensors(src)) if g.tensor.numel()]  # as plugin/p2p.serve does
+    served = [g for g in group_tensors(processed_tensors(src)) if g.tensor.numel()]  # as plugin/p2p_source.serve does
     assert "layer.kv_cache" not in {n for g in served for n in g.names}
     pairs = match(processed_tensors(dst), describe(served))
     assert pairs and all(p.bytes for p in pairs)
