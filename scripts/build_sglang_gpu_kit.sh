@@ -267,7 +267,7 @@ groups = {"console_scripts": p.get("scripts", {}), **p.get("entry-points", {})}
 (d / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n"
                                             for g, eps in groups.items()))
 PY
-printf '#!/usr/bin/env python3\nimport sys\nfrom mxlaunch.cli import main\nsys.exit(main())\n' > /tmp/mxsite/bin/mxlaunch
+printf '#!/usr/bin/env python3\nimport sys\nfrom mxlaunch.cli.app import main\nsys.exit(main())\n' > /tmp/mxsite/bin/mxlaunch
 chmod +x /tmp/mxsite/bin/mxlaunch
 # /tmp/sgl-site/bin last: the machine's own tools first; it adds `sglang` and `ninja` (FlashInfer's JIT).
 export PYTHONPATH=$PWD:/tmp/mxsite:/tmp/sgl-site PATH=/tmp/mxsite/bin:$PATH:/tmp/sgl-site/bin PYTHONUNBUFFERED=1

@@ -2,14 +2,6 @@
 `cache`, `peers`, `zygotes`, `doctor`). Each command parses its options, calls the package that does the work,
 and prints; nothing here is imported by another package (the in-engine side least of all).
 
-`python -m mxlaunch.cli` and the `mxlaunch` console script both run `main`; the app is built on first call, so
-importing a sibling (`mxlaunch.cli.common`) does not build every command.
+`python -m mxlaunch.cli` and the `mxlaunch` console script both run `mxlaunch.cli.app:main`; this file imports
+nothing, so importing a sibling (`mxlaunch.cli.common`) does not build every command.
 """
-
-from __future__ import annotations
-
-
-def main() -> None:
-    from mxlaunch.cli.app import main as run
-
-    run()

@@ -53,7 +53,8 @@ def launch(
     as_json: bool = json_option("JSON plan (dry run) or JSON-lines events."),
 ) -> None:
     """Run an engine command with the fastest correct weight path: P2P from a live replica, staged snapshot, capture, or default."""
-    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
+    from mxlaunch.launch.decide import LaunchOptions, make_plan
+    from mxlaunch.launch.run import Launcher
 
     opts = LaunchOptions(artifact_path=artifact_path, strategy=strategy, capture_only=capture_only,
                          ready_timeout=ready_timeout, run_dir=run_dir, readers=readers, as_json=as_json,

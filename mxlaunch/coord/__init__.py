@@ -1,11 +1,4 @@
 """Claims (leases) and the P2P source registry. `file` is the default backend (shared filesystem); Redis is
-optional (`coord/peers_redis.py`, imported only when a redis:// registry is opened)."""
-
-from mxlaunch.coord.base import Claim, ClaimInfo, Coordinator, valid_id
-from mxlaunch.coord.file import FileClaim, FileCoordinator
-from mxlaunch.coord.peers import (
-    LAYOUTS, PeerEntry, PeerRegistry, Publication, SourceRecord, local_record, open_registry)
-from mxlaunch.coord.peers_file import FileRegistry
-
-__all__ = ["Claim", "ClaimInfo", "Coordinator", "FileClaim", "FileCoordinator", "FileRegistry", "LAYOUTS",
-           "PeerEntry", "PeerRegistry", "Publication", "SourceRecord", "local_record", "open_registry", "valid_id"]
+optional (`coord/peers_redis.py`, imported only when a redis:// registry is opened). Claims: coord/base.py
+(the protocol), coord/file.py, coord/s3.py; the registry: coord/peers.py (records, `open_registry`) and its
+backends. Callers import the module that defines the name; this file re-exports nothing."""

@@ -26,6 +26,12 @@ def detect(argv: Sequence[str]) -> Optional[Engine]:
     return next((engine for engine in ENGINES.values() if engine.matches(argv)), None)
 
 
+def detect_engine(argv: Sequence[str]) -> Optional[str]:
+    """The registry name of the engine that runs argv, None when none does."""
+    engine = detect(argv)
+    return engine.name if engine is not None else None
+
+
 def engine_for(argv: Sequence[str]) -> Engine:
     """detect(), or a one-line UsageError listing every form mxlaunch understands."""
     if not argv:

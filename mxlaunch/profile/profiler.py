@@ -22,7 +22,8 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from mxlaunch.engines import LOG_FORMATS, LogFormat, LogLine, PhaseEvent
+from mxlaunch.engines.log_formats import LOG_FORMATS
+from mxlaunch.engines.base import LogFormat, LogLine, PhaseEvent
 from mxlaunch.engines.base import mxlaunch_events
 from mxlaunch.engines.registry import ENGINES as _REGISTRY
 from mxlaunch.errors import UsageError

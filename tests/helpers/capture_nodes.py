@@ -81,7 +81,7 @@ def _wait_for(path: str | None) -> None:
 
 
 def session_main(a: argparse.Namespace) -> int:
-    from mxlaunch.launch import LaunchOptions, make_plan
+    from mxlaunch.launch.decide import LaunchOptions, make_plan
     from mxlaunch.launch.capture import CaptureSession
     from mxlaunch.store.core import Store
 
@@ -114,7 +114,8 @@ def session_main(a: argparse.Namespace) -> int:
 
 
 def launch_main(a: argparse.Namespace) -> int:
-    from mxlaunch.launch import LaunchOptions, Launcher, make_plan
+    from mxlaunch.launch.decide import LaunchOptions, make_plan
+    from mxlaunch.launch.run import Launcher
     from mxlaunch.launch import cleanup
     from mxlaunch.store.core import Store
 

@@ -26,7 +26,8 @@ from typing import Iterator
 import pytest
 
 from mxlaunch.fileutil import is_tmpfs
-from mxlaunch.launch import LaunchOptions, Launcher, make_plan
+from mxlaunch.launch.decide import LaunchOptions, make_plan
+from mxlaunch.launch.run import Launcher
 from mxlaunch.launch import capture as capture_mod
 from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.capture_route import decide_capture_route, estimate_node_bytes

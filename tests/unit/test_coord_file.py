@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import mxlaunch.coord.file as coord_file
-from mxlaunch.coord import Claim, ClaimInfo, Coordinator, FileCoordinator
+from mxlaunch.coord.base import Claim, ClaimInfo, Coordinator
+from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.coord.file import ensure_dir, pid_alive, write_json_atomic
 from mxlaunch.errors import UsageError
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.coord.peers import local_record, open_registry
-from mxlaunch.launch import LaunchOptions, make_plan
+from mxlaunch.launch.decide import LaunchOptions, make_plan
 from mxlaunch.launch.p2p import unpublish_run
 from mxlaunch.plan import load_plan
 from mxlaunch.store.core import Store

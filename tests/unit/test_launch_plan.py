@@ -13,7 +13,8 @@ import pytest
 
 from mxlaunch.engines.vllm_argv import parse_vllm_argv
 from mxlaunch.engines.vllm_engine import local_ranks as local_ranks_for
-from mxlaunch.launch import LaunchOptions, make_plan, remove_stale_runs
+from mxlaunch.launch.decide import LaunchOptions, make_plan
+from mxlaunch.launch.cleanup import remove_stale_runs
 from mxlaunch.store.core import SnapshotMeta, Store
 
 from tests.helpers.cli import run_cli
@@ -160,7 +161,7 @@ def test_stale_run_folders_of_dead_launchers_are_removed(tmp_path: Path) -> None
 
 def test_dp_replicas_point_their_workers_at_shared_staged_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mxlaunch.launch import cleanup as launch_mod
-    from mxlaunch.launch import Launcher
+    from mxlaunch.launch.run import Launcher
     from mxlaunch.plan import load_plan
 
     model = write_checkpoint(tmp_path / "model")
@@ -228,7 +229,7 @@ def test_capture_only_that_loses_the_claim_stops_with_1_instead_of_serving_on(tm
     """A --capture-only run downgraded at start (another replica took the claim after the plan) can
     never publish: it must end (exit 1), or a capture job would serve until its time limit."""
     from mxlaunch.launch import cleanup as launch_mod
-    from mxlaunch.launch import Launcher
+    from mxlaunch.launch.run import Launcher
 
     fake = Path(__file__).resolve().parent / "fixtures_logs" / "fake_vllm_engine.py"
     store = Store(tmp_path / "store")

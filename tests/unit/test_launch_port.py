@@ -15,7 +15,8 @@ import pytest
 
 from mxlaunch.errors import UsageError
 from mxlaunch.fileutil import pid_alive
-from mxlaunch.launch import LaunchOptions, make_plan, port
+from mxlaunch.launch.decide import LaunchOptions, make_plan
+from mxlaunch.launch import port
 from mxlaunch.launch.cleanup import ENGINE_SHM_PREFIXES, SHM_ROOT, shm_user_root
 from mxlaunch.store.core import Store
 from tests.helpers.cli import run_cli

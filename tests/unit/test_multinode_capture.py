@@ -28,7 +28,7 @@ from mxlaunch.engines.sglang_engine import local_ranks as sglang_local_ranks
 from mxlaunch.engines.vllm_argv import parse_vllm_argv
 from mxlaunch.engines.vllm_engine import local_ranks as vllm_local_ranks
 from mxlaunch.errors import UsageError
-from mxlaunch.launch import LaunchOptions, make_plan
+from mxlaunch.launch.decide import LaunchOptions, make_plan
 from mxlaunch.launch.capture import CaptureSession, capture_part
 from mxlaunch.store.core import MANIFEST, SnapshotMeta, Store
 from mxlaunch.slurm import job_capture_id

@@ -12,7 +12,7 @@ import pytest
 
 from mxlaunch.engines.vllm_argv import parse_vllm_argv
 from mxlaunch.identity import source_id
-from mxlaunch.launch import LaunchOptions, make_plan
+from mxlaunch.launch.decide import LaunchOptions, make_plan
 
 PY = sys.executable
 

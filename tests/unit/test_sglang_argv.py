@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.engines import detect_engine
+from mxlaunch.engines.registry import detect_engine
 from mxlaunch.engines.sglang_argv import parse_sglang_argv, rewrite_sglang_argv
 from mxlaunch.engines.sglang_engine import local_ranks, rank_ranges, snapshot_format_refusal
 from mxlaunch.errors import UsageError
@@ -205,7 +205,7 @@ def test_presharded_workers_all_read_the_one_shared_dump(tmp_path: Path) -> None
 
 
 def test_snapshot_file_paths_keep_their_folder_inside_the_rank() -> None:
-    from mxlaunch.launch import _rank_rel
+    from mxlaunch.launch.decide import _rank_rel
 
     assert _rank_rel(Path("/s/id/data-x/ranks/3/part-00000.safetensors")) == (3, "part-00000.safetensors")
     assert _rank_rel(Path("/s/ranks/x/data/ranks/0/TP-1-sig-ab/checksum.json")) == (0, "TP-1-sig-ab/checksum.json")

@@ -124,7 +124,7 @@ def test_a_live_launchers_recorded_segments_are_left_alone(tmp_path: Path) -> No
 def stubborn_engine_in_a_slurm_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str):
     """A plan whose "engine" (fake_vllm_engine.py in `mode`) has a child that ignores SIGINT and SIGTERM,
     inside a Slurm job with KillWait 6 s. Returns the plan and the file the child writes its pid to."""
-    from mxlaunch.launch import LaunchOptions, make_plan
+    from mxlaunch.launch.decide import LaunchOptions, make_plan
 
     monkeypatch.setattr(cleanup, "SHM_ROOT", tmp_path / "shm")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
@@ -190,7 +190,8 @@ def test_sigterm_in_a_slurm_job_frees_staged_files_first_and_stops_within_kill_w
     """The engine's group holds a child that ignores SIGINT and SIGTERM (a worker stuck in start-up):
     only SIGKILL ends it. With KillWait 6 s the launcher must be done — engine group gone, staged files
     and run folder removed — inside those 6 s, and the staged files must be gone before it waits."""
-    from mxlaunch.launch import LaunchOptions, Launcher
+    from mxlaunch.launch.decide import LaunchOptions
+    from mxlaunch.launch.run import Launcher
 
     plan, child_pid = stubborn_engine_in_a_slurm_job(tmp_path, monkeypatch, "ready")
     recorder = StopRecorder(monkeypatch)
@@ -229,7 +230,8 @@ def test_a_stop_signal_during_the_launchers_own_stop_gets_the_kill_wait_budget(
     """The launcher is already stopping a stubborn engine on its own (not ready in time: the usual
     20 + 10 + 5 s sequence) when Slurm's SIGTERM arrives: from then on KillWait rules — the engine group is
     gone and the run folder removed inside KillWait, not after the usual sequence."""
-    from mxlaunch.launch import LaunchOptions, Launcher
+    from mxlaunch.launch.decide import LaunchOptions
+    from mxlaunch.launch.run import Launcher
 
     plan, child_pid = stubborn_engine_in_a_slurm_job(tmp_path, monkeypatch, "hang")
     recorder = StopRecorder(monkeypatch)

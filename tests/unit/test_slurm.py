@@ -12,7 +12,7 @@ import pytest
 
 from mxlaunch.engines.registry import ENGINES
 from mxlaunch.errors import UsageError
-from mxlaunch.launch import LaunchOptions, make_plan
+from mxlaunch.launch.decide import LaunchOptions, make_plan
 from mxlaunch.slurm import (PORT_BASE, PORT_SPAN, SlurmEnv, adapt_launch, default_readers, dist_port,
                             expand_hostlist, read_env, readers_for)
 from tests.helpers.cli import one_line_error, run_cli

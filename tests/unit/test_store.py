@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.coord import FileCoordinator
+from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.coord.file import write_json_atomic
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.store.core import MANIFEST, SnapshotMeta, Store, default_root, xxh3_file

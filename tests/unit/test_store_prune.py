@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.coord import FileCoordinator
+from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.fileutil import LAST_USED, last_used, mark_used
 from mxlaunch.kernelcache.caches import cache_key
 from mxlaunch.kernelcache.archive import KernelCacheStore
