@@ -110,6 +110,15 @@ class KernelCacheRun:
                   **seeded)
         return dict(self.info["env"])
 
+    def skip(self, reason: str) -> Dict[str, str]:
+        """No engine starts in this run (a restored engine snapshot: its kernels were compiled, or loaded, before
+        its image was taken): nothing to restore and nothing to capture — whatever the node-local folder holds is
+        not this run's work, and judging it against an empty "before" would report all of it as new."""
+        if self.active:
+            self.status = "off"
+            self.emit("kernel-cache", status="off", reason=reason, key=self.info.get("key"))
+        return {}
+
     def judge_ready(self) -> None:
         """At ready: a restore after which the engine compiled anyway (its log says so) is `partial`."""
         if not self.active:

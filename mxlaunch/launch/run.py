@@ -262,7 +262,9 @@ class Launcher(Stopping):
             self.segments = SegmentRecord(self.shm_dir, self._shm_before)
             if self.signals:  # stopped before the engine started
                 return 128 + self.signals[0]
-            env = {**self._env(), **self.snapshots.env(), **(self.kernel.restore() if restored is None else {})}
+            env = {**self._env(), **self.snapshots.env(), **(self.kernel.restore() if restored is None else self.kernel.skip(
+                "the engine was restored from its snapshot: it compiles nothing in this run, so no kernel cache is "
+                "restored or captured"))}
             log = open_log(self.log_dir / "engine.log")  # 0600, O_NOFOLLOW (launch/logfile.py)
             # The engine first, then staging: the engine needs the files only once it has built the model
             # (tens of seconds later), while the stage's reader threads, started first, held the GIL against

@@ -420,6 +420,30 @@ def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path:
     assert third[1][1]["status"] == "partial" and third[1][1]["published"] and third[1][1]["new"] == ["triton/k2.bin"]
 
 
+def test_a_run_whose_engine_was_restored_from_a_snapshot_captures_nothing(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42: after an engine-snapshot restore the launcher never restored the cache, so the node-local folder
+    (231 files the first run compiled) was all "new" to the capture: `status=miss … new_files=231`. A restored
+    engine compiles nothing: the run says the cache is off and why, and captures nothing."""
+    from mxlaunch.launch import kernel
+
+    quick_kernel_runs(tmp_path, monkeypatch)
+    spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
+    store = kc(tmp_path / "store")
+    events: list[tuple[str, dict]] = []
+    info = plan_kernel_cache(spec, source_id="a" * 16, device_type="cpu", kc_store=store)
+    assert info["status"] == "miss"
+    Path(info["dir"], "triton").mkdir(parents=True)
+    Path(info["dir"], "triton", "k1.bin").write_bytes(b"kernel")  # what the snapshotted run compiled on this node
+    run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
+    assert run.skip("restored") == {}
+    run.judge_ready()
+    run.start_capture()
+    run.finish(5.0)
+    assert events == [("kernel-cache", {"status": "off", "reason": "restored", "key": info["key"]})], events
+    assert run.status == "off" and run._thread is None and store.list() == []
+
+
 def test_a_first_serve_on_a_node_where_the_engine_ran_starts_from_its_default_caches(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A miss into an empty key folder is seeded from where the engine keeps its caches by default (copies: the
