@@ -221,19 +221,40 @@ def list_zygotes() -> list[ZygoteInfo]:
     return found
 
 
-def stop_zygotes() -> list[str]:
+def stop_zygotes(wait_s: float = 5.0) -> list[str]:
     """Remove every socket, info and refusal file of this user's: each zygote exits within 2 s of its socket's
-    removal. The keys stopped."""
+    removal (waited for, up to wait_s). Then the folder itself goes, with the zygotes' import TMPDIR, where
+    nothing is left in them (remove_empty_root). The keys stopped."""
     root = zygote_root()
-    keys = []
+    keys, pids = [], []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
         if path.suffix == ZYGOTE_SOCKET:
             keys.append(path.stem)
+        elif path.suffix == ZYGOTE_INFO:
+            try:
+                pids.append(int(json.loads(path.read_text(encoding="utf-8"))["pid"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
         try:
             path.unlink()
         except OSError:
             pass
+    deadline = time.monotonic() + wait_s
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    remove_empty_root(root)
     return keys
+
+
+def remove_empty_root(root: Path) -> None:
+    """Remove the zygote folder (its import TMPDIR first) where nothing is left in it, and only where it is a real
+    folder of this user's (fileutil.foreign): never another user's name, never through a link."""
+    for folder in (root / IMPORT_TMPDIR, root):
+        try:
+            if foreign(os.lstat(folder), is_dir=True) is None:
+                os.rmdir(folder)
+        except OSError:  # not there, or not empty: something still lives in it
+            pass
 
 
 def private_dir(path: Path) -> bool:

@@ -161,6 +161,21 @@ def test_an_idle_zygote_exits_and_so_does_one_whose_socket_is_removed(module_dir
     assert zygote.list_zygotes() == []
 
 
+def test_stopping_the_zygotes_removes_their_folder_once_nothing_is_left_in_it(module_dir: Path) -> None:
+    """Issue 42: /dev/shm/mxlaunch-zygote-<uid> stayed after `mxlaunch zygotes --stop` (its import TMPDIR in it)."""
+    from mxlaunch.launch.zygote_env import IMPORT_TMPDIR
+
+    key, pid = _start(module_dir, _env(module_dir))
+    root = zygote.zygote_root()
+    assert (root / IMPORT_TMPDIR).is_dir()
+    assert zygote.stop_zygotes() == [key]
+    assert _wait_exit(pid) == 0
+    assert not root.exists()
+    (root / IMPORT_TMPDIR).mkdir(parents=True, mode=0o700)
+    (root / IMPORT_TMPDIR / "left").write_text("x")  # something still in it: the folder stays, and what is in it
+    assert zygote.stop_zygotes() == [] and (root / IMPORT_TMPDIR / "left").exists()
+
+
 def test_the_serving_loop_returns_only_after_idle_s_without_a_request_or_once_its_socket_is_gone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The zygote's loop on a clock that moves only when its select waits out its timeout: it returns once
