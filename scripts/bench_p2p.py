@@ -467,7 +467,7 @@ def run_knob(args: argparse.Namespace) -> None:
     from mxlaunch.coord.peers import open_registry
     from mxlaunch.plugin import p2p_agent
     from mxlaunch.plugin.tensors import group_tensors
-    from mxlaunch.transfer import nixl
+    from mxlaunch.transfer import nixl_batches
     from mxlaunch.transfer.regions import regions_for
     from mxlaunch.transfer.tensor_set import match, processed_tensors
 
@@ -513,7 +513,7 @@ def run_knob(args: argparse.Namespace) -> None:
         rates.append(nbytes / GiB / stats.transfer_seconds)
         if op != "READ":  # the bytes written to the source must be the gold ones: read them back
             scribble()
-            agent.pull(meta, pairs, prepped=False, chunk_bytes=0, inflight=1, batch_bytes=nixl.BATCH_BYTES)
+            agent.pull(meta, pairs, prepped=False, chunk_bytes=0, inflight=1, batch_bytes=nixl_batches.BATCH_BYTES)
         exacts.append(exact())
     row.update(gibps=rates, median=statistics.median(rates), exact=exacts, all_exact=all(exacts) and row["warm"]["exact"],
                descriptors=stats.descriptors, requests=stats.batches, prepped=stats.prepped)

@@ -12,7 +12,7 @@ Errors are `TransferError` with `landed`: whether any byte of the target may alr
 Knobs (settings.py; docs/p2p.md): MXLAUNCH_NIXL_UCX_PARAMS passes init parameters to the UCX backend
 (e.g. num_threads=4,split_batch_size=1: NIXL splits one request over 4 threads, each with its own UCX
 worker and so its own CUDA stream), MXLAUNCH_NIXL_PROGRESS_THREAD=0 starts the agent without its
-progress thread, MXLAUNCH_NIXL_PULL shapes the pull (prepped descriptor lists, chunking, requests).
+progress thread, MXLAUNCH_NIXL_PULL shapes the pull (prepped descriptor lists, chunking, requests: transfer/nixl_batches.py).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 from mxlaunch import settings
 from mxlaunch.errors import MxlaunchError
 from mxlaunch.plugin.tensors import RestoreError
+from mxlaunch.transfer import nixl_batches
+from mxlaunch.transfer.nixl_batches import PullConfig
 from mxlaunch.transfer.regions import Region
 from mxlaunch.transfer.tensor_set import Pair
 
@@ -35,8 +37,6 @@ log = logging.getLogger("mxlaunch.transfer")
 
 _MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")  # the generic package, then the CUDA-specific wheels
 _MEM = {"cpu": "DRAM", "cuda": "VRAM"}
-BATCH_BYTES = 4 << 30  # one READ request moves at most this much (the deadline is checked between polls)
-BATCH_DESCS = 8192
 
 
 class NixlUnavailable(RuntimeError):
@@ -72,27 +72,6 @@ class PullStats:
     transfer_seconds: float = 0.0
     backends: list[str] = field(default_factory=list)
     prepped: bool = False
-
-
-@dataclass(frozen=True)
-class PullConfig:
-    """How a pull posts its READs (MXLAUNCH_NIXL_PULL); None: the built-in default.
-    prepped: prepare both descriptor lists once per pull (prep_xfer_dlist) and make each request from
-             them by index (make_prepped_xfer), instead of initialize_xfer per request;
-    merge:   prepped only — let NIXL merge runs of equal-length, back-to-back descriptors into one copy
-             (its default; merge=0 passes skip_desc_merge, which keeps chunked spans apart);
-    chunk_mib: cut spans longer than this into pieces (0: never); inflight: requests posted at once;
-    batch_mib: bytes one request moves when inflight is 1 (0: no limit; default BATCH_BYTES)."""
-
-    prepped: bool = False
-    merge: bool = True
-    chunk_mib: int | None = None
-    inflight: int | None = None
-    batch_mib: int | None = None
-
-    @classmethod
-    def from_env(cls, environ=os.environ) -> "PullConfig":
-        return cls(**settings.nixl_pull(environ))
 
 
 class Agent:
@@ -167,16 +146,16 @@ class Agent:
         if prepped is None:
             prepped = cfg.prepped
         if batch_bytes is None:
-            batch_bytes = BATCH_BYTES if cfg.batch_mib is None else (cfg.batch_mib << 20 or 1 << 62)
+            batch_bytes = nixl_batches.BATCH_BYTES if cfg.batch_mib is None else (cfg.batch_mib << 20 or 1 << 62)
         stats = PullStats(prepped=prepped)
         started = time.perf_counter()
         remote = self.connect(remote_metadata)
         stats.connect_seconds = time.perf_counter() - started
         deadline = time.monotonic() + timeout_s
-        work = split(pairs, chunk_bytes) if chunk_bytes > 0 else list(pairs)
+        work = nixl_batches.split(pairs, chunk_bytes) if chunk_bytes > 0 else list(pairs)
         total = sum(p.bytes for p in work)
         limit = batch_bytes if inflight <= 1 else max(1, -(-total // inflight))
-        groups = _groups(work)
+        groups = nixl_batches.groups(work)
         pending: deque = deque()
         preps: dict[tuple[str, str], tuple] = {}
         landed = False
@@ -185,7 +164,7 @@ class Agent:
             if prepped:  # every list prepared before the first READ: a refusal here wrote nothing
                 for key, group in groups.items():
                     preps[key] = self._prep(remote, group)
-            for i, (key, lo, hi) in enumerate(_ranges(groups, limit)):
+            for i, (key, lo, hi) in enumerate(nixl_batches.ranges(groups, limit)):
                 if on_batch is not None:
                     on_batch(i)
                 batch = groups[key][lo:hi]
@@ -313,46 +292,6 @@ class Agent:
                 log.warning("mxlaunch: NIXL could not deregister memory: %s", exc)
         self._registered.clear()
         self._agent = None  # the last reference: the agent and its UCX worker are destroyed here
-
-
-def split(pairs: Iterable[Pair], chunk: int) -> list[Pair]:
-    """Spans longer than `chunk` bytes cut into pieces (each piece its own copy)."""
-    out = []
-    for p in pairs:
-        for off in range(0, p.bytes, chunk):
-            out.append(Pair(p.name, p.local_addr + off, p.remote_addr + off, min(chunk, p.bytes - off), p.local_dev,
-                            p.remote_dev, p.local_kind, p.remote_kind))
-    return out
-
-
-def _groups(pairs: Iterable[Pair]) -> dict[tuple[str, str], list[Pair]]:
-    """Pairs by (local, remote) memory kind, in order: one request never mixes kinds."""
-    by_kind: dict[tuple[str, str], list[Pair]] = {}
-    for p in pairs:
-        by_kind.setdefault((p.local_kind, p.remote_kind), []).append(p)
-    return by_kind
-
-
-def _ranges(groups: dict[tuple[str, str], list[Pair]],
-            limit: int | None = None) -> Iterable[tuple[tuple[str, str], int, int]]:
-    """(group, start, end) of each batch: at most `limit` (BATCH_BYTES) bytes and BATCH_DESCS pairs."""
-    limit = limit or BATCH_BYTES
-    for key, group in groups.items():
-        lo, size = 0, 0
-        for i, p in enumerate(group):
-            if i > lo and (size + p.bytes > limit or i - lo >= BATCH_DESCS):
-                yield key, lo, i
-                lo, size = i, 0
-            size += p.bytes
-        if lo < len(group):
-            yield key, lo, len(group)
-
-
-def _batches(pairs: Iterable[Pair], limit: int | None = None) -> Iterable[list[Pair]]:
-    """Pairs grouped by memory kinds, each batch at most `limit` (BATCH_BYTES) bytes and BATCH_DESCS."""
-    groups = _groups(pairs)
-    for key, lo, hi in _ranges(groups, limit):
-        yield groups[key][lo:hi]
 
 
 def _wait(agent, handle, state: str, deadline: float) -> str:

@@ -16,8 +16,9 @@ import pytest
 from mxlaunch import settings
 from mxlaunch.errors import EXIT_USAGE, UsageError
 from mxlaunch.plugin.tensors import RestoreError
-from mxlaunch.transfer import nixl as nixl_transfer
-from mxlaunch.transfer.nixl import Agent, NixlUnavailable, PullConfig, TransferError
+from mxlaunch.transfer import nixl_batches
+from mxlaunch.transfer.nixl import Agent, NixlUnavailable, TransferError
+from mxlaunch.transfer.nixl_batches import PullConfig
 from mxlaunch.transfer.tensor_set import Pair
 from tests.unit import test_p2p_nixl
 from tests.unit.test_p2p_nixl import equal_to_seed0
@@ -124,12 +125,12 @@ def _pair(i: int, n: int, kind: str = "cpu") -> Pair:
 
 
 def test_ranges_keep_limits_and_kinds(monkeypatch) -> None:
-    monkeypatch.setattr(nixl_transfer, "BATCH_DESCS", 3)
+    monkeypatch.setattr(nixl_batches, "BATCH_DESCS", 3)
     pairs = [_pair(i, 10) for i in range(7)] + [_pair(9, 10, "cuda")]
-    batches = list(nixl_transfer._batches(pairs, 25))
+    batches = list(nixl_batches.batches(pairs, 25))
     assert [[p.name for p in b] for b in batches] == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"], ["t6"], ["t9"]]
-    assert [len(b) for b in nixl_transfer._batches(pairs, 1000)] == [3, 3, 1, 1]  # BATCH_DESCS, then the kind
-    assert [len(b) for b in nixl_transfer._batches([_pair(0, 100), _pair(1, 5)], 10)] == [1, 1]  # an oversize span alone
+    assert [len(b) for b in nixl_batches.batches(pairs, 1000)] == [3, 3, 1, 1]  # BATCH_DESCS, then the kind
+    assert [len(b) for b in nixl_batches.batches([_pair(0, 100), _pair(1, 5)], 10)] == [1, 1]  # an oversize span alone
 
 
 # ---- real NIXL between processes (CPU, UCX shared memory) -----------------------------------------------
@@ -180,7 +181,7 @@ def _target(tmp_path: Path, size: str = "big"):
 
 def test_prepped_a_source_killed_mid_transfer_is_landed(tmp_path, sources, monkeypatch) -> None:
     source = sources("--layout", "processed", "--size", "big")
-    monkeypatch.setattr(nixl_transfer, "BATCH_BYTES", 16 << 20)  # several requests from one prepared list
+    monkeypatch.setattr(nixl_batches, "BATCH_BYTES", 16 << 20)  # several requests from one prepared list
     _model, agent, pairs, meta = _target(tmp_path)
     try:
         def kill_after_first(i: int) -> None:

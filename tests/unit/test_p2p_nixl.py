@@ -20,7 +20,7 @@ from mxlaunch.coord.peers import open_registry
 from mxlaunch.plugin import p2p, p2p_agent, p2p_source
 from mxlaunch.plugin.loader import module_tensors
 from mxlaunch.plugin.tensors import RestoreError
-from mxlaunch.transfer import nixl as nixl_transfer
+from mxlaunch.transfer import nixl_batches
 from mxlaunch.transfer.tensor_set import processed_tensors
 from tests.helpers.p2p_models import build
 from tests.helpers.p2p_peer import SOURCE_ID
@@ -232,7 +232,7 @@ def test_two_targets_pull_from_one_source_at_once(tmp_path, sources) -> None:
 
 def test_a_source_killed_mid_transfer_is_reported_as_landed(tmp_path, sources, monkeypatch) -> None:
     source = sources("--layout", "processed", "--size", "big")
-    monkeypatch.setattr(nixl_transfer, "BATCH_BYTES", 16 << 20)  # several READ batches:
+    monkeypatch.setattr(nixl_batches, "BATCH_BYTES", 16 << 20)  # several READ batches:
     monkeypatch.setenv(settings.NIXL_PULL, "")  # not the default single request
     target = build(7, "big")
 
