@@ -106,8 +106,9 @@ VARIABLES: dict[str, str] = {
                       "GPU memory included; default ~/.cache/mxlaunch/engine-snapshots; its <uid> folder must be "
                       "this user's alone, below folders nobody else can write unless sticky)",
     SNAPSHOT_SLEEP: "1: `launch --engine-snapshot` on a CUDA node starts vLLM with --enable-sleep-mode and sleeps it at "
-                    "level 1 while it is snapshotted, so the image holds no KV cache (default 0: not yet proven on a "
-                    "GPU end to end, see docs/launch.md)",
+                    "level 1 while it is snapshotted, so the image holds no KV cache; 2 or lean: at level 2, so the "
+                    "image holds no weights either and a restore refills them from the staged snapshot (a lean "
+                    "snapshot; needs a local store). Default 0 (awake) — docs/launch.md",
     TRUSTED_WRITERS: "users and %groups (names or numbers, separated by commas or spaces) whose code this user accepts "
                      "from the store: kernel-cache archives written by them are restored (default: you alone; root "
                      "always) — docs/security.md",
@@ -125,10 +126,13 @@ def engine_snapshots(environ: Mapping[str, str] = os.environ) -> Optional[Path]:
     return Path(text).expanduser() if text else None
 
 
-def snapshot_sleep(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether an engine snapshot of vLLM on a GPU sleeps the engine first ($MXLAUNCH_SNAPSHOT_SLEEP=1; opt-in until
-    a GPU run has shown the sleeping snapshot restore and serve exactly)."""
-    return environ.get(SNAPSHOT_SLEEP, "0").strip() == "1"
+def snapshot_sleep(environ: Mapping[str, str] = os.environ) -> int:
+    """How an engine snapshot of vLLM on a GPU sleeps the engine first ($MXLAUNCH_SNAPSHOT_SLEEP): 0 awake, 1 at
+    level 1 (the KV cache left out), 2 or "lean" at level 2 (the weights left out too, refilled from the
+    snapshot at a restore: launch/lean_snapshot.py). Anything else is 0. Opt-in until GPU runs have shown each
+    restore and serve exactly."""
+    value = environ.get(SNAPSHOT_SLEEP, "0").strip().lower()
+    return {"1": 1, "2": 2, "lean": 2}.get(value, 0)
 
 
 def artifact_path(environ: Mapping[str, str] = os.environ) -> Optional[Path]:

@@ -85,8 +85,10 @@ ENGINE_OPTIONS = {"prefetch": ("--safetensors-load-strategy", "prefetch"),
                   "instanttensor": ("--load-format", "instanttensor")}
 # the engine's start-up (issue 24): the same weight path with and without the launcher's start-up cuts
 FORK_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-SCENARIOS = ("default", "default-fork", "capture", "staged", "staged-spawn", "zygote", "zygote-image", "p2p", "engine-snapshot",
-             *ENGINE_OPTIONS)
+SCENARIOS = ("default", "default-fork", "capture", "staged", "staged-spawn", "zygote", "zygote-image", "zygote-image-newenv",
+             "p2p", "engine-snapshot", "engine-snapshot-lean", *ENGINE_OPTIONS)
+# a Slurm job's environment: zygote-image-newenv starts its second launch as the next job on another node would
+JOB_ENV = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NODELIST", "SLURMD_NODENAME", "SLURM_STEP_ID", "HOSTNAME", "TMPDIR")
 LAUNCHED = ("capture", "staged", "staged-spawn", "zygote", "zygote-image")
 # what vLLM's log says of its own compile work (seconds), per start
 LOG_TIMES = {"torch_compile_s": r"torch\.compile takes ([0-9.]+) s in total",
@@ -97,7 +99,11 @@ MODES = {"default": "engine alone (vLLM CLI: engine core spawned)", "default-for
          "staged": "mxlaunch staged, engine core forked", "staged-spawn": "mxlaunch staged, engine core spawned",
          "zygote": "mxlaunch staged, forked from a zygote, engine core forked",
          "zygote-image": "mxlaunch staged, no zygote waiting: the zygote restored from its CRIU image, then forked",
-         "engine-snapshot": "mxlaunch --engine-snapshot: the second start restores the first one's engine (CUDA checkpoint + CRIU)"}
+         "zygote-image-newenv": "mxlaunch staged, a new job's environment (new SLURM_* ids, HOSTNAME, TMPDIR): the zygote "
+                                "restored from the previous job's CRIU image, then forked",
+         "engine-snapshot": "mxlaunch --engine-snapshot: the second start restores the first one's engine (CUDA checkpoint + CRIU)",
+         "engine-snapshot-lean": "mxlaunch --engine-snapshot, MXLAUNCH_SNAPSHOT_SLEEP=lean: the image holds no weights and no "
+                                 "KV cache; the second start restores it and refills the weights from the staged snapshot"}
 
 
 def evict(*folders: Path) -> int:
@@ -298,10 +304,10 @@ class Harness:
         try:
             if scenario == "p2p":
                 rec = self._p2p()
-            elif scenario == "engine-snapshot":
-                rec = self._engine_snapshot()
-            elif scenario in ("zygote", "zygote-image"):
-                rec = self._zygote(image=scenario == "zygote-image")
+            elif scenario in ("engine-snapshot", "engine-snapshot-lean"):
+                rec = self._engine_snapshot(lean=scenario.endswith("-lean"))
+            elif scenario in ("zygote", "zygote-image", "zygote-image-newenv"):
+                rec = self._zygote(image=scenario != "zygote", new_env=scenario.endswith("-newenv"))
             else:
                 rec = self._one(scenario)
         except RuntimeError as exc:
@@ -387,17 +393,23 @@ class Harness:
                 rec["error"] = f"planned {rec.get('planned')!r}, not {rec['name']!r}: {plan.get('reason')}"
         return rec
 
-    def _engine_snapshot(self) -> dict:
+    def _engine_snapshot(self, lean: bool = False) -> dict:
         """`launch --engine-snapshot` twice with one command: the first start serves and snapshots the engine
-        (CUDA checkpoint + CRIU), the second restores it. The KV cache is in the image: --snapshot-util sizes it."""
+        (CUDA checkpoint + CRIU), the second restores it. The KV cache is in the image: --snapshot-util sizes it.
+        lean: MXLAUNCH_SNAPSHOT_SLEEP=lean — neither weights nor KV cache in the image; the restore refills."""
         port = free_port()
+        name = "engine-snapshot-lean" if lean else "engine-snapshot"
+        env = {"MXLAUNCH_SNAPSHOT_SLEEP": "lean"} if lean else {}
         argv = mx("launch", "--json", "--artifact-path", str(self.store), "--engine-snapshot", "--",
                   *engine_argv(self.model, port, self.snapshot_util))
-        rec: dict = {"name": "engine-snapshot", "strategy": "snapshot", "mode": MODES.get("engine-snapshot"),
-                     "command": shown_argv(argv), "util": self.snapshot_util}
+        rec: dict = {"name": name, "strategy": "snapshot", "mode": MODES.get(name),
+                     "command": ("MXLAUNCH_SNAPSHOT_SLEEP=lean " if lean else "") + shown_argv(argv),
+                     "util": self.snapshot_util}
         for phase in ("first", "restored"):
-            log = self._log(f"engine-snapshot-{phase}")
-            start = Start(argv, log, log.with_suffix(".events.jsonl"))
+            log = self._log(f"{name}-{phase}")
+            if phase == "restored":
+                evict(self.model, self.store)
+            start = Start(argv, log, log.with_suffix(".events.jsonl"), env=env)
             try:
                 ready = start.wait_ready(port, self.timeout)
                 if phase == "first":
@@ -413,25 +425,40 @@ class Harness:
                     start.wait_event("ready", 60)  # the launcher's own events (it sees /health a poll later)
                     rec["launcher_ready"] = start.event("ready")
                     rec["restored"] = start.event("engine-snapshot")
+                    rec["refilled"] = next((e for e in start.events if e.get("event") == "engine-snapshot"
+                                            and e.get("status") == "refilled"), None)
                     rec["planned"] = (start.event("plan") or {}).get("strategy")
                     rec["verify"] = verify(port, self.gold, False)
             finally:
                 start.stop(True)
-        if rec.get("planned") != "snapshot":
+        rec["image_bytes"] = (rec.get("taken") or {}).get("bytes")
+        if (rec.get("restored") or {}).get("status") != "restored":
             rec["error"] = f"not restored: {rec.get('restored')}"
+        elif lean and not rec.get("refilled"):
+            rec["error"] = "restored, but no refill was reported"
         return rec
 
-    def _zygote(self, image: bool = False) -> dict:
+    def _zygote(self, image: bool = False, new_env: bool = False) -> dict:
         """A restart from a warm interpreter: the first start leaves one (once ready), the second is forked.
-        image: the first start's zygote is also dumped (CRIU) and stopped; the second restores it."""
-        name = "zygote-image" if image else "zygote"
-        def start(name: str) -> tuple[Start, int, Path]:
+        image: the first start's zygote is also dumped (CRIU) and stopped; the second restores it. new_env: each
+        start runs as another Slurm job would (its own SLURM_* ids, HOSTNAME and TMPDIR)."""
+        name = "zygote-image-newenv" if new_env else "zygote-image" if image else "zygote"
+
+        def job_env(job: int) -> dict:
+            if not new_env:
+                return {}
+            tmp = self.work / f"job-{job}-tmp"
+            tmp.mkdir(exist_ok=True)
+            return {"SLURM_JOB_ID": str(job), "SLURM_JOBID": str(job), "SLURM_NODELIST": f"gpu-{job}",
+                    "SLURMD_NODENAME": f"gpu-{job}", "SLURM_STEP_ID": "0", "HOSTNAME": f"gpu-{job}", "TMPDIR": str(tmp)}
+
+        def start(name: str, job: int) -> tuple[Start, int, Path]:
             port, log = free_port(), self._log(name)
             argv = mx("launch", "--json", "--artifact-path", str(self.store), "--no-p2p", "--zygote", "--",
                       *engine_argv(self.model, port, self.util))
-            return Start(argv, log, log.with_suffix(".events.jsonl")), port, log
+            return Start(argv, log, log.with_suffix(".events.jsonl"), env=job_env(job)), port, log
 
-        first, port, _ = start(f"{name}-first")
+        first, port, _ = start(f"{name}-first", 7001)
         sock: Optional[str] = None
         made: Optional[dict] = None
         try:
@@ -460,7 +487,7 @@ class Harness:
             while zpid and os.path.exists(f"/proc/{zpid}") and time.monotonic() < deadline:
                 time.sleep(0.05)
         evict(self.model, self.store)
-        second, port, log = start(name)
+        second, port, log = start(name, 7002)
         rec: dict = {"name": name, "strategy": "staged", "command": shown_argv(second.proc.args)}
         if made:
             rec["image"] = {k: made.get(k) for k in ("bytes", "dump_s", "restore_s")}
@@ -477,6 +504,9 @@ class Harness:
             rec["error"] = f"not {want} from the zygote: {rec.get('zygote')}"
         if image:
             rec["restore_s"] = (second.event("zygote") or {}).get("restore_s")
+            rec["image_bytes"] = (made or {}).get("bytes")
+        if new_env:
+            rec["env"] = {k: v for k, v in job_env(7002).items() if k != "TMPDIR"} | {"TMPDIR": "a new folder"}
         return rec
 
     def _p2p(self) -> dict:

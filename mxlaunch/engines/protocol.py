@@ -28,6 +28,8 @@ class Engine(Protocol):
     zygote_preload: Tuple[str, ...]  # modules a warm interpreter imports beyond the entry module (launch/zygote.py)
     # flags that let it sleep while it is snapshotted on a GPU, () if it cannot (launch/engine_snapshots.py)
     snapshot_sleep_flags: Tuple[str, ...]
+    # the worker extension (a class path) whose method refills a lean snapshot's weights; None if it has none
+    snapshot_refill_extension: Optional[str]
 
     def matches(self, argv: Sequence[str]) -> bool:
         """Is argv one of this engine's launch forms?"""

@@ -36,6 +36,7 @@ class SGLangEngine:
     zygote_preload = ("sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
                       "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager")
     snapshot_sleep_flags = ()  # its release_memory_occupation is not wired in (yet)
+    snapshot_refill_extension = None
 
     def matches(self, argv: Sequence[str]) -> bool:
         return sglang_argv.is_sglang_command(list(argv))

@@ -47,6 +47,8 @@ class VLLMEngine:
                       "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor")
     # its cumem allocator, which AsyncLLM.sleep needs to release the KV cache (plugin/snapshot_signal.py)
     snapshot_sleep_flags = ("--enable-sleep-mode",)
+    # --worker-extension-cls: the method a lean snapshot's restore calls on every worker (plugin/weight_refill.py)
+    snapshot_refill_extension = "mxlaunch.plugin.weight_refill.WeightRefill"
 
     def matches(self, argv: Sequence[str]) -> bool:
         return vllm_argv.is_vllm_command(list(argv))

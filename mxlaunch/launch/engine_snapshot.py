@@ -218,16 +218,23 @@ def release_nvml(pids: Sequence[int], marks: Path, timeout: float = 10.0) -> lis
     raise SnapshotError(f"engine process(es) {missing} did not release NVML in {timeout:.0f} s")
 
 
-def engine_action(pid: int, marks: Path, action: str, timeout: float = ACTION_TIMEOUT_S) -> float:
-    """Have the engine's API server (`pid`) "sleep" or "wake" (plugin/snapshot_signal.py); the seconds it took.
-    Raises SnapshotError when it cannot: no handler, the engine's own error, no answer within `timeout`."""
+def engine_action(pid: int, marks: Path, action: str, timeout: float = ACTION_TIMEOUT_S, arg: str = "") -> float:
+    """Have the engine's API server (`pid`) "sleep", "wake", "sleep-lean" or "refill <plan>"
+    (plugin/snapshot_signal.py); the seconds it took. Raises SnapshotError when it cannot: no handler, the
+    engine's own error, no answer within `timeout`."""
+    return engine_order(pid, marks, action, timeout, arg)[0]
+
+
+def engine_order(pid: int, marks: Path, action: str, timeout: float = ACTION_TIMEOUT_S,
+                 arg: str = "") -> tuple[float, Any]:
+    """engine_action, with what the action returned (a refill: each worker's report)."""
     if not catches(pid, SIGNAL):
         raise NotAsked(f"engine process {pid} has no mxlaunch handler to {action} it")
     done = Path(done_path(str(marks), pid, action))
     done.unlink(missing_ok=True)
     order = Path(action_path(str(marks), pid))
     tmp = order.with_name(order.name + ".tmp")
-    tmp.write_text(action, encoding="utf-8")
+    tmp.write_text(f"{action} {arg}".strip(), encoding="utf-8")
     os.replace(tmp, order)
     t0 = time.monotonic()
     os.kill(pid, SIGNAL)
@@ -241,31 +248,38 @@ def engine_action(pid: int, marks: Path, action: str, timeout: float = ACTION_TI
     if report.get("error"):
         error = NotAsked if str(report["error"]).startswith("LookupError:") else SnapshotError
         raise error(f"the engine could not {action}: {report['error']}")
-    return time.monotonic() - t0
+    return time.monotonic() - t0, report.get("result")
 
 
 # ---- taking a snapshot -----------------------------------------------------------------------------------
 
 
 def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[CudaCheckpoint],
-         sleep: bool = False, facts: Optional[Mapping[str, Any]] = None) -> dict:
+         sleep: bool = False, facts: Optional[Mapping[str, Any]] = None,
+         lean: Optional[Callable[[], str]] = None) -> dict:
     """Snapshot the serving tree at `root_pid` into `folder` (made here); the engine serves on. `sleep`: the
-    engine (vLLM with --enable-sleep-mode) sleeps while it is snapshotted, and the restore wakes it. `facts`:
-    what its key digests (snapshot_key.key_facts), written as key.json. Returns the meta written to meta.json
-    plus the pause's phases."""
+    engine (vLLM with --enable-sleep-mode) sleeps while it is snapshotted, and the restore wakes it. `lean`
+    (with `sleep`): it sleeps at level 2 — its weights left out of the image — and the serving engine then
+    refills them from the plan file `lean()` writes (launch/lean_snapshot.py); a restore refills them likewise.
+    `facts`: what its key digests (snapshot_key.key_facts), written as key.json. Returns the meta written to
+    meta.json plus the pause's phases."""
     pids = process_tree(root_pid)
     t_pause = time.monotonic()
     sleep_s, sleep_skipped = 0.0, None
+    refill_from = lean() if sleep and lean is not None else ""  # before anything changed: a failure takes nothing
+    lean = lean if refill_from else None
+    wake = (lambda: engine_action(root_pid, marks, "refill", arg=refill_from)) if lean else \
+        (lambda: engine_action(root_pid, marks, "wake"))
     if sleep:
         try:
-            sleep_s = engine_action(root_pid, marks, "sleep")
+            sleep_s = engine_action(root_pid, marks, "sleep-lean" if lean else "sleep")
         except NotAsked as exc:  # nothing changed: the snapshot is taken awake (its KV cache in the image)
-            sleep, sleep_skipped = False, str(exc)
+            sleep, lean, sleep_skipped = False, None, str(exc)
         except SnapshotError:
-            try:  # a sleep that failed half-way must not leave the engine asleep
-                engine_action(root_pid, marks, "wake", timeout=60.0)
+            try:  # a sleep that failed half-way must not leave the engine asleep (nor without its weights)
+                wake()
             except (SnapshotError, OSError):
-                pass
+                _stop_weightless(root_pid, lean)
             raise
     wake_s = 0.0
     try:
@@ -281,7 +295,8 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
                 raise SnapshotError(f"engine process {pid} still holds {', '.join(files)} after the CUDA checkpoint: "
                                     "CRIU cannot dump it")
             meta = {"root": root_pid, "pids": pids, "gpu_pids": gpu, "pipes": output_pipes(root_pid),
-                    "shm_files": shm_files(pids), "kernel": os.uname().release, "slept": sleep, "marks": str(marks)}
+                    "shm_files": shm_files(pids), "kernel": os.uname().release, "slept": sleep, "marks": str(marks),
+                    "lean": bool(lean)}
             t_dump = time.monotonic()
             criu.dump(binary, root_pid, folder, timeout=600.0,
                       extra=("--leave-running", "--action-script", str(script), *DUMP_FLAGS))
@@ -290,7 +305,11 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
             restore_s = cuda.run(("restore", "unlock"), gpu) if cuda is not None and gpu else 0.0
     finally:
         if sleep:  # the serving engine wakes whatever happened: asleep, it would answer no request
-            wake_s = engine_action(root_pid, marks, "wake")
+            try:
+                wake_s = wake()
+            except (SnapshotError, OSError):
+                _stop_weightless(root_pid, lean)
+                raise
     pause_s = time.monotonic() - t_pause
     script.unlink(missing_ok=True)
     _keep_files(folder, meta)
@@ -301,6 +320,16 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
     phases = {"sleep_s": sleep_s, "checkpoint_s": checkpoint_s, "dump_s": dump_s, "gpu_restore_s": restore_s,
               "wake_s": wake_s, "pause_s": pause_s}
     return {**meta, "sleep_skipped": sleep_skipped, **{k: round(v, 3) for k, v in phases.items()}}
+
+
+def _stop_weightless(root_pid: int, lean: Optional[Callable[[], str]]) -> None:
+    """A lean sleep whose refill failed leaves an engine without its weights: it must not serve, so it is
+    stopped (the launcher then exits with the engine's code). An engine asleep at level 1 keeps its weights."""
+    if lean is not None:
+        try:
+            os.kill(root_pid, signal.SIGTERM)
+        except OSError:
+            pass
 
 
 def _write_new(path: Path, text: str) -> None:
@@ -348,9 +377,11 @@ class SnapshotMaker(threading.Thread):
 
     def __init__(self, binary: str, root_pid: int, key: str, marks: Path, emit: Callable[..., None],
                  ready_to_take: Callable[[], Optional[bool]], environ: Mapping[str, str] = os.environ,
-                 sleep: bool = False, facts: Optional[Mapping[str, Any]] = None) -> None:
+                 sleep: bool = False, facts: Optional[Mapping[str, Any]] = None,
+                 lean: Optional[Callable[[], str]] = None) -> None:
         super().__init__(name="mx-engine-snapshot", daemon=True)
         self.binary, self.root_pid, self.key, self.marks, self.sleep = binary, root_pid, key, marks, sleep
+        self.lean = lean
         self.emit, self.ready_to_take, self.facts, self.environ = emit, ready_to_take, facts, environ
         self.root = snapshots_root(environ)
         self.stopping = threading.Event()
@@ -379,13 +410,13 @@ class SnapshotMaker(threading.Thread):
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             result = take(self.binary, self.root_pid, tmp, self.marks, cuda_or_none(), sleep=self.sleep,
-                          facts=self.facts)
+                          facts=self.facts, lean=self.lean)
             final = self.root / self.key
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return {k: result[k] for k in ("slept", "sleep_skipped", "sleep_s", "checkpoint_s", "dump_s", "gpu_restore_s",
+        return {k: result[k] for k in ("slept", "lean", "sleep_skipped", "sleep_s", "checkpoint_s", "dump_s", "gpu_restore_s",
                                        "wake_s", "pause_s", "bytes")} | {"path": str(final), "gpu_pids": len(result["gpu_pids"])}
 
 
@@ -403,8 +434,9 @@ def cuda_or_none() -> Optional[CudaCheckpoint]:
 class RestoredEngine:
     """A restored engine tree, driven like the Popen of a spawned one (the launcher is its subreaper)."""
 
-    def __init__(self, pid: int, stdout_fd: int, tree: Sequence[int] = ()) -> None:
+    def __init__(self, pid: int, stdout_fd: int, tree: Sequence[int] = (), meta: Optional[Mapping[str, Any]] = None) -> None:
         self.pid = pid
+        self.meta: Mapping[str, Any] = meta or {}  # the snapshot's meta.json (a lean one is refilled by the launcher)
         self.stdout = os.fdopen(stdout_fd, "rb", buffering=0)
         self.returncode: Optional[int] = None
         self.tree = [p for p in tree if p != pid]  # its other processes: orphaned to us (the subreaper) as they die
@@ -423,6 +455,16 @@ class RestoredEngine:
                 if done:
                     left.remove(pid)
             time.sleep(0.02)
+
+    def kill_tree(self) -> None:
+        """Stop the whole restored tree now (SIGKILL) and reap it: a restored engine that must not serve."""
+        _kill([self.pid, *self.tree])
+        try:
+            self.wait(timeout=10)
+        except Exception:  # noqa: BLE001 — reaped or gone either way below
+            pass
+        self.reap_tree()
+        self.stdout.close()
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
@@ -481,15 +523,15 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
     wake_s = 0.0
     try:
         gpu_s = cuda.run(("restore", "unlock"), meta["gpu_pids"]) if cuda is not None else 0.0
-        if meta.get("slept"):
-            wake_s = _wake_restored(meta)
+        if meta.get("slept") and not meta.get("lean"):  # a lean one waits for its refill (lean_snapshot.py)
+            wake_s = _wake_restored(meta)[0]
     except (CudaCheckpointError, SnapshotError, OSError):
         _kill(meta["pids"])
         os.close(read_fd)
         raise
-    return RestoredEngine(root, read_fd, meta["pids"]), {"criu_restore_s": round(criu_s, 3), "gpu_restore_s": round(gpu_s, 3),
-                                                        "wake_s": round(wake_s, 3), "bytes": meta.get("bytes"),
-                                                        "gpu_pids": len(meta["gpu_pids"])}
+    return RestoredEngine(root, read_fd, meta["pids"], meta), {
+        "criu_restore_s": round(criu_s, 3), "gpu_restore_s": round(gpu_s, 3), "wake_s": round(wake_s, 3),
+        "bytes": meta.get("bytes"), "gpu_pids": len(meta["gpu_pids"]), "lean": bool(meta.get("lean"))}
 
 
 LINK_REMAP_NAME = re.compile(r"link_remap\.\d+")
@@ -576,15 +618,16 @@ def remove_put_back(made: Sequence[tuple[str, int, int]]) -> None:
             continue
 
 
-def _wake_restored(meta: dict) -> float:
-    """Wake a restored engine that was snapshotted asleep. Its handler reports into the folder it was given at
-    its first start (gone with that launch's run folder): made again for the wake, and removed after."""
+def _wake_restored(meta: Mapping[str, Any], action: str = "wake", arg: str = "") -> tuple[float, Any]:
+    """Wake (or refill) a restored engine that was snapshotted asleep; the seconds and what it returned. Its
+    handler reports into the folder it was given at its first start (gone with that launch's run folder): made
+    again for the wake, and removed after."""
     marks = Path(meta["marks"])
     made = [p for p in (*reversed(marks.parents), marks) if not p.exists()]  # outermost first
     for p in made:
         p.mkdir(mode=0o700)
     try:
-        return engine_action(int(meta["root"]), marks, "wake")
+        return engine_order(int(meta["root"]), marks, action, arg=arg)
     finally:
         if marks in made:
             shutil.rmtree(marks, ignore_errors=True)

@@ -8,6 +8,7 @@ maker once ready — and tells it when it stops.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Callable, Mapping, Optional
@@ -18,7 +19,8 @@ from mxlaunch.fileutil import ForeignPath
 from mxlaunch.launch import criu
 from mxlaunch.launch.criu import CriuError
 from mxlaunch.launch.cuda_checkpoint import CudaCheckpointError
-from mxlaunch.launch.engine_snapshot import (RestoredEngine, SnapshotError, SnapshotMaker, cuda_or_none, find,
+from mxlaunch.launch import lean_snapshot
+from mxlaunch.launch.engine_snapshot import (META, RestoredEngine, SnapshotError, SnapshotMaker, cuda_or_none, find,
                                             own_root, restore, snapshots_root)
 from mxlaunch.launch.snapshot_key import key_facts, key_of, key_salt
 
@@ -33,6 +35,7 @@ class EngineSnapshots:
         self.maker: Optional[SnapshotMaker] = None
         self.restored: Optional[RestoredEngine] = None
         self.sleep = False  # the engine sleeps while it is snapshotted (engine_args decides)
+        self.lean = False  # ... at level 2, its weights left out of the image (launch/lean_snapshot.py)
         if not enabled:
             return
         if p2p:  # a P2P pull or source holds NIXL agents and peers' handles: not a state to freeze and bring back
@@ -58,13 +61,27 @@ class EngineSnapshots:
         """Start the engine so that it can be snapshotted (no io_uring, the NVML handler installed)."""
         return self.binary is not None and self.restored is None
 
-    def engine_args(self, sleep_flags: tuple[str, ...], argv: list[str]) -> list[str]:
+    def engine_args(self, sleep_flags: tuple[str, ...], argv: list[str], refill_extension: Optional[str] = None,
+                    lean_blocker: Callable[[], str] = lambda: "") -> list[str]:
         """Flags to add to a dumpable start: with $MXLAUNCH_SNAPSHOT_SLEEP=1, on a CUDA node, the engine's
         `snapshot_sleep_flags` (vLLM: --enable-sleep-mode), so that it can sleep (its KV cache dropped) while it
-        is snapshotted; none for an engine without them."""
-        self.sleep = (self.dumpable and bool(sleep_flags) and settings.snapshot_sleep(self.environ)
-                      and cuda_or_none() is not None)
-        return [f for f in sleep_flags if f not in argv] if self.sleep else []
+        is snapshotted; none for an engine without them. With =lean (2) also its `refill_extension` (the worker
+        method a lean snapshot's refill calls), unless `lean_blocker()` says why not (then it sleeps at level 1)."""
+        level = settings.snapshot_sleep(self.environ)
+        self.sleep = self.dumpable and bool(sleep_flags) and level > 0 and cuda_or_none() is not None
+        if not self.sleep:
+            return []
+        extra: list[str] = []
+        if level == 2:
+            why = "" if refill_extension else "the engine cannot refill its weights"
+            why = why or lean_blocker()
+            if not why:
+                extra, why = lean_snapshot.lean_flags(argv, refill_extension or "")
+            self.lean = not why
+            if why:
+                self.emit("engine-snapshot", status="not-lean", reason=f"{why}: the snapshot sleeps at level 1 "
+                                                                       "(its weights in the image)")
+        return [f for f in sleep_flags if f not in argv] + extra
 
     def env(self) -> dict[str, str]:
         if not self.dumpable:
@@ -72,13 +89,21 @@ class EngineSnapshots:
         self.marks.mkdir(parents=True, exist_ok=True)
         return {settings.SNAPSHOT_DIR: str(self.marks)}
 
-    def try_restore(self) -> Optional[RestoredEngine]:
+    def try_restore(self, strategy: str = "staged") -> Optional[RestoredEngine]:
         """The command's snapshot, restored and unlocked; None when there is none or it cannot be restored
-        (reported; the launcher then starts the engine as usual)."""
+        (reported; the launcher then starts the engine as usual). A lean one (`restored.meta["lean"]`) is
+        restored only when this launch stages its weights (`strategy`), and waits for `refill`."""
         if self.binary is None:
             return None
         folder = find(snapshots_root(self.environ), self.key)
         if folder is None:
+            return None
+        try:
+            why = lean_snapshot.why_not_restore(json.loads((folder / META).read_text(encoding="utf-8")), strategy)
+        except (OSError, ValueError) as exc:
+            why = f"its {META}: {exc}"
+        if why:
+            self.emit("engine-snapshot", status="skipped", key=self.key, reason=why)
             return None
         try:
             engine, info = restore(self.binary, folder, self.log_dir / "snapshot-restore")
@@ -89,12 +114,31 @@ class EngineSnapshots:
         self.emit("engine-snapshot", status="restored", key=self.key, path=str(folder), **info)
         return engine
 
-    def start_maker(self, root_pid: int, ready_to_take: Callable[[], Optional[bool]]) -> None:
-        """Once the engine serves: snapshot it when ready_to_take() is True (never when it turns False)."""
+    def refill(self, plan_file: Path) -> bool:
+        """A restored lean engine: refill its weights from `plan_file` (the staged snapshot) and wake it. False
+        when it could not (reported): the restored engine is stopped — it holds no usable weights."""
+        if self.restored is None or not self.restored.meta.get("lean"):
+            return True
+        try:
+            info = lean_snapshot.refill(self.restored, plan_file)
+        except (SnapshotError, OSError, ValueError) as exc:
+            self.emit("engine-snapshot", status="failed", key=self.key,
+                      reason=f"refill: {exc}; the restored engine is stopped and the engine starts as usual")
+            self.restored.kill_tree()
+            self.restored = None
+            return False
+        self.emit("engine-snapshot", status="refilled", key=self.key, **info)
+        return True
+
+    def start_maker(self, root_pid: int, ready_to_take: Callable[[], Optional[bool]],
+                    refill_plan: Optional[Callable[[], str]] = None) -> None:
+        """Once the engine serves: snapshot it when ready_to_take() is True (never when it turns False). A lean
+        snapshot's serving engine refills from the plan file `refill_plan()` writes (the store's files)."""
         if not self.dumpable or find(snapshots_root(self.environ), self.key) is not None:
             return
         self.maker = SnapshotMaker(self.binary or "", root_pid, self.key, self.marks, self.emit, ready_to_take,
-                                   self.environ, sleep=self.sleep, facts=self.facts)
+                                   self.environ, sleep=self.sleep, facts=self.facts,
+                                   lean=refill_plan if self.lean else None)
         self.maker.start()
 
     def reap(self) -> None:

