@@ -127,6 +127,7 @@ class Stopping:
     ready_at: Optional[float]
     log_dir: Path
     started_wall: float  # time.time() at the launcher's start: only files written since then are removed
+    _exit_code: Optional[int] = None  # the engine's, recorded by _engine_exited; the `exit` event ends the cleanup
 
     def _on_signal(self, signum: int) -> None:
         """In the signal handler (signal_relay.py: nothing here may take a lock): recorded and forwarded to
@@ -168,6 +169,7 @@ class Stopping:
                 pass
         free_staged(self.shm_dir)
         remove_run(self.shm_dir)
+        self._report_exit()  # the cleanup that would have said it is stuck
 
     def _kernel_capture_budget(self, hurry: bool) -> float:
         """Seconds the kernel-cache capture may still take once the engine is gone: 30 s after the launcher's
@@ -213,10 +215,24 @@ class Stopping:
         if self.ready_at is None and not self.signals:
             tail = process.log_tail(self.log_dir / "engine.log", 20)
             self.emit("error", message=f"the engine exited with code {code} before it was ready", log_tail=tail)
-        self.emit("exit", code=code)
+        self._exit_code = code  # reported by _cleanup, last: what the cleanup still says comes before it
         return 128 - code if code < 0 else code
 
+    def _report_exit(self) -> None:
+        """The `exit` event, once: the launcher's last word (a consumer may stop reading at it)."""
+        code, self._exit_code = self._exit_code, None
+        if code is not None:
+            self.emit("exit", code=code)
+
     def _cleanup(self) -> None:
+        """The run's cleanup (_clean_up), then the `exit` event: no event of this launcher comes after it (a
+        zygote image or kernel cache finishing in the cleanup reported after `exit` — issue 42)."""
+        try:
+            self._clean_up()
+        finally:
+            self._report_exit()
+
+    def _clean_up(self) -> None:
         """/dev/shm first (staged files, the engine's segments, the run folder), kernel caches and the
         store after: under Slurm's KillWait what matters most goes before what can wait."""
         hurry = bool(self.signals)

@@ -218,7 +218,9 @@ class ImageMaker(threading.Thread):
     """Dumps a freshly started zygote (started with --image-log) into the store and restores it to serve.
 
     Runs beside the serving engine, in the launcher: the zygote imports for tens of seconds first. `emit`
-    reports one `zygote-image` event: status published (dump_s, restore_s, bytes) or failed (reason)."""
+    reports one `zygote-image` event: status published (dump_s, restore_s, bytes) or failed (reason) — or, when
+    the launcher stops first and the maker does not end within abandon's wait, abandoned (said by `abandon`,
+    and nothing after it: the launcher's `exit` event is its last)."""
 
     def __init__(self, binary: str, pid: int, key: str, store_root: Path, log: Path, work: Path,
                  emit: Callable[..., None], wait_s: float = 600.0) -> None:
@@ -231,6 +233,7 @@ class ImageMaker(threading.Thread):
         self._lock = threading.Lock()
         self._claimed = False
         self._abandoned = False
+        self._quiet = False  # abandoned and said so: the maker reports nothing more
 
     def abandon(self, wait_s: float = 5.0) -> None:
         """The launcher is stopping. Unclaimed: tell the zygote (now, or once it has imported) that nobody dumps
@@ -239,10 +242,21 @@ class ImageMaker(threading.Thread):
         with self._lock:
             self._abandoned = True
             claimed = self._claimed
-        if claimed:
-            self.join(wait_s)
-        else:
+        if not claimed:
             write_resume(self.key, self.log, restored=False)
+        if self.is_alive():
+            self.join(wait_s)
+        with self._lock:
+            if self.is_alive():
+                self._quiet = True
+                self.emit("zygote-image", status="abandoned", key=self.key,
+                          reason=f"the launcher stopped with the zygote's dump still under way after {wait_s:g} s: "
+                                 "no image from this run")
+
+    def _say(self, **fields: object) -> None:
+        with self._lock:
+            if not self._quiet:
+                self.emit("zygote-image", key=self.key, **fields)
 
     def run(self) -> None:
         try:

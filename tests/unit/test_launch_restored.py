@@ -5,11 +5,13 @@ the snapshot's own mechanics are tests/unit/test_engine_snapshot.py's."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -65,3 +67,49 @@ def test_a_restored_engine_gets_no_kernel_cache_restore_or_capture(tmp_path: Pat
     [cache] = [f for e, f in events if e == "kernel-cache"]
     assert cache["status"] == "off" and "restored from its snapshot" in cache["reason"], events
     assert not runner.kernel.active and not [e for e, _ in events if e == "kernel-cache-capture"]
+
+
+def test_the_exit_event_is_the_launchers_last_even_when_its_cleanup_still_reports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42: `zygote-image status=published` came after `exit` (the zygote's maker is waited for in the
+    cleanup, which ran after the exit event)."""
+    runner, events = launcher(tmp_path, monkeypatch)
+    restore_as(runner, monkeypatch, "raise SystemExit(3)")
+    monkeypatch.setattr(runner.zygotes, "abandon", lambda wait_s: runner.emit("zygote-image", status="abandoned"))
+    assert runner.run() == 3
+    names = [e for e, _ in events]
+    assert names[-1] == "exit" and names.count("exit") == 1 and "zygote-image" in names, names
+    assert events[-1][1] == {"code": 3}
+
+
+def test_a_zygote_image_maker_reports_before_abandon_returns_and_never_after(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxlaunch.launch import zygote, zygote_image
+
+    monkeypatch.setattr(zygote, "SHM_ROOT", tmp_path)
+    (tmp_path / f"mxlaunch-zygote-{os.getuid()}").mkdir(mode=0o700)
+    events: list[tuple[str, dict]] = []
+    waiting = zygote_image.ImageMaker("/bin/false", os.getpid(), "k1", tmp_path / "store", tmp_path / "zygote.log",
+                                      tmp_path / "criu", lambda e, **f: events.append((e, f)))
+    waiting.start()  # unclaimed: this "zygote" never says it has imported
+    waiting.abandon(wait_s=60.0)
+    assert [(e, f["status"]) for e, f in events] == [("zygote-image", "failed")], events  # said by now
+
+    events.clear()
+    release = threading.Event()
+
+    def stuck() -> dict:  # a claimed dump still under way when the launcher stops
+        release.wait(60.0)
+        return {"dump_s": 1.0}
+
+    busy = zygote_image.ImageMaker("/bin/false", os.getpid(), "k2", tmp_path / "store", tmp_path / "zygote.log",
+                                   tmp_path / "criu", lambda e, **f: events.append((e, f)))
+    monkeypatch.setattr(busy, "_make", stuck)
+    busy._claimed = True
+    busy.start()
+    busy.abandon(wait_s=0.1)
+    assert [(e, f["status"]) for e, f in events] == [("zygote-image", "abandoned")], events
+    release.set()
+    busy.join(60.0)
+    assert not busy.is_alive() and busy.result == {"dump_s": 1.0}
+    assert [f["status"] for _, f in events] == ["abandoned"], events  # its late "published" is not said
