@@ -238,7 +238,8 @@ class ImageMaker(threading.Thread):
     def abandon(self, wait_s: float = 5.0) -> None:
         """The launcher is stopping. Unclaimed: tell the zygote (now, or once it has imported) that nobody dumps
         it, so it serves as a plain zygote instead of waiting out --image-wait-s. Claimed: let the dump and
-        restore (about a second) finish, up to wait_s."""
+        restore (about a second) finish. Either way the maker's own event comes now, within wait_s; a maker
+        still at work then is reported abandoned, and says nothing more."""
         with self._lock:
             self._abandoned = True
             claimed = self._claimed
