@@ -65,6 +65,8 @@ class KernelCacheRun:
         self.side_before: Dict[str, FolderState] = {}
         self.max_bytes = settings.kernel_cache_max_bytes()
         self.tally = CompileTally()  # the engine's lines: graphs compiled afresh against loaded from its cache
+        self._quiet = False  # given up and said so (stop): the capture thread reports nothing more
+        self._say_lock = threading.Lock()
 
     @property
     def active(self) -> bool:
@@ -160,7 +162,7 @@ class KernelCacheRun:
             state = self._settled(folder)
             if state is None:
                 if not self._stop.is_set():
-                    self.emit("kernel-cache-capture", status=self.status, published=False,
+                    self._say(status=self.status, published=False,
                               reason=f"the cache folders kept changing for {SETTLE_MAX_S:.0f} s; not captured")
                 return
             for sub, outside in side_dirs().items():
@@ -169,16 +171,16 @@ class KernelCacheRun:
                     state = folder_state(folder)
             new = changed(self.before, state)
             if not new and (self.status in ("hit", "local", "partial") or not state):  # a miss with a warm local folder still publishes it
-                self.emit("kernel-cache-capture", status=self.status, published=False, new_files=0,
+                self._say(status=self.status, published=False, new_files=0,
                           reason="nothing new compiled")
                 return
             outcome = "partial" if self.status in ("hit", "local", "partial") else "miss"
             result = self.kc_store.capture(self.info["key"], self.info["fields"], folder, self.max_bytes,
                                            model=self.model, stop=self._stop.is_set)
-            self.emit("kernel-cache-capture", status=outcome, published=result.published, new_files=len(new),
+            self._say(status=outcome, published=result.published, new_files=len(new),
                       new=new[:10], files=result.files, bytes=result.bytes, seconds=round(result.seconds, 3), reason=result.reason)
         except Exception as exc:  # noqa: BLE001 — a failed capture must not stop serving
-            self.emit("kernel-cache-capture", status=self.status, published=False,
+            self._say(status=self.status, published=False,
                       reason=f"capture failed ({type(exc).__name__}: {exc})")
 
     def hold(self) -> None:
@@ -197,6 +199,19 @@ class KernelCacheRun:
             self.stop(timeout=2.0)
 
     def stop(self, timeout: float = 30.0) -> None:
+        """No capture from now on; one still running after `timeout` is reported given up and says nothing more
+        (the launcher's `exit` event, which follows, is its last)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            with self._say_lock:
+                if self._thread.is_alive() and not self._quiet:
+                    self._quiet = True
+                    self.emit("kernel-cache-capture", status=self.status, published=False,
+                              reason="given up: the launcher stopped while the capture was still running")
+
+    def _say(self, **fields: Any) -> None:
+        """The capture thread's one `kernel-cache-capture` event, unless it was given up first (stop)."""
+        with self._say_lock:
+            if not self._quiet:
+                self.emit("kernel-cache-capture", **fields)

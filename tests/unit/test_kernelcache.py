@@ -444,6 +444,34 @@ def test_a_run_whose_engine_was_restored_from_a_snapshot_captures_nothing(tmp_pa
     assert run.status == "off" and run._thread is None and store.list() == []
 
 
+def test_a_capture_given_up_at_the_launchers_stop_says_so_then_nothing_more(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42: the launcher's events end with `exit`; a capture still running when it stops must not report
+    after that."""
+    import threading
+
+    quick_kernel_runs(tmp_path, monkeypatch)
+    run, env, events, store, _ = kernel_run(tmp_path, "c" * 16)
+    entered, release = threading.Event(), threading.Event()
+    real = store.capture
+
+    def slow(*args: object, **kw: object) -> object:
+        entered.set()
+        release.wait(60.0)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(store, "capture", slow)
+    Path(env["TRITON_CACHE_DIR"], "k1.bin").write_bytes(b"kernel")
+    run.start_capture()
+    assert entered.wait(60.0), events
+    run.stop(timeout=0.1)
+    said = [f for e, f in events if e == "kernel-cache-capture"]
+    assert len(said) == 1 and "given up" in said[0]["reason"], events
+    release.set()
+    run._thread.join(60.0)
+    assert not run._thread.is_alive() and [f for e, f in events if e == "kernel-cache-capture"] == said, events
+
+
 def test_a_first_serve_on_a_node_where_the_engine_ran_starts_from_its_default_caches(tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A miss into an empty key folder is seeded from where the engine keeps its caches by default (copies: the
