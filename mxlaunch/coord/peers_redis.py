@@ -14,10 +14,11 @@ Keys (prefix `mxlaunch`; `:` never occurs in a source id, rank or worker id):
 
 Liveness comes from the server's own expiry (no clock skew between hosts); the `beats` hash keeps the
 last heartbeat for display and for reaping. Publish, heartbeat and remove are Lua scripts: each is one
-atomic step on the server. `redis` is imported only here, and only when a redis:// registry is opened.
+atomic step on the server (the scripts, the connection's auth rule and value decoding: peers_redis_wire.py).
+`redis` is imported only there, and only when a redis:// registry is opened.
 
 Whoever can connect to the database can read every record (and so reach every source's memory) and write
-records a target would trust, so a URL without a password is refused (`check_auth`) unless
+records a target would trust, so a URL without a password is refused (`wire.check_auth`) unless
 MXLAUNCH_REDIS_PASSWORD supplies one or MXLAUNCH_REDIS_TRUSTED=1 says no one else reaches the network.
 """
 
@@ -28,80 +29,16 @@ import secrets
 import socket
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, NamedTuple, Optional
-from urllib.parse import parse_qs, urlsplit
+from typing import Iterator, NamedTuple, Optional
 
 from mxlaunch import settings
+from mxlaunch.coord import peers_redis_wire as wire
 from mxlaunch.coord.base import valid_id
 from mxlaunch.coord.peers_record import (
-    DEFAULT_TTL_S, MAX_BEAT_BYTES, MAX_RECORD_BYTES, STALE, Beat, BasePublication, PeerEntry, SourceRecord,
+    DEFAULT_TTL_S, MAX_RECORD_BYTES, STALE, Beat, BasePublication, PeerEntry, SourceRecord,
     check_record, check_ttl, judge, ordered, reapable, redact_url)
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.fileutil import boot_id
-
-# KEYS (all three scripts): record hash, beats hash, beat key, sources set, run set, owners hash
-# ARGV: worker, record JSON, beat JSON, ttl ms, sources member, run member, token
-_PUBLISH = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('HSET', KEYS[6], ARGV[1], ARGV[7])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
-redis.call('SADD', KEYS[4], ARGV[5])
-redis.call('SADD', KEYS[5], ARGV[6])
-return 1
-"""
-# ARGV: worker, beat JSON, ttl ms, token
-_BEAT = """
-if redis.call('HGET', KEYS[6], ARGV[1]) ~= ARGV[4] or redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
-return 1
-"""
-# ARGV: worker, sources member, expected token ('' = any), run member ('' = none)
-_REMOVE = """
-local cur = redis.call('HEXISTS', KEYS[1], ARGV[1])
-if ARGV[3] ~= '' and redis.call('HGET', KEYS[6], ARGV[1]) ~= ARGV[3] then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[6], ARGV[1])
-redis.call('DEL', KEYS[3])
-if ARGV[4] ~= '' then redis.call('SREM', KEYS[5], ARGV[4]) end
-if redis.call('HLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[4], ARGV[2]) end
-return cur
-"""
-# KEYS: record hash, beats hash, owners hash, sources set; ARGV: sources member. A source/rank with no records
-# left leaves the index in the same step (a publish in between would otherwise be dropped from it).
-_PRUNE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('DEL', KEYS[2], KEYS[3])
-return redis.call('SREM', KEYS[4], ARGV[1])
-"""
-
-
-def _import_redis() -> Any:
-    try:
-        import redis
-    except ImportError as exc:
-        raise UsageError("a redis:// registry needs the redis Python package, which is not installed",
-                         "pip install 'mxlaunch[redis]'") from exc
-    return redis
-
-
-def check_auth(url: str) -> Optional[str]:
-    """The password to add to the connection (MXLAUNCH_REDIS_PASSWORD when the URL has none), or None.
-    Raises UsageError for a URL without any password unless MXLAUNCH_REDIS_TRUSTED=1."""
-    parts = urlsplit(url)
-    if parts.password or parse_qs(parts.query).get("password"):
-        return None
-    password = settings.redis_password()
-    if password:
-        return password
-    if settings.redis_trusted():
-        return None
-    raise UsageError(f"the peer registry {redact_url(url)} has no password: anyone who reaches that server could "
-                     "read the P2P records (and so the sources' memory) and forge records targets trust",
-                     f"use redis://:PASSWORD@host:port/db (requirepass), set {settings.REDIS_PASSWORD}, or set "
-                     f"{settings.REDIS_TRUSTED}=1 on a network no one else reaches")
 
 
 class RedisPublication(BasePublication):
@@ -117,13 +54,13 @@ class RedisPublication(BasePublication):
         beat = json.dumps(Beat(time.time(), self.ttl_s, r.run_id).to_json())
         with self._reg._io():
             keys = self._reg._keys(r.source_id, r.rank, r.worker)
-            return bool(self._reg._beat_script(keys=keys, args=[r.worker, beat, _ms(self.ttl_s), self._token]))
+            return bool(self._reg._beat_script(keys=keys, args=[r.worker, beat, wire.ms(self.ttl_s), self._token]))
 
     def _pending_verify(self) -> Optional[str]:
         r = self.record
         with self._reg._io():
             raw = self._reg._db.getdel(self._reg._verify_key("verify", r.source_id, r.rank, r.worker))
-        nonce = _text(raw)
+        nonce = wire.as_text(raw)
         return nonce if nonce and valid_id(nonce) else None
 
     def _answer_verify(self, nonce: str, result: dict) -> None:
@@ -141,8 +78,8 @@ class RedisRegistry:
     """Source records in one Redis database. `host` is overridable for tests (another host: no pid check)."""
 
     def __init__(self, url: str, *, host: str | None = None, prefix: str = "mxlaunch") -> None:
-        password = check_auth(url)
-        self._redis = _import_redis()
+        password = wire.check_auth(url)
+        self._redis = wire.import_redis()
         self.url = url
         self.refusals: list[str] = []  # the file registry's mode checks have no Redis counterpart
         self.prefix = prefix
@@ -154,10 +91,10 @@ class RedisRegistry:
         except ValueError as exc:
             raise UsageError(f"registry URL {redact_url(url)!r} is not a Redis URL ({exc})",
                              "use redis://host:port/db") from exc
-        self._publish_script = self._db.register_script(_PUBLISH)
-        self._beat_script = self._db.register_script(_BEAT)
-        self._remove_script = self._db.register_script(_REMOVE)
-        self._prune_script = self._db.register_script(_PRUNE)
+        self._publish_script = self._db.register_script(wire.PUBLISH)
+        self._beat_script = self._db.register_script(wire.BEAT)
+        self._remove_script = self._db.register_script(wire.REMOVE)
+        self._prune_script = self._db.register_script(wire.PRUNE)
         with self._io():
             self._db.ping()
 
@@ -183,7 +120,7 @@ class RedisRegistry:
 
     def _keys(self, source_id: str, rank: int, worker: str, run_id: str = "") -> list[str]:
         """record hash, beats hash, beat key, sources set, run set, owners hash."""
-        _check(source_id, rank, worker)
+        wire.check_key(source_id, rank, worker)
         p = self.prefix
         return [f"{p}:peers:{source_id}:{rank}", f"{p}:beats:{source_id}:{rank}",
                 f"{p}:beat:{source_id}:{rank}:{worker}", f"{p}:sources", f"{p}:run:{run_id or '-'}",
@@ -204,7 +141,7 @@ class RedisRegistry:
         for _ in range(8):
             beat = json.dumps(Beat(time.time(), ttl_s, r.run_id).to_json())
             token = secrets.token_hex(16)
-            args = [r.worker, text, beat, _ms(ttl_s), f"{r.source_id}:{r.rank}", f"{r.source_id}:{r.rank}:{r.worker}",
+            args = [r.worker, text, beat, wire.ms(ttl_s), f"{r.source_id}:{r.rank}", f"{r.source_id}:{r.rank}:{r.worker}",
                     token]
             with self._io():
                 if self._publish_script(keys=keys, args=args):
@@ -225,7 +162,7 @@ class RedisRegistry:
         return self._remove(source_id, rank, worker)
 
     def _verify_key(self, kind: str, source_id: str, rank: int, worker: str) -> str:
-        _check(source_id, rank, worker)
+        wire.check_key(source_id, rank, worker)
         return f"{self.prefix}:{kind}:{source_id}:{rank}:{worker}"
 
     def request_verify(self, source_id: str, rank: int, worker: str) -> str:
@@ -239,13 +176,13 @@ class RedisRegistry:
     def verify_answer(self, source_id: str, rank: int, worker: str, nonce: str) -> Optional[dict]:
         with self._io():
             raw = self._db.get(self._verify_key("verified", source_id, rank, worker))
-        data = _json(raw, 1 << 16)
+        data = wire.json_value(raw, 1 << 16)
         return data if isinstance(data, dict) and data.get("nonce") == nonce else None
 
     def _remove(self, source_id: str, rank: int, worker: str, *, expected: str = "", run_id: str = "") -> bool:
         with self._io():
             if not run_id:  # the heartbeat knows the run: drop the record from the run's set too
-                beat = _beat_of(self._db.hget(f"{self.prefix}:beats:{source_id}:{rank}", worker))
+                beat = wire.beat_of(self._db.hget(f"{self.prefix}:beats:{source_id}:{rank}", worker))
                 run_id = beat.run_id if beat is not None and valid_id(beat.run_id) else ""
             keys = self._keys(source_id, rank, worker, run_id)
             args = [worker, f"{source_id}:{rank}", expected, f"{source_id}:{rank}:{worker}" if run_id else ""]
@@ -257,15 +194,15 @@ class RedisRegistry:
         run_key = f"{self.prefix}:run:{run_id}"
         removed = 0
         with self._io():
-            members = [_text(m) for m in self._db.smembers(run_key)]
+            members = [wire.as_text(m) for m in self._db.smembers(run_key)]
         for member in members:
             parts = (member or "").split(":")
             if len(parts) != 3 or not parts[1].isdigit():
                 continue
             sid, rank, worker = parts[0], int(parts[1]), parts[2]
             with self._io():
-                raw = self._db.hget(f"{self.prefix}:peers:{sid}:{rank}", worker) if _safe(sid, rank, worker) else None
-            record = _record_of(raw)
+                raw = self._db.hget(f"{self.prefix}:peers:{sid}:{rank}", worker) if wire.safe_key(sid, rank, worker) else None
+            record = wire.record_of(raw)
             if record is not None and record.run_id == run_id and (record.source_id, record.rank, record.worker) \
                     == (sid, rank, worker):
                 removed += self._remove(sid, rank, worker, run_id=run_id)
@@ -281,10 +218,10 @@ class RedisRegistry:
             key = f"{self.prefix}:peers:{sid}:{rank}"
             with self._io():
                 names = self._db.hkeys(key)
-                bad = [n for n in names if not valid_id(_text(n))]
+                bad = [n for n in names if not valid_id(wire.as_text(n))]
                 if bad:
                     self._db.hdel(key, *bad)
-            workers = [_text(n) for n in names if n not in bad]
+            workers = [wire.as_text(n) for n in names if n not in bad]
             for worker, (got, owner) in self._load(sid, rank, [w for w in workers if w and valid_id(w)], now).items():
                 if isinstance(got, PeerEntry):
                     gone = reapable(got, grace_s, now)
@@ -301,7 +238,7 @@ class RedisRegistry:
     # ---- reading ----
 
     def sources(self, source_id: str, rank: int | None = None, *, include_stale: bool = False) -> list[PeerEntry]:
-        _check(source_id, 0 if rank is None else rank, "w")
+        wire.check_key(source_id, 0 if rank is None else rank, "w")
         pairs = [(source_id, rank)] if rank is not None else [(s, k) for s, k in self._index() if s == source_id]
         return self._collect(pairs, include_stale)
 
@@ -316,7 +253,7 @@ class RedisRegistry:
             members = self._db.smembers(f"{self.prefix}:sources")
         pairs, bad = [], []
         for m in members:
-            sid, _, rank = (_text(m) or "").rpartition(":")
+            sid, _, rank = (wire.as_text(m) or "").rpartition(":")
             if rank.isdigit() and len(rank) < 10 and valid_id(sid):
                 pairs.append((sid, int(rank)))
             else:
@@ -331,7 +268,7 @@ class RedisRegistry:
         entries = []
         for sid, rank in pairs:
             with self._io():
-                workers = [_text(w) for w in self._db.hkeys(f"{self.prefix}:peers:{sid}:{rank}")]
+                workers = [wire.as_text(w) for w in self._db.hkeys(f"{self.prefix}:peers:{sid}:{rank}")]
             for got, _ in self._load(sid, rank, [w for w in workers if w and valid_id(w)], now).values():
                 if isinstance(got, PeerEntry) and (include_stale or got.state != STALE):
                     entries.append(got)
@@ -355,12 +292,12 @@ class RedisRegistry:
         for worker, raw, beat_raw, owner, live in zip(workers, raws, beats, owners, alive):
             if raw is None:
                 continue
-            record, beat = _record_of(raw), _beat_of(beat_raw)
+            record, beat = wire.record_of(raw), wire.beat_of(beat_raw)
             if record is None or (record.source_id, record.rank, record.worker) != (sid, rank, worker):
                 got: PeerEntry | _Unreadable = _Unreadable(bool(live), beat.at + beat.ttl_s if beat else None)
             else:
                 got = judge(record, beat, host=self.host, boot=self._boot_id, now=now, beat_expired=not live)
-            out[worker] = (got, _text(owner) or "")
+            out[worker] = (got, wire.as_text(owner) or "")
         return out
 
 
@@ -371,43 +308,3 @@ class _Unreadable(NamedTuple):
     since: Optional[float]
 
 
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
-
-
-def _safe(source_id: str, rank: int, worker: str) -> bool:
-    return valid_id(source_id) and valid_id(worker) and isinstance(rank, int) and not isinstance(rank, bool) \
-        and 0 <= rank < 10**9
-
-
-def _check(source_id: str, rank: int, worker: str) -> None:
-    if not _safe(source_id, rank, worker):
-        raise UsageError(f"source {source_id!r} rank {rank!r} worker {worker!r} is not a valid key",
-                         "use ids of letters, digits, . _ - and a rank ≥ 0")
-
-
-def _text(raw: Optional[bytes]) -> Optional[str]:
-    if raw is None:
-        return None
-    try:
-        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-    except UnicodeDecodeError:
-        return None
-
-
-def _json(raw: Optional[bytes], limit: int) -> Any:
-    text = _text(raw)
-    if text is None or len(text) > limit:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _record_of(raw: Optional[bytes]) -> Optional[SourceRecord]:
-    return SourceRecord.from_json(_json(raw, MAX_RECORD_BYTES))
-
-
-def _beat_of(raw: Optional[bytes]) -> Optional[Beat]:
-    return Beat.from_json(_json(raw, MAX_BEAT_BYTES))
