@@ -378,10 +378,10 @@ class SnapshotMaker(threading.Thread):
     def __init__(self, binary: str, root_pid: int, key: str, marks: Path, emit: Callable[..., None],
                  ready_to_take: Callable[[], Optional[bool]], environ: Mapping[str, str] = os.environ,
                  sleep: bool = False, facts: Optional[Mapping[str, Any]] = None,
-                 lean: Optional[Callable[[], str]] = None) -> None:
+                 lean: Optional[Callable[[], str]] = None, sums: bool = False) -> None:
         super().__init__(name="mx-engine-snapshot", daemon=True)
         self.binary, self.root_pid, self.key, self.marks, self.sleep = binary, root_pid, key, marks, sleep
-        self.lean = lean
+        self.lean, self.sums = lean, sums  # sums: the image goes into the store, checked at every restore
         self.emit, self.ready_to_take, self.facts, self.environ = emit, ready_to_take, facts, environ
         self.root = snapshots_root(environ)
         self.stopping = threading.Event()
@@ -411,13 +411,20 @@ class SnapshotMaker(threading.Thread):
         try:
             result = take(self.binary, self.root_pid, tmp, self.marks, cuda_or_none(), sleep=self.sleep,
                           facts=self.facts, lean=self.lean)
+            if self.sums:
+                from mxlaunch.launch.image_sums import write_sums  # noqa: PLC0415
+
+                t0 = time.monotonic()
+                write_sums(tmp)
+                result["sums_s"] = round(time.monotonic() - t0, 3)
             final = self.root / self.key
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return {k: result[k] for k in ("slept", "lean", "sleep_skipped", "sleep_s", "checkpoint_s", "dump_s", "gpu_restore_s",
-                                       "wake_s", "pause_s", "bytes")} | {"path": str(final), "gpu_pids": len(result["gpu_pids"])}
+                                       "wake_s", "pause_s", "bytes")} | {"path": str(final), "gpu_pids": len(result["gpu_pids"]),
+                                                                         "sums_s": result.get("sums_s")}
 
 
 def cuda_or_none() -> Optional[CudaCheckpoint]:

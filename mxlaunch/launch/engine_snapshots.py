@@ -20,15 +20,26 @@ from mxlaunch.launch import criu
 from mxlaunch.launch.criu import CriuError
 from mxlaunch.launch.cuda_checkpoint import CudaCheckpointError
 from mxlaunch.launch import lean_snapshot
+from mxlaunch.launch.image_sums import SUMS, check_sums
 from mxlaunch.launch.engine_snapshot import (META, RestoredEngine, SnapshotError, SnapshotMaker, cuda_or_none, find,
                                             own_root, restore, snapshots_root)
 from mxlaunch.launch.snapshot_key import key_facts, key_of, key_salt
 
 
+STORE_FOLDER = "engine-snapshots"  # below the store's root: <uid>/<key>/, as the node-local folder
+
+
 class EngineSnapshots:
     def __init__(self, enabled: bool, argv: list[str], source_id: str, shm_dir: Path, log_dir: Path,
-                 emit: Callable[..., None], p2p: bool = False, environ: Mapping[str, str] = os.environ) -> None:
+                 emit: Callable[..., None], p2p: bool = False, environ: Mapping[str, str] = os.environ,
+                 store_root: Optional[Path] = None) -> None:
         self.emit, self.log_dir, self.environ = emit, log_dir, environ
+        # Where the snapshots live: a lean one (no weights, a few GB) in the artifact store, so that a new job or a
+        # wiped node restores it (`store_root`: a local store's root); a full one (tens of GB) node-local.
+        self.in_store = (settings.snapshot_sleep(environ) == 2 and store_root is not None
+                         and not settings.engine_snapshots(environ))
+        self.root_env: Mapping[str, str] = {**environ, settings.ENGINE_SNAPSHOTS: str(Path(store_root) / STORE_FOLDER)} \
+            if self.in_store and store_root is not None else environ
         self.binary: Optional[str] = None
         self.key, self.facts = "", {}  # made once snapshots are on: the key's salt lives in the private folder
         self.marks = shm_dir / "snapshot-marks"
@@ -47,7 +58,7 @@ class EngineSnapshots:
             self.binary = None if why else self.binary
         if self.binary is not None:
             try:  # the launcher's environment, as the engine inherits it (launch/snapshot_key.py: what is keyed)
-                self.facts = key_facts(argv, source_id, environ, key_salt(own_root(environ)), os.getcwd())
+                self.facts = key_facts(argv, source_id, environ, key_salt(own_root(self.root_env)), os.getcwd())
                 self.key = key_of(self.facts)
             except ForeignPath as exc:
                 self.binary, why = None, exc.one_line()
@@ -95,11 +106,13 @@ class EngineSnapshots:
         restored only when this launch stages its weights (`strategy`), and waits for `refill`."""
         if self.binary is None:
             return None
-        folder = find(snapshots_root(self.environ), self.key)
+        folder = find(snapshots_root(self.root_env), self.key)
         if folder is None:
             return None
         try:
-            why = lean_snapshot.why_not_restore(json.loads((folder / META).read_text(encoding="utf-8")), strategy)
+            why = check_sums(folder) if (folder / SUMS).exists() else None  # a store-held image: checked first
+            why = why and f"the image in {folder} is damaged: {why}"
+            why = why or lean_snapshot.why_not_restore(json.loads((folder / META).read_text(encoding="utf-8")), strategy)
         except (OSError, ValueError) as exc:
             why = f"its {META}: {exc}"
         if why:
@@ -134,11 +147,11 @@ class EngineSnapshots:
                     refill_plan: Optional[Callable[[], str]] = None) -> None:
         """Once the engine serves: snapshot it when ready_to_take() is True (never when it turns False). A lean
         snapshot's serving engine refills from the plan file `refill_plan()` writes (the store's files)."""
-        if not self.dumpable or find(snapshots_root(self.environ), self.key) is not None:
+        if not self.dumpable or find(snapshots_root(self.root_env), self.key) is not None:
             return
         self.maker = SnapshotMaker(self.binary or "", root_pid, self.key, self.marks, self.emit, ready_to_take,
-                                   self.environ, sleep=self.sleep, facts=self.facts,
-                                   lean=refill_plan if self.lean else None)
+                                   self.root_env, sleep=self.sleep, facts=self.facts,
+                                   lean=refill_plan if self.lean else None, sums=self.in_store)
         self.maker.start()
 
     def reap(self) -> None:

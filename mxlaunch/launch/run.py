@@ -92,7 +92,8 @@ class Launcher(Stopping):
         self.store_root = kc.root
         self.zygotes = ZygoteStarts(plan, opts, self.store_root, self.log_dir, emit)  # --zygote (launch/zygote_starts.py)
         self.snapshots = EngineSnapshots(opts.engine_snapshot, list(plan.spec.argv), plan.source_id, self.shm_dir,
-                                         self.log_dir, emit, p2p=plan.p2p is not None)  # --engine-snapshot
+                                         self.log_dir, emit, p2p=plan.p2p is not None,  # --engine-snapshot
+                                         store_root=None if getattr(kc, "remote", False) else kc.root)
         from mxlaunch.profile.profiler import StartupProfiler
 
         self.profiler = StartupProfiler(engine=plan.spec.engine, source="engine.log", live=True)
