@@ -34,8 +34,13 @@ def start(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, *, stdin
           die_with_parent: bool = True, dumpable: bool = False) -> subprocess.Popen:
     """The engine in its own process group, stdout and stderr together on one pipe. dumpable: no io_uring
     in its tree (launch/no_io_uring.py), and no PR_SET_PDEATHSIG: CRIU restores it, and the restored root
-    would get it the moment CRIU (its parent then) exits — so CRIU can snapshot it."""
+    would get it the moment CRIU (its parent then) exits — so CRIU can snapshot it — and stdin /dev/null unless
+    one is given: CRIU refuses a tree holding a terminal it did not get the master of ("tty: Found slave peer
+    index 0 without correspond master peer", a launch from an interactive shell), and a restore could only
+    hand it a dead copy of the first launcher's stdin anyway."""
     die_with_parent = die_with_parent and not dumpable
+    if dumpable and stdin is None:
+        stdin = subprocess.DEVNULL
 
     def preexec() -> None:
         if die_with_parent:

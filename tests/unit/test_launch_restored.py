@@ -113,3 +113,23 @@ def test_a_zygote_image_maker_reports_before_abandon_returns_and_never_after(tmp
     busy.join(60.0)
     assert not busy.is_alive() and busy.result == {"dump_s": 1.0}
     assert [f["status"] for _, f in events] == ["abandoned"], events  # its late "published" is not said
+
+
+def test_a_dumpable_engine_does_not_inherit_the_launchers_stdin() -> None:
+    """CRIU refuses to dump a tree holding a terminal ("tty: Found slave peer index 0 without correspond master
+    peer": `launch --engine-snapshot` from an interactive shell), and a restore would hand the engine only a dead
+    copy of the first launcher's stdin: a dumpable start reads /dev/null. Here the launcher's stdin is a pipe."""
+    from mxlaunch.launch import process
+
+    show = [sys.executable, "-c", "import os; print(os.readlink('/proc/self/fd/0'))"]
+    r, w = os.pipe()
+    saved = os.dup(0)
+    try:
+        os.dup2(r, 0)
+        dumpable, plain = process.start(show, dumpable=True), process.start(show)
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, r, w):
+            os.close(fd)
+    assert dumpable.communicate(timeout=60)[0].decode().strip() == "/dev/null"
+    assert plain.communicate(timeout=60)[0].decode().startswith("pipe:")  # a usual start keeps the launcher's
