@@ -68,7 +68,7 @@ def cache_rm(
 ) -> None:
     """Remove one kernel cache (KEY) or all of them (--all); the next launch compiles and captures again."""
     from mxlaunch.errors import UsageError
-    from mxlaunch.kernelcache.archive import ArchiveRefused
+    from mxlaunch.kernelcache.tarball import ArchiveRefused
 
     if (key is None) == (not remove_all):
         raise UsageError("pass exactly one of KEY or --all", "see `mxlaunch cache list` for the keys")

@@ -15,7 +15,8 @@ import pytest
 from mxlaunch.coord.file import FileCoordinator
 from mxlaunch.engines.vllm_argv import parse_vllm_argv
 from mxlaunch.kernelcache.caches import cache_key, cache_vars, cpu_isa, folder_state, key_fields
-from mxlaunch.kernelcache.archive import KEY_JSON, ArchiveRefused, KernelCacheStore, check_members, extract
+from mxlaunch.kernelcache.archive import KEY_JSON, KernelCacheStore
+from mxlaunch.kernelcache.tarball import ArchiveRefused, check_members, extract
 from mxlaunch.launch.kernel import plan_kernel_cache
 
 from tests.helpers.cli import run_cli
