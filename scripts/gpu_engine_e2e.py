@@ -151,6 +151,24 @@ def shown_argv(argv: list[str]) -> str:
     return shown(shlex.join(["python3" if a == sys.executable else a for a in argv]))
 
 
+def wipe_node() -> list[str]:
+    """What a node that never ran the model lacks, removed: the JIT caches, the node-local engine snapshots,
+    this user's run and zygote folders in /dev/shm, and the page cache (the store stays)."""
+    gone = wipe_jit_caches()
+    local = Path.home() / ".cache" / "mxlaunch" / "engine-snapshots"
+    shm = [p for p in Path("/dev/shm").glob(f"mxlaunch*{os.getuid()}*")]
+    for path in [local, *shm]:
+        if path.exists():
+            gone.append(shown(path))
+            shutil.rmtree(path, ignore_errors=True)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        gone.append("page cache")
+    except OSError:
+        pass
+    return gone
+
+
 def wipe_jit_caches() -> list[str]:
     """--fresh-node: every start as on a node that never ran the model (the store stays)."""
     gone = [shown(d) for d in jit_cache_dirs() if d.exists()]
@@ -405,9 +423,12 @@ class Harness:
         rec: dict = {"name": name, "strategy": "snapshot", "mode": MODES.get(name),
                      "command": ("MXLAUNCH_SNAPSHOT_SLEEP=lean " if lean else "") + shown_argv(argv),
                      "util": self.snapshot_util}
-        for phase in ("first", "restored"):
+        phases = ("first", "restored", "wiped") if lean else ("first", "restored")
+        for phase in phases:
             log = self._log(f"{name}-{phase}")
-            if phase == "restored":
+            if phase == "wiped":  # a node that never ran it: only the store is left (the lean image is in it)
+                rec["wiped"] = wipe_node()
+            if phase != "first":
                 evict(self.model, self.store)
             start = Start(argv, log, log.with_suffix(".events.jsonl"), env=env)
             try:
@@ -421,21 +442,23 @@ class Harness:
                     rec["first_verify"] = verify(port, self.gold, recording)
                     rec["gold_from"] = "the first start, after its snapshot" if recording else "default"
                 else:
-                    rec["ready_s"] = ready
+                    key = "" if phase == "restored" else "wiped_"
+                    rec[f"{key}ready_s"] = ready
                     start.wait_event("ready", 60)  # the launcher's own events (it sees /health a poll later)
-                    rec["launcher_ready"] = start.event("ready")
-                    rec["restored"] = start.event("engine-snapshot")
-                    rec["refilled"] = next((e for e in start.events if e.get("event") == "engine-snapshot"
-                                            and e.get("status") == "refilled"), None)
-                    rec["planned"] = (start.event("plan") or {}).get("strategy")
-                    rec["verify"] = verify(port, self.gold, False)
+                    rec[f"{key}launcher_ready"] = start.event("ready")
+                    rec[f"{key}restored"] = start.event("engine-snapshot")
+                    rec[f"{key}refilled"] = next((e for e in start.events if e.get("event") == "engine-snapshot"
+                                                  and e.get("status") == "refilled"), None)
+                    rec[f"{key}planned"] = (start.event("plan") or {}).get("strategy")
+                    rec[f"{key}verify"] = verify(port, self.gold, False)
             finally:
                 start.stop(True)
         rec["image_bytes"] = (rec.get("taken") or {}).get("bytes")
-        if (rec.get("restored") or {}).get("status") != "restored":
-            rec["error"] = f"not restored: {rec.get('restored')}"
-        elif lean and not rec.get("refilled"):
-            rec["error"] = "restored, but no refill was reported"
+        for key in ("", "wiped_") if lean else ("",):
+            if (rec.get(f"{key}restored") or {}).get("status") != "restored":
+                rec.setdefault("error", f"{key or 'second start '}not restored: {rec.get(f'{key}restored')}")
+            elif lean and not rec.get(f"{key}refilled"):
+                rec.setdefault("error", f"{key or 'second start '}restored, but no refill was reported")
         return rec
 
     def _zygote(self, image: bool = False, new_env: bool = False) -> dict:
