@@ -57,7 +57,7 @@ def node_cpus(node: int) -> set[int]:
 
 def huge_fraction(files: list[str]) -> float:
     """Share of the staged files' bytes that sit in 2 MiB pages (ShmemPmdMapped of a populated mapping)."""
-    from mxlaunch.staging.hugepages import FileMapping, _libc
+    from mxlaunch.memory.hugepages import FileMapping, _libc
 
     huge = total = 0
     for path in files:

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mxlaunch.remote.ranged import CHUNK, WORKERS  # noqa: E402
-from mxlaunch.staging.hugepages import FileMapping, HugePager  # noqa: E402
+from mxlaunch.memory.hugepages import FileMapping, HugePager  # noqa: E402
 from mxlaunch.staging.sources import CopyItem  # noqa: E402
 from mxlaunch.staging.upload import UploadItem, UploadJob  # noqa: E402
 from mxlaunch.store.snapshot import SnapshotMeta  # noqa: E402
@@ -188,7 +188,7 @@ def ceiling(server, keys: list[tuple[str, int]], keep_in: Path | None = None, wo
     reads) taking CHUNK-sized ranges of every object off one queue, each read into a scratch buffer and dropped.
     With `keep_in` (a /dev/shm folder) each range is read into its file's mapping instead and kept, unchecked:
     the floor of any reader that lands the bytes in tmpfs (page allocation included), with nothing else done.
-    `huge`: each range's 2 MiB blocks are collapsed into huge pages first (staging/hugepages.py's way, always)."""
+    `huge`: each range's 2 MiB blocks are collapsed into huge pages first (memory/hugepages.py's way, always)."""
     import http.client
     import mmap
     from urllib.parse import urlsplit
@@ -327,10 +327,10 @@ def main() -> int:
     args = ap.parse_args()
     total = parse_size(args.size)
     if args.collapse_slots:
-        from mxlaunch.staging import hugepages, s3_stage  # noqa: PLC0415
+        from mxlaunch.staging import capacity, s3_stage  # noqa: PLC0415
 
-        def pager(dest: object, lands_in_mapping: bool) -> hugepages.HugePager | None:
-            made = hugepages.tmpfs_pager(dest, lands_in_mapping)
+        def pager(dest: object, lands_in_mapping: bool) -> HugePager | None:
+            made = capacity.tmpfs_pager(dest, lands_in_mapping)
             if made is not None:
                 made._slots = threading.BoundedSemaphore(args.collapse_slots)
             return made

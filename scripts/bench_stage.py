@@ -223,7 +223,7 @@ def dest_page_probe(dest_root: Path, total: int) -> dict:
     """CPU s per GiB of filling a fresh tmpfs file from memory (one thread, page cache just dropped):
     4 KiB pages (pwrite) vs 2 MiB pages made by MADV_COLLAPSE first (what mxlaunch does), so the
     destination's own cost is on record next to each method's."""
-    from mxlaunch.staging.hugepages import FileMapping, HugePager
+    from mxlaunch.memory.hugepages import FileMapping, HugePager
 
     dest_root.mkdir(parents=True, exist_ok=True)
     block = os.urandom(16 * MiB)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mxlaunch.staging.hugepages import HUGE, MADV_COLLAPSE, FileMapping, _libc  # noqa: E402
+from mxlaunch.memory.hugepages import HUGE, MADV_COLLAPSE, FileMapping, _libc  # noqa: E402
 
 GiB = 1 << 30
 rt = torch.cuda.cudart()

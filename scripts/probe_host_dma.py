@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mxlaunch.plugin import pinned  # noqa: E402
-from mxlaunch.staging.hugepages import FileMapping, HugePager, _libc  # noqa: E402
+from mxlaunch.memory.hugepages import FileMapping, HugePager, _libc  # noqa: E402
 
 GiB = 1 << 30
 N = 4 * GiB

@@ -10,7 +10,7 @@ N threads, and records the CPU seconds per GiB (every thread) and the rate for e
     fault          nothing: every 4 KiB page faulted in, allocated and zeroed inside the copy
     fallocate      posix_fallocate the chunk first (what the S3 staging did: ENOSPC instead of SIGBUS)
     fallocate+pop  then MADV_POPULATE_WRITE: the page tables filled in one call, no fault per page
-    collapse       HugePager.prepare: a byte per 2 MiB block, then MADV_COLLAPSE (staging/hugepages.py)
+    collapse       HugePager.prepare: a byte per 2 MiB block, then MADV_COLLAPSE (memory/hugepages.py)
     pwrite         the copy into a per-thread 1 MiB buffer, then pwrite (tmpfs skips zeroing whole pages)
 
     python scripts/probe_tmpfs_landing.py --size 4GiB --threads 1,8,16 --reps 3 --out landing.json
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mxlaunch.plugin.host_pages import MADV_POPULATE_WRITE  # noqa: E402
-from mxlaunch.staging.hugepages import FileMapping, HugePager, _libc  # noqa: E402
+from mxlaunch.memory.hugepages import FileMapping, HugePager, _libc  # noqa: E402
 
 CHUNK = 16 << 20
 FILE = 1 << 30

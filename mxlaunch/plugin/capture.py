@@ -76,7 +76,7 @@ def _part_meta(part: list[Group], meta: dict[str, str], aliases: bool) -> dict[s
 
 def _huge_pages(fh: BinaryIO, size: int, pager: Any) -> None:
     """tmpfs: lay the part out in 2 MiB pages before writing (writes then allocate nothing per 4 KiB)."""
-    from mxlaunch.staging.hugepages import FileMapping
+    from mxlaunch.memory.hugepages import FileMapping
 
     os.ftruncate(fh.fileno(), size)
     mapping = FileMapping(fh.fileno(), size)
@@ -120,7 +120,7 @@ def _tmpfs_pager(out: Path) -> Any:
 
     if not settings.capture_huge() or not is_tmpfs(out):
         return None
-    from mxlaunch.staging.hugepages import HugePager
+    from mxlaunch.memory.hugepages import HugePager
 
     return HugePager(max_cpu_s_per_gib=0.3)
 

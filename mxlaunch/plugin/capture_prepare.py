@@ -143,7 +143,7 @@ class PreparedCapture:
 
     def _lay_out(self, part: _Part, pager: Any) -> None:
         from mxlaunch.plugin import pinned
-        from mxlaunch.staging.hugepages import FileMapping, _libc
+        from mxlaunch.memory.hugepages import FileMapping, _libc
 
         if self._stop:
             return
@@ -266,6 +266,6 @@ def prepare_threads(parts: int) -> int:
 def _pager() -> Any:
     """2 MiB pages while they are cheap (registration of 2 MiB pages is ~5× faster than of 4 KiB ones);
     off the capture's clock, so the limit is generous."""
-    from mxlaunch.staging.hugepages import HugePager
+    from mxlaunch.memory.hugepages import HugePager
 
     return HugePager(max_cpu_s_per_gib=2.0)

@@ -39,7 +39,7 @@ import torch
 from mxlaunch import settings
 from mxlaunch.fileutil import is_tmpfs  # torch-free, shared with the launcher; plugin modules import it from here
 from mxlaunch.plugin import pinned
-from mxlaunch.staging.hugepages import FileMapping, _libc
+from mxlaunch.memory.hugepages import FileMapping, _libc
 
 CHUNK = 16 << 20          # one window: a ring slot, and the registrar's unit
 REGISTER_SPAN = 8         # the registrar takes up to this many consecutive windows per registration

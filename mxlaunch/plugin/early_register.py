@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mxlaunch.plugin import pinned
-from mxlaunch.staging.hugepages import FileMapping
+from mxlaunch.memory.hugepages import FileMapping
 
 SPAN = 256 << 20
 

@@ -21,7 +21,7 @@ import ctypes
 import os
 
 from mxlaunch import settings
-from mxlaunch.staging.hugepages import HUGE, _libc  # the project's one libc binding (madvise typed there)
+from mxlaunch.memory.hugepages import HUGE, _libc  # the project's one libc binding (madvise typed there)
 
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23

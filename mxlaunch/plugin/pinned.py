@@ -21,7 +21,7 @@ import os
 import threading
 from typing import Any
 
-from mxlaunch.staging.hugepages import HUGE, _libc
+from mxlaunch.memory.hugepages import HUGE, _libc
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the GPU only reads; unregistering is ~2× faster

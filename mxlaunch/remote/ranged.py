@@ -28,7 +28,7 @@ import httpx
 
 from mxlaunch.errors import CheckFailed, MxlaunchError
 from mxlaunch.remote import direct
-from mxlaunch.staging.hugepages import FileMapping, HugePager
+from mxlaunch.memory.hugepages import FileMapping, HugePager
 
 CHUNK = 16 << 20
 WORKERS = 16
@@ -125,7 +125,7 @@ def download(client: httpx.Client, targets: list[Target], *, chunk: int = CHUNK,
     chunk that kept failing, a file whose hash is wrong: that file is removed) or DownloadCancelled.
 
     `pager` (destinations on tmpfs): each direct chunk's 2 MiB blocks are collapsed into huge pages before
-    its bytes land, as the local staging does (staging/hugepages.py), while that is cheaper than 4 KiB pages."""
+    its bytes land, as the local staging does (memory/hugepages.py), while that is cheaper than 4 KiB pages."""
     tasks: "queue.Queue[tuple[Target, int]]" = queue.Queue()
     fds: dict[Path, int] = {}
     maps: dict[Path, FileMapping] = {}  # direct targets: the .incomplete file's pages, written in place

@@ -24,8 +24,8 @@ from typing import Callable, Iterator
 import xxhash
 
 from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
-from mxlaunch.staging.capacity import capacity_of, format_bytes
-from mxlaunch.staging.hugepages import HUGE, FileMapping, HugePager, tmpfs_pager
+from mxlaunch.staging.capacity import capacity_of, format_bytes, tmpfs_pager
+from mxlaunch.memory.hugepages import HUGE, FileMapping, HugePager
 from mxlaunch.staging.lustre import Layout
 from mxlaunch.staging.ost_model import OstModel
 from mxlaunch.staging.schedule import Chunk, ChunkScheduler, cut_chunks

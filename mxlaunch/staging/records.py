@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mxlaunch.errors import MxlaunchError
-from mxlaunch.staging.hugepages import FileMapping
+from mxlaunch.memory.hugepages import FileMapping
 from mxlaunch.staging.sources import CopyItem
 
 ALIGN = 4096

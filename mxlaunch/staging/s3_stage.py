@@ -25,8 +25,7 @@ import xxhash
 
 from mxlaunch.errors import CheckFailed, MxlaunchError, UsageError
 from mxlaunch.remote.ranged import CHUNK, WORKERS, DownloadCancelled, Target, download
-from mxlaunch.staging.capacity import capacity_of, format_bytes
-from mxlaunch.staging.hugepages import tmpfs_pager
+from mxlaunch.staging.capacity import capacity_of, format_bytes, tmpfs_pager
 from mxlaunch.staging.records import StageCancelled, StagedFile, StageResult
 from mxlaunch.staging.sources import CopyItem
 from mxlaunch.store.snapshot import xxh3_file

@@ -1,4 +1,4 @@
-"""2 MiB destination pages (staging/hugepages.py): byte-exact on every write mode and chunk cut, and
+"""2 MiB destination pages (memory/hugepages.py): byte-exact on every write mode and chunk cut, and
 the pager stops collapsing when it costs more than it saves."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.staging import reader as reader_mod
-from mxlaunch.staging.hugepages import HUGE, HugePager
+from mxlaunch.memory.hugepages import HUGE, HugePager
 from mxlaunch.staging.reader import WRITE_MODES, stage
 from mxlaunch.staging.sources import expand_sources
 from tests.helpers.stage_data import sha256_of, shm_dest, tree_of, write_pattern_file
@@ -85,7 +85,7 @@ def test_readers_wait_for_the_probe_instead_of_filling_small_pages(dest) -> None
     import os
     import threading
 
-    from mxlaunch.staging.hugepages import FileMapping
+    from mxlaunch.memory.hugepages import FileMapping
 
     dest.mkdir(parents=True)
     fd = os.open(dest / "f", os.O_RDWR | os.O_CREAT, 0o644)

@@ -25,9 +25,6 @@ import errno
 import os
 import threading
 import time
-from typing import Optional
-
-from mxlaunch.staging.capacity import MEMORY_BACKED_FS, fs_type_of
 
 HUGE = 2 << 20
 MADV_COLLAPSE = 25
@@ -179,11 +176,3 @@ class HugePager:
             self.enabled = False
             self.reason = reason
 
-
-def tmpfs_pager(dest: "str | os.PathLike[str]", lands_in_mapping: bool) -> Optional[HugePager]:
-    """The pager for a job writing under `dest`: one when it is tmpfs (ramfs has no huge pages), else None. Its
-    cost limit is what 4 KiB pages cost the way the bytes land: 0.9 CPU s/GiB when they land in the mapping
-    (each page faulted in and zeroed), 0.3 when they are copied in with pwrite (see HugePager)."""
-    if fs_type_of(dest) not in MEMORY_BACKED_FS - {"ramfs"}:
-        return None
-    return HugePager(max_cpu_s_per_gib=0.9 if lands_in_mapping else 0.3)
