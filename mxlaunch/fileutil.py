@@ -174,6 +174,15 @@ def own_dir(path: str | os.PathLike[str], *, mode: int = 0o700) -> Path:
     return p
 
 
+def private_dir(path: str | os.PathLike[str]) -> bool:
+    """Is `path` a real folder of this user's that nobody else can enter (lstat: a link is not)?"""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
 def foreign(st: os.stat_result, *, is_dir: bool) -> Optional[str]:
     """Why a file or folder in a shared place is not this user's own (None when it is): not the expected
     kind (a link, a FIFO, ...), another owner, or writable by group or others. Stricter than exposure():

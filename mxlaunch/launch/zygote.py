@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import socket
-import stat
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -32,7 +31,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.contract import ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_SOCKET
 from mxlaunch.engines.environment import PYTHON_EXE
-from mxlaunch.fileutil import foreign, own_root, pid_alive
+from mxlaunch.fileutil import foreign, own_root, pid_alive, private_dir
 from mxlaunch.launch.logfile import open_log
 from mxlaunch.launch.snapshot_key import digest
 from mxlaunch.launch.zygote_env import IMPORT_TMPDIR, PINNED, import_env
@@ -255,15 +254,6 @@ def remove_empty_root(root: Path) -> None:
                 os.rmdir(folder)
         except OSError:  # not there, or not empty: something still lives in it
             pass
-
-
-def private_dir(path: Path) -> bool:
-    """Is `path` a real folder of this user's that nobody else can enter?"""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 def private_root() -> bool:

@@ -40,22 +40,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from mxlaunch.fileutil import last_used, mark_used, pid_alive
+from mxlaunch.fileutil import mark_used, pid_alive
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
 from mxlaunch.launch import criu, snapshot_key, zygote
 from mxlaunch.launch.criu import CriuError
-
-IMAGES = "zygote-images"
-META = "meta.json"
-
-
-def images_root(store_root: Path) -> Path:
-    return Path(store_root) / IMAGES / str(os.getuid())
-
-
-def image_dir(store_root: Path, key: str) -> Path:
-    return images_root(store_root) / key
-
+from mxlaunch.store.zygote_images import META, image_dir, images_root  # the layout, below the store's prune
 
 private = zygote.private_dir  # an image is restored, and dumped into, only from a folder this user alone controls
 
@@ -141,24 +130,6 @@ def check_image(store_root: Path, key: str) -> tuple[Optional[Path], str]:
 def find_image(store_root: Path, key: str) -> Optional[Path]:
     """The published image for `key`, if one is there in a folder only this user controls."""
     return check_image(store_root, key)[0]
-
-
-def list_images(store_root: Path) -> list[dict]:
-    """This user's images in the store: key, bytes, made and last used (epoch seconds), newest use first."""
-    root = images_root(store_root)
-    if not private(root):
-        return []
-    found = []
-    for folder in sorted(root.iterdir()):
-        if folder.name.startswith(".") or not (folder / META).is_file():
-            continue
-        try:
-            meta = json.loads((folder / META).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            meta = {}
-        found.append({"key": folder.name, "bytes": meta.get("bytes"), "made": meta.get("made"),
-                      "last_used": last_used(folder, META), "path": str(folder)})
-    return sorted(found, key=lambda i: -(i["last_used"] or 0))
 
 
 def _marker(key: str, suffix: str) -> Path:

@@ -34,9 +34,9 @@ from mxlaunch.coord.base import valid_id
 from mxlaunch.coord.peers_file import PEERS_DIR, FileRegistry
 from mxlaunch.coord.peers_record import reapable
 from mxlaunch.errors import MxlaunchError
-from mxlaunch.fileutil import LAST_USED, last_used
+from mxlaunch.fileutil import LAST_USED, last_used, private_dir
 from mxlaunch.kernelcache.archive import KEY_JSON, KernelCacheStore
-from mxlaunch.launch import zygote_image
+from mxlaunch.store import zygote_images
 from mxlaunch.store.core import NOT_SNAPSHOTS, Store
 from mxlaunch.store.capture import _du, capture_ids
 from mxlaunch.store.snapshot import MANIFEST
@@ -171,11 +171,11 @@ def _in_use(store: Store, caches: KernelCacheStore) -> list[Item]:
     for folder in _children(caches.root):
         if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
             items.append(Item("kernel-cache", folder.name, folder, _du(folder), "", last_used(folder, KEY_JSON)))
-    images = zygote_image.images_root(store.root)  # this user's: others' are 0700 and theirs to prune
-    for folder in _children(images) if zygote_image.private(images) else []:
+    images = zygote_images.images_root(store.root)  # this user's: others' are 0700 and theirs to prune
+    for folder in _children(images) if private_dir(images) else []:
         if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
             items.append(Item("zygote-image", folder.name, folder, _du(folder), "",
-                              last_used(folder, zygote_image.META)))
+                              last_used(folder, zygote_images.META)))
     return items
 
 

@@ -178,16 +178,17 @@ def test_stale_p2p_records_in_the_stores_registry_go_too(tmp_path: Path) -> None
 
 
 def test_zygote_images_are_pruned_by_use_and_never_listed_as_snapshots(tmp_path: Path) -> None:
-    """An image (launch/zygote_image.py) is hundreds of MB per zygote key: `store prune` removes this user's
+    """An image (store/zygote_images.py) is hundreds of MB per zygote key: `store prune` removes this user's
     unused ones like kernel caches, and `store list` never takes the images' folder for a snapshot."""
     from mxlaunch.launch import zygote_image
+    from mxlaunch.store import zygote_images
 
     store, now = Store(tmp_path), time.time()
-    root = zygote_image.images_root(tmp_path)
+    root = zygote_images.images_root(tmp_path)
     root.mkdir(parents=True, mode=0o700)
     for key in ("a" * 20, "b" * 20):
         (root / key).mkdir()
-        (root / key / zygote_image.META).write_text(json.dumps({"pid": 1}))
+        (root / key / zygote_images.META).write_text(json.dumps({"pid": 1}))
         (root / key / "pages-1.img").write_bytes(b"x" * 4096)
     used_at(root / ("a" * 20), now - 40 * DAY)
     used_at(root / ("b" * 20), now - 1 * DAY)

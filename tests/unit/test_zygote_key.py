@@ -9,6 +9,7 @@ from pathlib import Path
 
 from mxlaunch.launch import zygote, zygote_env, zygote_image
 from mxlaunch.plan import PLAN_ENV
+from mxlaunch.store import zygote_images
 
 ENTRY = zygote.ZygoteEntry(sys.executable, "module", "vllm.entrypoints.openai.api_server", ("--port", "1"), ("torch",))
 JOB_A = {"PATH": "/usr/bin", "HOME": "/home/u", "VLLM_LOGGING_LEVEL": "INFO", "HF_HOME": "/hf",
@@ -52,7 +53,7 @@ def test_the_salt_lives_beside_the_images_and_is_stable(tmp_path: Path) -> None:
     salt = zygote_image.key_salt(tmp_path / "store")
     assert len(salt) == 32 and salt == zygote_image.key_salt(tmp_path / "store")
     assert (zygote_image.images_root(tmp_path / "store") / "key-salt").stat().st_mode & 0o077 == 0
-    assert zygote_image.list_images(tmp_path / "store") == []  # the salt file is no image
+    assert zygote_images.list_images(tmp_path / "store") == []  # the salt file is no image
 
 
 def test_run_only_names_are_not_keyed_and_pinned_ones_are_not_either() -> None:
