@@ -85,7 +85,7 @@ def launch(
 
     command = list(command or [])
     if not dry_run and not no_download and strategy != "default":  # a new hub id or an S3 model: once per store, then planned
-        from mxlaunch.remote.localize import localize_command
+        from mxlaunch.launch.model_fetch import localize_command
         from mxlaunch.store.opener import open_store
 
         command = localize_command(command, open_store(artifact_path), emit)

@@ -46,7 +46,10 @@ def pull(
     if s3.is_s3_url(model):
         got = s3.ensure_model(model, open_store(artifact_path), emit, workers=workers)
     else:
-        got = ensure_model(model, revision, open_store(artifact_path), emit, cache=cache_dir, workers=workers)
+        from mxlaunch.engines.environment import hub_cache_dir
+
+        got = ensure_model(model, revision, open_store(artifact_path), emit, cache=cache_dir or hub_cache_dir(),
+                           workers=workers)
     if as_json:
         print_json({"model": model, "path": str(got.path), "commit": got.commit, "by": got.by,
                     "bytes": got.bytes, "seconds": round(got.seconds, 3)})

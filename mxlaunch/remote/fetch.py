@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional
 import httpx
 import xxhash
 
-from mxlaunch.errors import CheckFailed, MxlaunchError
+from mxlaunch.errors import CheckFailed
 from mxlaunch.fileutil import read_json, write_json_atomic
 from mxlaunch.remote import hub
 from mxlaunch.remote.ranged import CHUNK, WORKERS, Target, check_room, download
@@ -48,13 +48,12 @@ def claim_key(cache: Path, repo: str, commit: str) -> str:
 
 
 def ensure_model(repo: str, revision: Optional[str], store: Store, emit: Emit, *,
-                 cache: Optional[Path] = None, environ: Mapping[str, str] = os.environ,
+                 cache: Path, environ: Mapping[str, str] = os.environ,
                  workers: int = WORKERS, chunk: int = CHUNK, poll_s: float = 0.5,
                  on_bytes: Callable[[int, int], None] = lambda done, total: None) -> Fetched:
-    """The model's snapshot folder in the hub cache, downloading what is missing once per store."""
-    from mxlaunch.engines.environment import hub_cache_dir
-
-    cache = Path(cache or hub_cache_dir(environ))
+    """The model's snapshot folder in the hub cache (`cache`, the caller's: engines/environment.hub_cache_dir),
+    downloading what is missing once per store."""
+    cache = Path(cache)
     ep, tok = hub.endpoint(environ), hub.token(environ)
     t0 = time.monotonic()
     with httpx.Client(headers=hub.headers(tok), follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0),
@@ -181,29 +180,30 @@ def _read_progress(path: Path) -> Optional[dict]:
         return None
 
 
-def download_for_command(argv: list[str], store: Store, emit: Emit, environ: Mapping[str, str] = os.environ,
-                         **kw: object) -> Optional[Fetched]:
-    """Before the launch plans: the command's model, when it is a hub id not in the hub cache, downloaded
-    once per store (then the plan finds it, and the first serve captures). None when there is nothing to do:
-    a local folder, a hub id already cached, HF_HUB_OFFLINE, or `--download-dir` (the engine's own cache
-    folder, which the planner does not read: the engine downloads there itself)."""
-    from mxlaunch.engines.environment import is_hub_id
-    from mxlaunch.engines.registry import engine_for
+@dataclass(frozen=True)
+class ModelRequest:
+    """What a launch wants fetched, built by the launcher from the engine's command (launch/model_fetch.py): this
+    layer is handed a model, never a command line to parse."""
 
-    try:
-        spec = engine_for(argv).parse(argv, engine_version=None)
-    except MxlaunchError:
-        return None  # a bad command: the planner says what is wrong with it, as without a hub id
-    if spec.model_path is not None or not is_hub_id(spec.model):
+    model: str  # a hub id, an s3:// URL, or a local folder
+    revision: Optional[str] = None
+    hub_id: bool = False  # a hub id not given as a local folder: one to download into `cache`
+    cache: Optional[Path] = None  # the hub cache the engine reads
+    engine_fetches: str = ""  # why the engine downloads the model itself ("": it does not, fetch it here)
+
+
+def download_request(request: ModelRequest, store: Store, emit: Emit, environ: Mapping[str, str] = os.environ,
+                     **kw: object) -> Optional[Fetched]:
+    """Before the launch plans: the request's model, when it is a hub id not in the hub cache, downloaded once per
+    store (then the plan finds it, and the first serve captures). None when there is nothing to do: a local
+    folder, a hub id already cached, HF_HUB_OFFLINE, or a model the engine downloads itself (said, with why)."""
+    if not request.hub_id or request.cache is None:
         return None
     if hub.offline(environ):
-        emit("download", status="off", repo=spec.model, message="HF_HUB_OFFLINE is set: the model is not downloaded")
+        emit("download", status="off", repo=request.model, message="HF_HUB_OFFLINE is set: the model is not downloaded")
         return None
-    if any(environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("VLLM_USE_MODELSCOPE", "SGLANG_USE_MODELSCOPE")):
-        emit("download", status="off", repo=spec.model, message="the engine reads models from ModelScope: it downloads the model itself")
+    if request.engine_fetches:
+        emit("download", status="off", repo=request.model, message=request.engine_fetches)
         return None
-    if any(a == "--download-dir" or a.startswith("--download-dir=") for a in argv):
-        emit("download", status="off", repo=spec.model,
-             message="--download-dir names the engine's own cache folder: the engine downloads the model itself")
-        return None
-    return ensure_model(spec.model, spec.revision, store, emit, environ=environ, **kw)  # type: ignore[arg-type]
+    return ensure_model(request.model, request.revision, store, emit, cache=request.cache, environ=environ,
+                        **kw)  # type: ignore[arg-type]

@@ -257,19 +257,3 @@ def _download(s3: Any, model: S3Model, folder: Path, url: str, progress_file: Pa
     emit("download", status="done", model=url, version=model.version, bytes=got, seconds=round(seconds, 3),
          gib_per_s=round(got / max(seconds, 1e-9) / (1 << 30), 3))
     return got
-
-
-def localized_argv(argv: list[str], url: str, folder: Path) -> list[str]:
-    """The command with the S3 URL replaced by the local folder (as a value or `--flag=URL`); the API keeps
-    serving the model under the URL's name (`--served-model-name`, unless the command sets one)."""
-    out = []
-    for a in argv:
-        if a == url:
-            out.append(str(folder))
-        elif a.startswith("--") and a.endswith("=" + url):
-            out.append(a[: -len(url)] + str(folder))
-        else:
-            out.append(a)
-    if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in argv):
-        out += ["--served-model-name", url]
-    return out

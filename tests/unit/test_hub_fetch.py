@@ -189,7 +189,7 @@ def test_offline_means_no_download(server: HubServer, tmp_path: Path) -> None:
 
 def test_a_launch_leaves_what_it_should_to_the_engine(server: HubServer, tmp_path: Path) -> None:
     """download_for_command: a local folder, HF_HUB_OFFLINE, ModelScope and --download-dir ask the hub nothing."""
-    from mxlaunch.remote.fetch import download_for_command
+    from mxlaunch.launch.model_fetch import download_for_command
 
     cache, store = tmp_path / "hub", Store(tmp_path / "store")
     serve = ["vllm", "serve", "org/tiny"]

@@ -74,8 +74,53 @@ def _cycles(graph: dict[str, set[str]]) -> list[str]:
     return cycles
 
 
+def _with_packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph plus the package edge: importing `mxlaunch.a.b` runs `mxlaunch/a/__init__.py` first, so a module
+    that imports anything in package `a` depends on `mxlaunch.a` (an __init__ that imports its submodules, which
+    import a sibling, is a circle through the package)."""
+    def packages(dep: str) -> set[str]:
+        parts = dep.split(".")
+        return {".".join(parts[:i]) for i in range(2, len(parts) + 1)}
+
+    return {module: {p for d in deps for p in packages(d) if p in graph and p != module} for module, deps in graph.items()}
+
+
+# Edges the test leaves out, each with its owner and why; whoever removes the arrow removes its line.
+ALLOWED_CIRCLE_EDGES = {
+    # the lead's lean snapshot, mid-flight: snapshot_signal's refill names weight_refill.METHOD, and weight_refill
+    # imports plugin.vllm, which imports snapshot_signal (issue 43: the signal protocol moves below both sides)
+    ("mxlaunch.plugin.snapshot_signal", "mxlaunch.plugin.weight_refill"),
+}
+
+
 def test_no_import_circle() -> None:
-    assert _cycles(_graph()) == []
+    graph = _with_packages(_graph())  # holds every edge of _graph(): a circle there is one here
+    assert "mxlaunch.store" in graph["mxlaunch.store.prune"]  # the package edge is there
+    for module, dep in ALLOWED_CIRCLE_EDGES:
+        graph.get(module, set()).discard(dep)
+    assert _cycles(graph) == []
+
+
+def _importers(graph: dict[str, set[str]], lower: str, upper: str) -> set[tuple[str, str]]:
+    """The arrows from a module under `lower` to one under `upper`."""
+    return {(m, d) for m, deps in graph.items() if m.startswith(lower + ".") or m == lower
+            for d in deps if d.startswith(upper + ".") or d == upper}
+
+
+# the launcher's one arrow into the plugin, the lead's (issue 43: the signal protocol moves below both sides)
+ALLOWED_LAUNCH_TO_PLUGIN = {("mxlaunch.launch.engine_snapshot", "mxlaunch.plugin.snapshot_signal")}
+
+
+def test_arrows_point_down() -> None:
+    """The download layer gets what to fetch, not an engine's argv; the store owns what it prunes, never reaching
+    up into the launcher; the launcher and the in-engine plugin share protocols from below both."""
+    graph = _graph()
+    assert _importers(graph, "mxlaunch.remote", "mxlaunch.engines") == set()
+    assert _importers(graph, "mxlaunch.store", "mxlaunch.launch") == set()
+    assert _importers(graph, "mxlaunch.launch", "mxlaunch.plugin") <= ALLOWED_LAUNCH_TO_PLUGIN
+    assert _importers(graph, "mxlaunch.plugin", "mxlaunch.staging") == set()
+    assert graph["mxlaunch.memory.hugepages"] == set()  # the page helpers both sides share stand on nothing of ours
+    assert _importers(graph, "mxlaunch.launch", "mxlaunch.cli") == set()
 
 
 def test_no_import_circle_among_the_scripts() -> None:

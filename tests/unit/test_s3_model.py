@@ -13,7 +13,7 @@ import pytest
 
 from mxlaunch.errors import UsageError
 from mxlaunch.remote import s3
-from mxlaunch.remote.localize import localize_command
+from mxlaunch.launch.model_fetch import localize_command
 from mxlaunch.store.core import Store
 from tests.helpers.cli import one_line_error, run_cli
 from tests.helpers.s3_server import S3Server, s3_environ
