@@ -18,7 +18,7 @@ Ways of reading:
                   as mxlaunch's readers
   prefetch        vLLM's --safetensors-load-strategy prefetch: one reader, file after file, 4 MiB reads
 
-Layouts (the parsed `lfs getstripe` outputs of tests/unit/test_lustre.py; a checkpoint's files start on
+Layouts (the parsed `lfs getstripe` outputs of mxlaunch/staging/lustre_samples.py; a checkpoint's files start on
 successive OSTs, as Lustre's allocator places them, over 8 OSTs):
   multi-stripe    4 stripes of 4 MiB per file (PLAIN_MULTI)
   few-osts        1 stripe per file (PLAIN_SINGLE): the checkpoint on 4 OSTs, two files each
@@ -49,7 +49,7 @@ from mxlaunch.staging.ost_model import MDT, OstCurve, OstModel  # noqa: E402
 from mxlaunch.staging.reader import StageJob  # noqa: E402
 from mxlaunch.staging.schedule import readers_for_layouts  # noqa: E402
 from mxlaunch.staging.sources import CopyItem  # noqa: E402
-from tests.unit.test_lustre import PFL_PLAIN, PLAIN_MULTI, PLAIN_SINGLE  # noqa: E402
+from mxlaunch.staging.lustre_samples import PFL_PLAIN, PLAIN_MULTI, PLAIN_SINGLE  # noqa: E402
 
 MiB = 1 << 20
 OSTS = 8

@@ -129,6 +129,23 @@ def test_no_import_circle_among_the_scripts() -> None:
     assert _cycles(graph) == []
 
 
+def test_no_script_needs_the_test_suite() -> None:
+    """A benchmark or probe runs without pytest: no script imports a test module (tests/helpers is plain code)."""
+    def imported(path: Path) -> set[str]:
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        return found
+
+    scripts = sorted((ROOT.parent / "scripts").glob("*.py"))
+    assert any(m.startswith("tests.helpers") for p in scripts for m in imported(p))  # it sees imports of tests/
+    bad = {p.name: m for p in scripts for m in imported(p) if m == "pytest" or m.startswith(("tests.unit", "tests.e2e"))}
+    assert bad == {}
+
+
 def test_the_top_level_holds_only_what_every_side_shares_and_every_package_says_what_it_owns() -> None:
     top = sorted(p.stem for p in ROOT.glob("*.py") if p.stem != "__init__")
     assert len(top) <= 12, top

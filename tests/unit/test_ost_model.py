@@ -13,7 +13,7 @@ from mxlaunch.staging.lustre import Component, Layout, parse_getstripe
 from mxlaunch.staging.ost_model import MDT, OstCurve, OstModel, _Part
 from mxlaunch.staging.reader import StageJob
 from mxlaunch.staging.sources import CopyItem
-from tests.unit.test_lustre import PFL_PLAIN, PLAIN_MULTI, PLAIN_SINGLE
+from mxlaunch.staging.lustre_samples import PFL_PLAIN, PLAIN_MULTI, PLAIN_SINGLE
 
 pytestmark = pytest.mark.unit
 MiB = 1 << 20
