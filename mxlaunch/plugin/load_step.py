@@ -9,7 +9,8 @@ import logging
 from typing import Any, Callable
 
 from mxlaunch.plugin.p2p_prepare import prepare_p2p
-from mxlaunch.plugin.rank_load import prepare_gpu, report_fallback
+from mxlaunch.plugin.rank_load import prepare_gpu
+from mxlaunch.plugin.rank_markers import report_fallback
 from mxlaunch.plugin.tensors import Reinitialise
 
 

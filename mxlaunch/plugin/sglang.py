@@ -70,7 +70,7 @@ def around_get_model_loader(original: Any, load_config: Any, model_config: Any =
 
     rank = global_rank()  # once per loader: the adapters below take it as given
     if type(loader) is not DefaultModelLoader:
-        from mxlaunch.plugin.rank_load import report_fallback
+        from mxlaunch.plugin.rank_markers import report_fallback
 
         report_fallback(plan, rank, f"SGLang chose {type(loader).__name__} for this checkpoint; mxlaunch restores "
                                     "only what DefaultModelLoader loads", log)

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from mxlaunch.contract import gib, loaded_line
-from mxlaunch.plugin.rank_load import fall_back_or_stop, model_bytes, report_fallback, safe_marker, wait_for_rank_files
+from mxlaunch.plugin.rank_load import model_bytes
+from mxlaunch.plugin.rank_markers import fall_back_or_stop, report_fallback, safe_marker, wait_for_rank_files
 
 log = logging.getLogger("sglang.mxlaunch")
 

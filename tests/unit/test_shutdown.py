@@ -270,7 +270,7 @@ def test_the_plugin_names_a_real_filestore_and_the_launcher_removes_it_once_unus
     store_file = tmp_path / "vllm_dist_0123456789abcdef0123456789abcdef"
     script = (
         "import json, sys, torch.distributed as dist\n"
-        "from mxlaunch.plugin.rank_load import rendezvous_file\n"
+        "from mxlaunch.plugin.rank_markers import rendezvous_file\n"
         f"dist.init_process_group('gloo', init_method='file://{store_file}', rank=0, world_size=1)\n"
         f"open('{markers / 'loaded-0.json'}', 'w').write(json.dumps({{'rendezvous_file': rendezvous_file()}}))\n"
         "import os; os._exit(0)\n")  # a worker stopped by a signal: the store's destructor never runs
