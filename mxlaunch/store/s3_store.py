@@ -15,7 +15,8 @@ What differs, and why:
   (store/s3_capture.py): a multipart upload is invisible until it completes, so `data-<capture_id>/` only
   ever holds whole files, and nothing reads them before the manifest names them.
 - **The publish** is one conditional PUT of the manifest (`If-None-Match: *`): of two captures racing,
-  exactly one publishes; the loser deletes its `data-<capture_id>/` (the same contract as the local link).
+  exactly one publishes; the loser deletes its `data-<capture_id>/` (the same contract as the local link;
+  store/s3_publish.py: markers, publish, discard).
 - **The local mirror.** `root` is a node-local folder (`$XDG_CACHE_HOME/mxlaunch/s3-stores/<bucket>/<prefix>`)
   for what the launcher keeps beside a store and reads as files: S3 models downloaded for the engine
   (`.models`), the JIT kernel caches (`kernel-cache/`, so they are per node with an S3 store, not shared
@@ -35,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
@@ -46,15 +46,14 @@ from mxlaunch import settings
 from mxlaunch.coord.base import ClaimInfo, Coordinator, valid_id
 from mxlaunch.errors import CheckFailed, UsageError
 from mxlaunch.fileutil import ensure_dir
-from mxlaunch.store.capture import PendingCapture, capture_ids, node_part, node_tmp
-from mxlaunch.store.core import Store, manifest_from_markers
+from mxlaunch.store.capture import node_part, node_tmp
+from mxlaunch.store.core import Store
+from mxlaunch.store.s3_publish import S3Publishing
 from mxlaunch.store.snapshot import (
     MANIFEST, Snapshot, SnapshotMeta, StoreEntry, _validate_manifest)
 
 _ROOT = re.compile(r"^s3:/+([^/]+)(?:/(.*))?$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_DONE = re.compile(r"^(0|[1-9][0-9]{0,5})\.json$")
-_FAILED = re.compile(r"^(0|[1-9][0-9]{0,5})\.failed\.json$")
 _clients: dict[tuple, Any] = {}
 _checked: set[tuple] = set()
 _lock = threading.Lock()
@@ -105,7 +104,7 @@ def _missing(exc: BaseException) -> bool:
     return isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code", "")) in ("NoSuchKey", "404")
 
 
-class S3Store(Store):
+class S3Store(S3Publishing, Store):
     """An artifact store under s3://bucket/prefix (store/opener.py `open_store(url)` makes it; module docstring)."""
 
     remote = True
@@ -187,6 +186,11 @@ class S3Store(Store):
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
             out.extend(p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", []))
         return out
+
+    def children_names(self, prefix: str) -> list[str]:
+        """The object names directly below `prefix/`."""
+        base = prefix + "/"
+        return sorted(o["Key"][len(base):] for o in self.objects(base) if "/" not in o["Key"][len(base):])
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under `prefix` and abort its unfinished multipart uploads; the count deleted."""
@@ -308,111 +312,6 @@ class S3Store(Store):
         for rank in my_ranks:
             writer.rank_dir(rank)
         return writer
-
-    def write_marker(self, source_id: str, capture_id: str, name: str, doc: dict) -> None:
-        self.put_json(self.key(source_id, f".nodes-{capture_id}", name), doc)
-
-    def _markers(self, source_id: str, capture_id: str) -> tuple[Optional[list[str]], list[str]]:
-        names = [n for n in self.children_names(self.key(source_id, f".nodes-{capture_id}"))]
-        if not names:
-            return None, []
-        return [n for n in names if _DONE.match(n)], [n for n in names if _FAILED.match(n)]
-
-    def children_names(self, prefix: str) -> list[str]:
-        """The object names directly below `prefix/`."""
-        base = prefix + "/"
-        return sorted(o["Key"][len(base):] for o in self.objects(base) if "/" not in o["Key"][len(base):])
-
-    def try_publish(self, source_id: str, capture_id: str, meta: SnapshotMeta, nranks: int, nnodes: int) -> bool:
-        """Publish the manifest (PUT If-None-Match: *) once every node's marker is in; True only for the winner."""
-        names, failed = self._markers(source_id, capture_id)
-        if names is None or failed:
-            return False
-
-        def read(name: str) -> Optional[object]:
-            got = self.get_object(self.key(source_id, f".nodes-{capture_id}", name), limit=16 << 20)
-            try:
-                return None if got is None else json.loads(got[0])
-            except ValueError:
-                return None
-
-        manifest = manifest_from_markers((read(n) for n in names), source_id, capture_id, meta, nranks, nnodes)
-        if manifest is None:
-            return False
-        from mxlaunch.coord.s3 import _race_lost  # noqa: PLC0415
-
-        try:
-            self.put_json(self.key(source_id, MANIFEST), manifest, IfNoneMatch="*")
-        except Exception as exc:  # noqa: BLE001
-            if not _race_lost(exc):
-                raise
-            if self._published_capture(source_id) not in (None, "?", capture_id):
-                self.delete_prefix(self.key(source_id, f"data-{capture_id}") + "/")  # another capture won
-                self.delete_prefix(self.key(source_id, f".nodes-{capture_id}") + "/")
-            return False
-        self.delete_prefix(self.key(source_id, f".nodes-{capture_id}") + "/")
-        return True
-
-    def pending(self, source_id: str, capture_id: str) -> PendingCapture:
-        done, failed = self._markers(source_id, capture_id)
-        out = PendingCapture(done={int(n.split(".")[0]) for n in done or []})
-        for name in failed:
-            try:
-                got = self.get_object(self.key(source_id, f".nodes-{capture_id}", name), limit=1 << 20)
-                data = json.loads(got[0]) if got else {}
-                reason = str(data.get("reason", "no reason given")) if isinstance(data, dict) else "no reason given"
-            except (ValueError, CheckFailed):
-                reason = "its marker cannot be read"
-            out.failed[int(name.split(".")[0])] = reason
-        return out
-
-    def mark_node_failed(self, source_id: str, capture_id: str, node_rank: int, reason: str) -> None:
-        self.write_marker(source_id, capture_id, f"{node_rank}.failed.json",
-                          {"schema": 1, "capture_id": capture_id, "node_rank": node_rank,
-                           "host": socket.gethostname(), "reason": reason})
-
-    def discard_capture(self, source_id: str, capture_id: str) -> bool:
-        """Remove an unpublished capture: its markers first (no publisher finds a complete set any more), then
-        its data objects and unfinished uploads, and this node's local temp folder."""
-        import shutil  # noqa: PLC0415
-
-        shutil.rmtree(self.folder(source_id) / f".tmp-{capture_id}", ignore_errors=True)
-        published = self._published_capture(source_id)
-        if published is not None and published in (capture_id, "?"):
-            return False
-        n = self.delete_prefix(self.key(source_id, f".nodes-{capture_id}") + "/")
-        n += self.delete_prefix(self.key(source_id, f"data-{capture_id}") + "/")
-        return n > 0
-
-    def reap_captures(self, source_id: str, keep: str) -> list[str]:
-        """Discard every unpublished capture of `source_id` but `keep` (call it holding the claim)."""
-        published = self._published_capture(source_id)
-        if published == "?":
-            return []
-        ids = self.capture_ids(source_id)
-        return sorted(cid for cid in ids - {keep, published} if self.discard_capture(source_id, cid))
-
-    def capture_ids(self, source_id: str) -> set[str]:
-        """The capture ids of the parts under `source_id` (data-, .nodes- and unfinished uploads)."""
-        base = self.key(source_id) + "/"
-        names = self.children(self.key(source_id))
-        for page in self.s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base):
-            names.extend(u["Key"][len(base):].split("/")[0] for u in page.get("Uploads", []) or [])
-        return capture_ids(names)
-
-    def _published_capture(self, source_id: str) -> Optional[str]:
-        try:
-            got = self.get_object(self.key(source_id, MANIFEST))
-        except CheckFailed:
-            return "?"
-        if got is None:
-            return None
-        try:
-            data = json.loads(got[0])
-        except ValueError:
-            return "?"
-        cid = data.get("capture_id") if isinstance(data, dict) else None
-        return cid if isinstance(cid, str) else "?"
 
     def remove(self, source_id: str, force: bool = False) -> None:
         """Remove a snapshot: its manifest first (gone at once for planners), then every object under it."""
