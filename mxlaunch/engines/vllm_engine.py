@@ -10,7 +10,7 @@ import importlib.metadata as md
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.contract import LOAD_FORMAT
-from mxlaunch.engines import vllm_argv, vllm_quantization
+from mxlaunch.engines import vllm_argv, vllm_compile_key, vllm_quantization
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.vllm import VLLMLog
 from mxlaunch.errors import UsageError
@@ -103,10 +103,10 @@ class VLLMEngine:
             return None
 
     def kernel_cache_flags(self, argv: Sequence[str]) -> Dict[str, Any]:
-        return vllm_argv.compile_flags(list(argv))
+        return vllm_compile_key.compile_flags(list(argv))
 
     def kernel_cache_env(self, environ: Mapping[str, str]) -> Dict[str, str]:
-        return vllm_argv.compile_env(environ)
+        return vllm_compile_key.compile_env(environ)
 
     def start_env(self, spec: LaunchSpec, device_type: str, environ: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
         return start_env(device_type, environ)

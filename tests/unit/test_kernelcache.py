@@ -149,7 +149,7 @@ def test_the_ignored_variables_are_the_ones_the_installed_vllm_ignores(monkeypat
     """Oracle: vLLM's own `envs.compile_factors()` — each variable our key leaves out must leave vLLM's factors
     unchanged when set, and one our key takes must change them."""
     import vllm.envs as envs  # noqa: PLC0415
-    from mxlaunch.engines.vllm_argv import COMPILE_ENV_IGNORED, compile_env  # noqa: PLC0415
+    from mxlaunch.engines.vllm_compile_key import COMPILE_ENV_IGNORED, compile_env  # noqa: PLC0415
 
     known = set(envs.environment_variables)
     base = envs.compile_factors()
