@@ -1,10 +1,6 @@
-"""One node's part of a capture: the claim (taken, or joined by the nodes of one job), which workers write
-which snapshot rank, the publish, and giving up cleanly.
-
-**Who writes what.** One copy per snapshot rank: the workers of DP replica 0 write it (`capture_part`);
-the other replicas' workers serve without capturing. A TP×PP world spread over N nodes is one capture
-of N parts, one per node, all under one capture id — the Slurm job step's (`slurm.job_capture_id`) or
-`mxlaunch launch --capture-id`.
+"""One node's part of a capture: the claim (taken, or joined by the nodes of one job), the publish, and giving up
+cleanly. Which workers write which snapshot rank is launch/capture_part.py; the upload of a capture written
+through /dev/shm is launch/capture_upload.py (a mixin of CaptureSession).
 
 **The claim.** One claim per source id, with the capture id in its `extra`. Every node of the job
 tries it: one wins (the holder), the others see a holder with their own capture id and join; a holder
@@ -18,87 +14,35 @@ claim is lost, or when a node has not reported `timeout_s` after the holder's ow
 (MXLAUNCH_CAPTURE_TIMEOUT); it then removes the whole pending capture and releases the claim: nothing
 published, and the next launch captures again. A holder killed outright leaves its lease to expire;
 the next holder removes what is left (`Store.reap_captures`).
-
-**Through /dev/shm.** When the plan routes the capture through node-local /dev/shm (`capture_via` "shm",
-launch/capture_route.py), the plugin writes into `local_root/<rank>/` in the run folder instead of the
-store. Once every capturing worker of this node has reported and the engine is ready (at once in a
-capture over several nodes: the holder's wait runs from its own part), the files are uploaded into the
-store's temp folder in background threads (staging/upload.py, checksummed on the way); only then is
-the node's part done as above. A failed upload gives the capture up like any failed capture; the
-/dev/shm copy goes once uploaded, on a failure, and with the run folder on every exit. A launch that
-stops (signal, engine exit) while its upload runs cancels it and gives the capture up: the stop stays
-within the scheduler's grace and the next launch captures again.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from mxlaunch import settings
-from mxlaunch.contract import SHARED_FOLDER_FORMATS, SNAPSHOT_VERSION
+from mxlaunch.contract import SNAPSHOT_VERSION
 from mxlaunch.errors import MxlaunchError
-from mxlaunch.fileutil import ensure_dir
-from mxlaunch.staging.capacity import format_bytes
-from mxlaunch.staging.upload import UploadItem, UploadJob, copy_file
+from mxlaunch.launch.capture_part import capture_part, snapshot_nranks
+from mxlaunch.launch.capture_upload import CaptureUpload
+from mxlaunch.staging.upload import UploadJob
 from mxlaunch.store.core import SnapshotMeta, Store
 from mxlaunch.store.capture import new_capture_id
-from mxlaunch.store.snapshot import check_relpath
 
 if TYPE_CHECKING:
     from mxlaunch.launch.decide import LaunchPlan
 
 CLAIM_TTL_S = 60.0
 POLL_S = 1.0
-PROGRESS_S = 10.0  # an upload's progress line, this often
-
-
-@dataclass(frozen=True)
-class CapturePart:
-    """This node's share of a capture: `workers` maps each capturing worker (its rank, the plan's key)
-    to the snapshot rank it writes; empty when this node writes nothing (`why_not` says why)."""
-
-    nranks: int
-    nnodes: int  # nodes writing a part of this capture
-    node_rank: int  # this node's index among them
-    workers: dict[int, int] = field(default_factory=dict)
-    why_not: str = ""
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted(set(self.workers.values()))
-
-
-def snapshot_nranks(plan: "LaunchPlan") -> int:
-    return 1 if plan.snapshot_format in SHARED_FOLDER_FORMATS else plan.spec.tp * plan.spec.pp
-
-
-def capture_part(local_ranks: list[dict], nranks: int) -> CapturePart:
-    """One copy per snapshot rank: DP replica 0's workers on this node capture, other replicas skip it.
-
-    The nodes holding replica 0 split its ranks evenly and in order (TP×PP over N nodes), so this
-    node's share tells the node count and its index: ranks 4–7 of 8 → node 1 of 2."""
-    workers = {w["rank"]: w["snapshot_rank"] for w in local_ranks if w.get("dp_rank", 0) == 0}
-    if not workers:
-        replicas = sorted({w.get("dp_rank", 0) for w in local_ranks})
-        return CapturePart(nranks, 0, 0, {}, f"this node runs DP replica(s) {', '.join(map(str, replicas))} only: the "
-                                              "node running DP replica 0 captures the snapshot (one copy per rank)")
-    ranks = sorted(set(workers.values()))
-    per = len(ranks)
-    if nranks % per or ranks != list(range(ranks[0], ranks[0] + per)) or ranks[0] % per or ranks[-1] >= nranks:
-        return CapturePart(nranks, 0, 0, {}, f"this node's snapshot ranks {ranks} are not an even, in-order share of "
-                                              f"{nranks} ranks, which a capture over several nodes needs")
-    return CapturePart(nranks, nranks // per, ranks[0] // per, workers)
 
 
 def capture_timeout_s() -> float:
     return settings.capture_timeout()
 
 
-class CaptureSession:
+class CaptureSession(CaptureUpload):
     """This node's part of one capture, driven by the launcher: `start` before the engine, `on_captured`
     / `on_fallback` from the plugin's markers, `engine_ready` once it serves, `poll` every supervision
     tick, `stop_upload` and `close` on exit.
@@ -235,82 +179,6 @@ class CaptureSession:
         """A capturing worker fell back: no snapshot from this capture (others' fallbacks do not matter)."""
         if self.state == "capturing" and worker in self.part.workers:
             self._give_up(f"rank {worker} could not capture (see its fallback)", error=self.multinode)
-
-    # ---- the upload from /dev/shm ----
-
-    def _start_upload(self) -> None:
-        """Once every rank is in /dev/shm and the engine serves (at once over several nodes, or for
-        --capture-only, which stops the engine when the snapshot is published)."""
-        if (self.state != "uploading" or self.upload is not None
-                or not (self.ready or self.multinode or self.upload_at_once)):
-            return
-        assert self.writer is not None and self.local_root is not None
-        items = []
-        try:
-            for rank in self.part.ranks:
-                base, dest = self.local_root / str(rank), self.writer.rank_dir(rank)
-                for path in sorted(base.rglob("*")):
-                    inner = path.relative_to(base)
-                    if (not path.is_file() or path.is_symlink() or check_relpath(str(inner)) is not None
-                            or any(p.startswith(".") for p in inner.parts)):
-                        continue  # a temp or foreign file: never recorded, so never uploaded
-                    ensure_dir((dest / inner).parent)
-                    items.append(UploadItem(rank, str(inner), path, dest / inner, path.stat().st_size))
-        except (OSError, MxlaunchError) as exc:
-            return self._upload_failed(getattr(exc, "message", None) or str(exc))
-        upload = getattr(self.writer, "upload_copy", None)  # an S3 store's writer uploads into the bucket
-        self.upload = UploadJob(items, copy=self.copy or upload or copy_file).start()
-        self._next_progress = time.monotonic() + PROGRESS_S
-        self.emit("upload", ranks=self.part.ranks, bytes=self.upload.total_bytes, files=len(items),
-                  source=str(self.local_root),
-                  message=f"uploading snapshot rank(s) {self.part.ranks} ({format_bytes(self.upload.total_bytes)}, "
-                          f"{len(items)} files) from /dev/shm into the store in the background")
-
-    def _poll_upload(self, now: float) -> None:
-        job = self.upload
-        if job is None:
-            return
-        if job.running:
-            if self.holder and self.claim is not None and self.claim.lost:
-                return self._give_up("the capture claim was lost (its lease ran out) during the upload")
-            if now >= self._next_progress:
-                self._next_progress = now + PROGRESS_S
-                rate = job.done_bytes / max(job.seconds, 1e-9) / (1 << 30)
-                self.emit("upload", ranks=self.part.ranks, bytes=job.total_bytes, done=job.done_bytes,
-                          message=f"uploaded {format_bytes(job.done_bytes)} of {format_bytes(job.total_bytes)} "
-                                  f"({rate:.2f} GiB/s)")
-            return
-        if job.error is not None:
-            return self._upload_failed(job.error)
-        if not job.ok:  # cancelled: this node is stopping
-            return self._give_up("this node stopped before its upload from /dev/shm into the store was done")
-        assert self.writer is not None
-        try:
-            for done in sorted(job.results.values(), key=lambda u: (u.rank, u.rel)):
-                self.writer.add_file(done.rank, done.rel, xxh3_128=done.xxh3_128)
-        except (OSError, MxlaunchError) as exc:
-            return self._upload_failed(getattr(exc, "message", None) or str(exc))
-        self._drop_local()
-        self.emit("uploaded", ranks=self.part.ranks, bytes=job.total_bytes, seconds=round(job.seconds, 3),
-                  gib_per_s=round(job.total_bytes / max(job.seconds, 1e-9) / (1 << 30), 3))
-        self._node_done(recorded=True)
-
-    def _upload_failed(self, why: str) -> None:
-        root = getattr(self.store, "url", self.store.root)
-        self._give_up(f"uploading snapshot rank(s) {self.part.ranks} from /dev/shm into the store failed: {why}",
-                      fix=f"check free space, quota and permissions on {root} (or set MXLAUNCH_CAPTURE_VIA_SHM=off "
-                          "to write straight into the store)")
-
-    def stop_upload(self, timeout: float = 5.0) -> None:
-        """Cancel a running upload and wait for its threads a moment (before the run folder goes)."""
-        if self.upload is not None and self.upload.running:
-            self.upload.cancel()
-            self.upload.join(timeout)
-
-    def _drop_local(self) -> None:
-        """The /dev/shm copy: gone once uploaded, or given up (the run folder's removal catches the rest)."""
-        if self.local_root is not None:
-            shutil.rmtree(self.local_root, ignore_errors=True)
 
     # ---- this node's part is in ----
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from mxlaunch import settings
 from mxlaunch.fileutil import is_tmpfs, nearest_existing
-from mxlaunch.launch.capture import capture_part, snapshot_nranks
+from mxlaunch.launch.capture_part import capture_part, snapshot_nranks
 from mxlaunch.launch.cleanup import shm_user_root
 from mxlaunch.staging.capacity import capacity_of, format_bytes
 

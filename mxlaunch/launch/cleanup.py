@@ -279,7 +279,7 @@ def remove_stale_runs(root: Path) -> list[Path]:
 
 def free_staged(run_dir: Path) -> None:
     """The big parts of a run folder, removed at once (a stop signal): the staged snapshot files, and a
-    capture's copy in /dev/shm (launch/capture.py)."""
+    capture's copy in /dev/shm (launch/capture_upload.py)."""
     shutil.rmtree(run_dir / "stage", ignore_errors=True)
     shutil.rmtree(run_dir / "capture", ignore_errors=True)
 

@@ -24,7 +24,7 @@ from mxlaunch.errors import UsageError
 from mxlaunch.identity import identity_fields, source_id
 from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.coord.base import valid_id
-from mxlaunch.launch.capture import capture_part
+from mxlaunch.launch.capture_part import capture_part
 from mxlaunch.launch.capture_route import decide_capture_route
 from mxlaunch.launch.engine_start import EngineStart, plan_engine_start
 from mxlaunch.launch.kernel import plan_kernel_cache

@@ -1,7 +1,7 @@
 """Uploading a capture from node-local /dev/shm to the store: big sequential copies in background threads.
 
 The plugin writes a rank's parts into the run folder in /dev/shm (RAM speed); the launcher then copies
-them into the store's temp folder for that rank (launch/capture.py). Each file is read once from RAM in
+them into the store's temp folder for that rank (launch/capture_upload.py). Each file is read once from RAM in
 large chunks, hashed (xxh3-128, the manifest's checksum) from the very bytes written, written under a
 temp name, fsynced and renamed: a file appears in the store's temp folder only complete, and nothing
 reads the store back to checksum it. A few files go at once (parallel streams suit Lustre and NFS);

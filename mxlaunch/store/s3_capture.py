@@ -2,7 +2,7 @@
 
 The plugin writes each rank's files node-locally (the run folder in /dev/shm, else the store's
 `capture_spool`, a folder on the node's disk); once the engine is ready the launcher's UploadJob
-(staging/upload.py, launch/capture.py) calls `upload_copy` for each file instead of a local copy: the
+(staging/upload.py, launch/capture_upload.py) calls `upload_copy` for each file instead of a local copy: the
 file is read once, in parts, each part hashed into the file's xxh3-128 (the manifest's checksum, of the
 very bytes sent) and uploaded as one part of a multipart upload, `PARALLEL` parts in flight. The object
 appears only when the upload completes; a failure or a cancel aborts it, so no half-written object is

@@ -28,7 +28,7 @@ import pytest
 from mxlaunch.fileutil import is_tmpfs
 from mxlaunch.launch.decide import LaunchOptions, make_plan
 from mxlaunch.launch.run import Launcher
-from mxlaunch.launch import capture as capture_mod
+from mxlaunch.launch import capture_upload as upload_mod
 from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.capture_route import decide_capture_route, estimate_node_bytes
 from mxlaunch.plan import Plan
@@ -310,7 +310,7 @@ def copy_one_chunk_then_hold(src: Path, dst: Path, *, chunk: int, progress, canc
 
 def test_closing_during_the_upload_cancels_it_and_leaves_nothing(tmp_path: Path, shm_dir: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capture_mod, "PROGRESS_S", 0.1)
+    monkeypatch.setattr(upload_mod, "PROGRESS_S", 0.1)
     node = Session(tmp_path, shm_dir, serve(write_checkpoint(tmp_path / "model")), copy=copy_one_chunk_then_hold)
     node.plugin_writes(tmp_path / "run")
     node.session.engine_ready()
@@ -440,7 +440,7 @@ def test_no_room_in_dev_shm_captures_straight_into_the_store(tmp_path: Path) -> 
 
 def test_a_failed_upload_keeps_the_engine_serving_and_publishes_nothing(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capture_mod, "copy_file", half_then_enospc)  # the session's copy seam (looked up at upload)
+    monkeypatch.setattr(upload_mod, "copy_file", half_then_enospc)  # the session's copy seam (looked up at upload)
     seen: dict[str, object] = {}
 
     def on_event(runner: Launcher, event: str, fields: dict) -> None:
@@ -464,7 +464,7 @@ def test_a_failed_upload_keeps_the_engine_serving_and_publishes_nothing(tmp_path
 def test_a_stop_signal_during_the_upload_gives_the_capture_up_quickly(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()  # never opened while the launcher runs: only a cancel ends the upload's copies
-    monkeypatch.setattr(capture_mod, "copy_file", gated_copy(gate))
+    monkeypatch.setattr(upload_mod, "copy_file", gated_copy(gate))
     stopped: list[bool] = []
 
     def on_event(runner: Launcher, event: str, fields: dict) -> None:

@@ -29,7 +29,8 @@ from mxlaunch.engines.vllm_argv import parse_vllm_argv
 from mxlaunch.engines.vllm_engine import local_ranks as vllm_local_ranks
 from mxlaunch.errors import UsageError
 from mxlaunch.launch.decide import LaunchOptions, make_plan
-from mxlaunch.launch.capture import CaptureSession, capture_part
+from mxlaunch.launch.capture import CaptureSession
+from mxlaunch.launch.capture_part import capture_part
 from mxlaunch.store.core import MANIFEST, SnapshotMeta, Store
 from mxlaunch.slurm import job_capture_id
 from tests.helpers.capture_nodes import engine_argv, rank_bytes
