@@ -184,7 +184,9 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     if opts.engine_snapshot:  # what the run will do with it, decided the same way, writing nothing
         from mxlaunch.launch.snapshot_plan import plan_engine_snapshot
 
-        plan.engine_snapshot = plan_engine_snapshot(plan.spec.argv, plan.source_id, os.environ, p2p=plan.p2p is not None)
+        plan.engine_snapshot = plan_engine_snapshot(plan.spec.argv, plan.source_id, os.environ, p2p=plan.p2p is not None,
+                                                    store_root=None if getattr(store, "remote", False) else store.root,
+                                                    strategy=plan.strategy)
     return plan
 
 

@@ -3,13 +3,15 @@
 Why a module of its own: the run's side (launch/engine_snapshots.py EngineSnapshots) makes the private
 snapshots folder and the key's salt on its way; a dry run must only read. So this asks the same questions in
 the same order — P2P, CRIU usable, CRIU able to dump a TCP socket on this kernel, the snapshots folder this
-user's alone, the key (launch/snapshot_key.py, under the salt when there is one) — and answers with one of:
+user's alone (node-local, or the store's for a lean snapshot: snapshots_env), the key (launch/snapshot_key.py,
+under the salt when there is one), whether a lean snapshot found can serve this plan — and answers with one of:
 
     restore   this command's snapshot is there: it is restored instead of starting the engine
     take      none yet: the engine starts dumpable and is snapshotted once it serves
-    off       why not (the same reason the run's `engine-snapshot status=off` event gives)
+    off       why not (the same reason the run's `engine-snapshot status=off` or `skipped` event gives)
 
-`snapshot_blocker` is the host half alone, pure but for `criu --version`: EngineSnapshots could take it too.
+`snapshot_blocker` (the host half) and `snapshots_env` (where the snapshots live) are pure but for
+`criu --version`: EngineSnapshots could take them too, so that the two cannot drift.
 """
 
 from __future__ import annotations
@@ -22,10 +24,21 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 from mxlaunch import settings
 from mxlaunch.engine_checkpoint import criu_version, run_quietly, socket_blocker
 from mxlaunch.fileutil import ForeignPath, foreign, open_own
-from mxlaunch.launch import criu
+from mxlaunch.launch import criu, lean_snapshot
 from mxlaunch.launch.engine_snapshot import META, find, safe_ancestors, snapshots_root
+from mxlaunch.launch.engine_snapshots import STORE_FOLDER
+from mxlaunch.launch.image_sums import SUMS
 from mxlaunch.launch.snapshot_key import SALT, SALT_BYTES, key_facts, key_of
 from mxlaunch.launch.zygote import private_dir
+
+
+def snapshots_env(environ: Mapping[str, str], store_root: Optional[Path]) -> Mapping[str, str]:
+    """The environment whose snapshots_root() is where this launch's snapshots live: a lean one (no weights, a
+    few GB) in the local artifact store (`store_root`), unless $MXLAUNCH_ENGINE_SNAPSHOTS names a folder; a full
+    one node-local (launch/engine_snapshots.py EngineSnapshots.root_env)."""
+    if settings.snapshot_sleep(environ) == 2 and store_root is not None and not settings.engine_snapshots(environ):
+        return {**environ, settings.ENGINE_SNAPSHOTS: str(Path(store_root) / STORE_FOLDER)}
+    return environ
 
 
 def snapshot_blocker(environ: Mapping[str, str] = os.environ) -> tuple[Optional[str], str]:
@@ -76,14 +89,16 @@ def read_salt(root: Path) -> Optional[bytes]:
 
 
 def plan_engine_snapshot(argv: Sequence[str], source_id: str, environ: Mapping[str, str] = os.environ,
-                         p2p: bool = False, cwd: Optional[str] = None) -> Dict[str, Any]:
-    """The plan's "engine_snapshot": status (restore | take | off), reason, and key and path where known."""
+                         p2p: bool = False, cwd: Optional[str] = None, store_root: Optional[Path] = None,
+                         strategy: str = "staged") -> Dict[str, Any]:
+    """The plan's "engine_snapshot": status (restore | take | off), reason, and key and path where known.
+    store_root: a local store's root (None for an S3 store); strategy: the plan's (a lean snapshot needs staged)."""
     if p2p:
         return {"status": "off", "reason": "P2P starts are not snapshotted"}
     binary, why = snapshot_blocker(environ)
     if binary is None:
         return {"status": "off", "reason": why}
-    root = snapshots_root(environ)
+    root = snapshots_root(snapshots_env(environ, store_root))
     why = folder_problem(root)
     if why:
         return {"status": "off", "reason": why}
@@ -102,16 +117,22 @@ def plan_engine_snapshot(argv: Sequence[str], source_id: str, environ: Mapping[s
     if folder is None:
         return {"status": "take", "reason": f"no snapshot for this command yet: {take}", "key": key,
                 "path": str(root / key)}
-    size = _bytes(folder)
+    meta = _meta(folder)
+    why = lean_snapshot.why_not_restore(meta, strategy)
+    if why:  # the run skips it, and takes no other while it is there
+        return {"status": "off", "key": key, "path": str(folder),
+                "reason": f"this command's snapshot is not restored ({why}), and no other is taken while it is there"}
+    size = meta.get("bytes") if isinstance(meta.get("bytes"), int) else None
+    checked = "; its sums are checked first" if (folder / SUMS).exists() else ""
     return {"status": "restore", "key": key, "path": str(folder), "bytes": size,
             "reason": "this command's snapshot is restored instead of starting the engine"
-                      f"{f' ({size / 2**30:.1f} GiB)' if size else ''}; should the restore fail, the engine starts "
-                      "as planned"}
+                      f"{f' ({size / 2**30:.1f} GiB)' if size else ''}{checked}; should the restore fail, the "
+                      "engine starts as planned"}
 
 
-def _bytes(folder: Path) -> Optional[int]:
+def _meta(folder: Path) -> dict:
     try:
-        size = json.loads((folder / META).read_text(encoding="utf-8")).get("bytes")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return size if isinstance(size, int) else None
+        meta = json.loads((folder / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}

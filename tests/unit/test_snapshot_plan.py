@@ -48,6 +48,22 @@ def test_the_plan_says_take_then_restore_with_the_key_the_run_uses_and_writes_no
     assert other["status"] == "take" and other["key"] != run.key
 
 
+def test_a_lean_snapshot_is_looked_for_in_the_store_and_restored_only_for_a_staged_plan(
+        tmp_path: Path, usable_criu: None) -> None:
+    store = tmp_path / "store"
+    env = {"MXLAUNCH_SNAPSHOT_SLEEP": "lean", "PATH": "/usr/bin"}  # no MXLAUNCH_ENGINE_SNAPSHOTS: the store's folder
+    run = EngineSnapshots(True, list(ARGV), "src", tmp_path / "shm", tmp_path / "log", lambda *a, **k: None,
+                          environ=env, store_root=store)
+    planned = snapshot_plan.plan_engine_snapshot(ARGV, "src", env, store_root=store)
+    folder = store / "engine-snapshots" / str(os.getuid()) / run.key
+    assert planned["status"] == "take" and planned["key"] == run.key and planned["path"] == str(folder), planned
+    folder.mkdir(mode=0o700)
+    (folder / "meta.json").write_text(json.dumps({"lean": True, "bytes": 1 << 30}))
+    assert snapshot_plan.plan_engine_snapshot(ARGV, "src", env, store_root=store, strategy="staged")["status"] == "restore"
+    skipped = snapshot_plan.plan_engine_snapshot(ARGV, "src", env, store_root=store, strategy="capture")
+    assert skipped["status"] == "off" and "staged snapshot" in skipped["reason"], skipped
+
+
 def test_a_snapshots_folder_open_to_others_is_the_reason_as_the_run_gives_it(tmp_path: Path, usable_criu: None) -> None:
     root = tmp_path / "snaps" / str(os.getuid())
     root.mkdir(parents=True, mode=0o755)
