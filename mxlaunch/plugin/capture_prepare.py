@@ -70,7 +70,7 @@ class _Part:
     header: bytes
     size: int
     fd: int = -1
-    mapping: Any = None                       # staging.hugepages.FileMapping
+    mapping: Any = None                       # memory.hugepages.FileMapping
     registered: list[int] = field(default_factory=list)
 
     def close(self) -> None:

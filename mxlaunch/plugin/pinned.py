@@ -78,7 +78,7 @@ def register_spans(addr: int, nbytes: int, span: int, *, into: list[int], read_o
 
 def release_mapped(item: Any) -> None:
     """Unregister, unmap and close a mapped file: any object with `registered` (addresses), `mapping`
-    (staging.hugepages.FileMapping or None) and `fd` (-1 when closed); safe to call twice."""
+    (memory.hugepages.FileMapping or None) and `fd` (-1 when closed); safe to call twice."""
     for addr in item.registered:
         unregister(addr)
     item.registered.clear()
