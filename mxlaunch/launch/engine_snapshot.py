@@ -57,7 +57,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from mxlaunch import settings
 from mxlaunch.fileutil import ForeignPath, create_own, foreign, open_own, own_dir, pid_alive
-from mxlaunch.launch import criu, snapshot_files
+from mxlaunch.launch import criu, held_files, snapshot_files
 from mxlaunch.launch.criu import CriuError
 from mxlaunch.launch.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
 from mxlaunch.launch.snapshot_files import process_tree
@@ -296,7 +296,8 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
                                     "CRIU cannot dump it")
             meta = {"root": root_pid, "pids": pids, "gpu_pids": gpu, "pipes": output_pipes(root_pid),
                     "shm_files": shm_files(pids), "kernel": os.uname().release, "slept": sleep, "marks": str(marks),
-                    "lean": bool(lean)}
+                    "lean": bool(lean),
+                    "held": held_files.record(held_files.held_paths(pids, open_files, mapped_files), folder)}
             t_dump = time.monotonic()
             criu.dump(binary, root_pid, folder, timeout=600.0,
                       extra=("--leave-running", "--action-script", str(script), *DUMP_FLAGS))
@@ -512,6 +513,9 @@ def restore(binary: str, folder: Path, work: Path, pid_wait_s: float = 5.0) -> t
     cuda = cuda_or_none() if meta["gpu_pids"] else None
     if meta["gpu_pids"] and cuda is None:
         raise SnapshotError("the snapshot holds GPU state but this node has no CUDA driver")
+    _, missing = held_files.put_back(folder, meta.get("held", []))  # a node that lacks a held cache file
+    if missing:
+        raise SnapshotError(missing)
     made = put_back(folder, meta)
     ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # the restored tree becomes our child
     read_fd, write_fd = os.pipe()

@@ -1,0 +1,47 @@
+"""Files a snapshot's processes hold (launch/held_files.py): a node that lacks a small cache file gets the copy
+kept at the dump; one without a copy is named; nothing that exists is touched."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from mxlaunch.launch import held_files
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_missing_cache_file_comes_back_from_the_image_and_a_missing_big_one_is_named(tmp_path: Path) -> None:
+    cache = tmp_path / "home" / ".nv" / "ComputeCache"
+    cache.mkdir(parents=True)
+    (cache / "index").write_bytes(b"cuda jit index")
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(held_files.COPY_LIMIT + 1)
+    image = tmp_path / "image"
+    image.mkdir()
+    paths = held_files.held_paths([1], lambda _pid: [str(cache / "index"), "pipe:[7]", "/dev/nvidiactl"],
+                                  lambda _pid: [str(big), str(cache / "index"), "/dev/shm/x (deleted)"])
+    assert paths == sorted([str(cache / "index"), str(big)])  # regular files with a name, each once
+    held = held_files.record(paths, image)
+    by_path = {h["path"]: h for h in held}
+    assert by_path[str(cache / "index")]["copy"] and "copy" not in by_path[str(big)]  # too big to keep
+    assert held_files.put_back(image, held) == ([], "")  # all there: nothing made
+    (cache / "index").unlink()
+    os.rmdir(cache)  # a wiped node: the folders went too
+    made, why = held_files.put_back(image, held)
+    assert made == [str(cache / "index")] and why == ""
+    assert (cache / "index").read_bytes() == b"cuda jit index" and (cache.stat().st_mode & 0o777) == 0o700
+    big.unlink()
+    made, why = held_files.put_back(image, held)
+    assert made == [] and why == f"the image holds {big} open, and this node has no such file"
+
+
+def test_the_software_itself_is_never_copied_into_an_image(tmp_path: Path) -> None:
+    lib = next(Path(p) for p in sys.path if p.endswith("-packages") and Path(p).is_dir())
+    some = next(p for p in lib.rglob("*.py") if p.stat().st_size > 0)
+    held = held_files.record([str(some)], tmp_path)
+    assert held == [{"path": str(some), "bytes": some.stat().st_size}] and not (tmp_path / held_files.FOLDER).exists()
