@@ -30,8 +30,9 @@ SYSTEM = ("/dev/", "/proc/", "/sys/", "/usr/", "/lib/", "/lib64/", "/bin/", "/sb
 
 def _software_roots() -> tuple[str, ...]:
     """Where the interpreter and its packages live: the same software is part of the snapshot's key."""
-    roots = {sys.prefix, sys.base_prefix, *(p for p in sys.path if p and "-packages" in p)}
-    return tuple(str(Path(r)) + "/" for r in roots if r)
+    cwd = os.getcwd()
+    roots = {sys.prefix, sys.base_prefix, *(p for p in sys.path if p and os.path.isdir(p) and os.path.abspath(p) != cwd)}
+    return tuple(str(Path(r).resolve()) + "/" for r in roots if r)
 
 
 def held_paths(pids: Sequence[int], opened: Any, mapped: Any) -> list[str]:
@@ -57,10 +58,11 @@ def record(paths: Iterable[str], folder: Path) -> list[dict]:
     held: list[dict] = []
     for path in paths:
         try:
-            size = os.stat(path).st_size
+            st = os.stat(path)
         except OSError:
             continue
-        entry: dict = {"path": path, "bytes": size}
+        size = st.st_size
+        entry: dict = {"path": path, "bytes": size, "mode": stat.S_IMODE(st.st_mode)}  # CRIU checks the mode too
         if size <= COPY_LIMIT and not path.startswith(SYSTEM) and not path.startswith(software):
             keep = folder / FOLDER / str(len(held))
             keep.parent.mkdir(mode=0o700, exist_ok=True)
@@ -88,6 +90,7 @@ def put_back(folder: Path, held: Sequence[Mapping[str, Any]]) -> tuple[list[str]
         try:
             _make_parents(path.parent)
             fd = create_own(path)
+            os.fchmod(fd, int(entry.get("mode", 0o600)) & 0o755)  # never writable by others, whatever was recorded
             with os.fdopen(fd, "wb") as out, open(folder / str(copy), "rb") as src:
                 shutil.copyfileobj(src, out)
             made.append(str(path))
