@@ -233,10 +233,10 @@ class ImageMaker(threading.Thread):
     def run(self) -> None:
         try:
             self.result = self._make()
-            self.emit("zygote-image", status="published", key=self.key, **self.result)
+            self._say(status="published", **self.result)
         except CriuError as exc:
             self.result = {"error": str(exc)}
-            self.emit("zygote-image", status="failed", key=self.key, reason=str(exc))
+            self._say(status="failed", reason=str(exc))
 
     def _make(self) -> dict:
         dumpable, dumping = _marker(self.key, ZYGOTE_DUMPABLE), _marker(self.key, ZYGOTE_DUMPING)
