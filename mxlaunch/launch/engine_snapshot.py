@@ -63,7 +63,11 @@ from mxlaunch.launch.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
 from mxlaunch.launch.snapshot_files import process_tree
 from mxlaunch.launch.snapshot_key import RECORD, snapshot_key  # noqa: F401 (snapshot_key: the tests take it here)
 from mxlaunch.launch.zygote import private_dir
-from mxlaunch.plugin.snapshot_signal import SIGNAL, SUFFIX, action_path, done_path
+from mxlaunch.contract import SNAPSHOT_RELEASED as SUFFIX
+from mxlaunch.contract import SNAPSHOT_SIGNAL_NUMBER, snapshot_action_path as action_path
+from mxlaunch.contract import snapshot_done_path as done_path
+
+SIGNAL = signal.Signals(SNAPSHOT_SIGNAL_NUMBER)  # SIGUSR2 (the protocol: mxlaunch/contract.py)
 
 META = "meta.json"
 SHM = Path("/dev/shm")

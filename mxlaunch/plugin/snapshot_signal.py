@@ -38,11 +38,13 @@ import threading
 from typing import Any, Mapping, Optional
 
 from mxlaunch import settings
+from mxlaunch.contract import (REFILL_METHOD, SNAPSHOT_RELEASED, SNAPSHOT_SIGNAL_NUMBER, snapshot_action_path,
+                               snapshot_done_path)
 from mxlaunch.errors import UsageError
 from mxlaunch.fileutil import create_own, open_own, untrusted_path
 
-SIGNAL = signal.SIGUSR2
-SUFFIX = ".released"
+SIGNAL = signal.Signals(SNAPSHOT_SIGNAL_NUMBER)  # SIGUSR2: the protocol is mxlaunch/contract.py's
+SUFFIX = SNAPSHOT_RELEASED
 ACTIONS = ("sleep", "sleep-lean", "wake", "refill")
 SLEEP_LEVEL = 1  # weights kept (in host memory), the KV cache dropped
 LEAN_LEVEL = 2  # the weights discarded too: a refill brings them back (plugin/weight_refill.py)
@@ -55,12 +57,7 @@ def report_path(folder: str, pid: int) -> str:
     return os.path.join(folder, f"{pid}{SUFFIX}")
 
 
-def action_path(folder: str, pid: int) -> str:
-    return os.path.join(folder, f"{pid}.action")
-
-
-def done_path(folder: str, pid: int, action: str) -> str:
-    return os.path.join(folder, f"{pid}.{action}.done")
+action_path, done_path = snapshot_action_path, snapshot_done_path
 
 
 def install(environ: Mapping[str, str] = os.environ) -> bool:
@@ -119,10 +116,8 @@ def action_work(client: Any, action: str, arg: str = "") -> Any:
 async def _refill(client: Any, plan: str) -> Any:
     """Wake the weights' memory, refill it on every worker, then wake the KV cache. Should the refill fail,
     the KV cache stays asleep: an engine with wrong weights must not take a request."""
-    from mxlaunch.plugin.weight_refill import METHOD
-
     await client.wake_up(["weights"])
-    result = await client.collective_rpc(METHOD, args=(plan,))
+    result = await client.collective_rpc(REFILL_METHOD, args=(plan,))
     await client.wake_up(["kv_cache"])
     return result
 

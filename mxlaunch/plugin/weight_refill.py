@@ -23,12 +23,13 @@ import logging
 import time
 from typing import Any
 
+from mxlaunch.contract import REFILL_METHOD
 from mxlaunch.plan import load_plan
 
 log = logging.getLogger("mxlaunch.plugin")
 
 EXTENSION = "mxlaunch.plugin.weight_refill.WeightRefill"  # the value of --worker-extension-cls
-METHOD = "mxlaunch_refill"
+METHOD = REFILL_METHOD  # the name the API server calls (mxlaunch/contract.py)
 
 
 class RefillError(RuntimeError):
@@ -39,7 +40,7 @@ def refill(model: Any, plan_path: str, rank: int) -> dict:
     """Copy rank `rank`'s files named by the plan at `plan_path` into `model`'s tensors; what was copied.
     Raises RefillError (the model's weights are then unusable: the caller stops the engine)."""
     from mxlaunch.plugin.loader import RestoreError, module_tensors, restore_tensors
-    from mxlaunch.plugin.rank_load import safe_marker
+    from mxlaunch.plugin.rank_markers import safe_marker
 
     plan = load_plan(plan_path)
     if plan is None:

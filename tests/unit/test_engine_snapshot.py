@@ -442,3 +442,9 @@ def test_a_restored_engine_that_is_not_this_process_s_child_reports_alive_then_g
     finally:
         middle.kill()
         middle.wait()
+
+
+def test_both_sides_of_the_snapshot_signal_use_sigusr2_from_the_contract() -> None:
+    """The launcher asks and the plugin answers on one signal, defined once in mxlaunch/contract.py."""
+    assert es.SIGNAL == snapshot_signal.SIGNAL == signal.SIGUSR2
+    assert es.action_path("/d", 7) == snapshot_signal.action_path("/d", 7) == "/d/7.action"
