@@ -17,13 +17,13 @@ RAW = "mxlaunch-raw"  # mxlaunch's own snapshot: each rank's tensors before post
 SHARDED_STATE = "sglang-sharded_state"  # SGLang's own sharded_state dump, one folder per rank
 PRESHARDED = "sglang-presharded"  # SGLang's presharded dump: one folder every rank reads (kept as rank 0)
 SHARED_FOLDER_FORMATS = (PRESHARDED,)  # formats whose one folder serves every rank (single node only)
-# a zygote's files in its folder, one set per key (launch/zygote.py starts and uses it; plugin/zygote.py serves)
+# a zygote's files in its folder, one set per key (warmstart/zygote.py starts and uses it; plugin/zygote.py serves)
 ZYGOTE_SOCKET, ZYGOTE_INFO, ZYGOTE_REFUSED = ".sock", ".json", ".refused"
-# the zygote image handshake (plugin/zygote.py `await_image`, launch/zygote_image.py): the zygote stands still and
+# the zygote image handshake (plugin/zygote.py `await_image`, warmstart/zygote_image.py): the zygote stands still and
 # says so (.dumpable), the launcher claims it (renamed .dumping) and dumps it; a restore is told where to log (.resume)
 ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME = ".dumpable", ".dumping", ".resume"
 SNAPSHOT_VERSION = 1  # bump when the raw snapshot's layout changes: old snapshots stop matching
-# an engine snapshot's signal protocol (launch/engine_snapshot.py asks, plugin/snapshot_signal.py answers): SIGUSR2
+# an engine snapshot's signal protocol (warmstart/engine_snapshot.py asks, plugin/snapshot_signal.py answers): SIGUSR2
 # to an engine process; <dir>/<pid>.action (an order: "sleep", "wake", "sleep-lean", "refill <plan>") turns it into
 # that action, reported in <dir>/<pid>.<action>.done, else it releases NVML and reports <dir>/<pid>.released
 SNAPSHOT_SIGNAL_NUMBER = 12  # signal.SIGUSR2 on Linux (kept numeric: this module imports nothing)

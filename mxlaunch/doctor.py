@@ -23,7 +23,8 @@ from pathlib import Path
 
 import psutil
 
-from mxlaunch import __version__, engine_checkpoint
+from mxlaunch import __version__
+from mxlaunch.warmstart import engine_checkpoint
 from mxlaunch.errors import UsageError
 from mxlaunch.staging.capacity import capacity_of, cgroup_memory_headroom, format_bytes, fs_type_of
 
@@ -258,7 +259,7 @@ def check_engine_checkpoint(support: "engine_checkpoint.CheckpointSupport | None
 def check_zygote_images(verdict: "tuple[str | None, str] | None" = None) -> Check:
     """Whether `launch --zygote` can dump its warm interpreter and restore it on a node's first start (CRIU 4+,
     CAP_CHECKPOINT_RESTORE; no GPU involved: the zygote never touches CUDA)."""
-    from mxlaunch.launch import criu
+    from mxlaunch.warmstart import criu
 
     binary, why = verdict or criu.why_not()
     if binary:

@@ -117,7 +117,7 @@ def launch(
                 env = " ".join(f"{k}={v}" for k, v in redact_env(start.env, known).items())
                 out.print(f"engine start: {escape(env + ' — ' if env else '')}{show(start.fork_reason)}; "
                           f"zygote {'on' if start.zygote else 'off'}: {show(start.zygote_reason)}", highlight=False)
-            if plan.engine_snapshot is not None:  # --engine-snapshot: restore | take | off (launch/snapshot_plan.py)
+            if plan.engine_snapshot is not None:  # --engine-snapshot: restore | take | off (warmstart/snapshot_plan.py)
                 snap = plan.engine_snapshot
                 out.print(f"engine snapshot [bold]{snap['status']}[/]{' ' + snap['key'] if snap.get('key') else ''}: "
                           f"{show(snap['reason'])}", highlight=False)

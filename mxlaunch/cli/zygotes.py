@@ -20,7 +20,7 @@ def zygotes(
 ) -> None:
     """This user's warm engine interpreters on this node: waiting, refused (and why), or left by a dead one; and
     their CRIU images in the store, which a node's first `launch --zygote` restores (docs/launch.md)."""
-    from mxlaunch.launch.zygote import list_zygotes, stop_zygotes, zygote_root
+    from mxlaunch.warmstart.zygote import list_zygotes, stop_zygotes, zygote_root
     from mxlaunch.store.zygote_images import list_images
     from mxlaunch.store.opener import open_store
 

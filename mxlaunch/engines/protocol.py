@@ -25,8 +25,8 @@ class Engine(Protocol):
     command_forms: str  # the launch forms it accepts, for the "cannot tell which engine" message
     shm_prefixes: Tuple[str, ...]  # /dev/shm names it may leave behind (removed after a run when orphaned)
     kernel_cache_vars: Tuple[Tuple[str, str], ...]  # (variable, sub-folder): its JIT caches (mxlaunch/kernelcache/caches.py)
-    zygote_preload: Tuple[str, ...]  # modules a warm interpreter imports beyond the entry module (launch/zygote.py)
-    # flags that let it sleep while it is snapshotted on a GPU, () if it cannot (launch/engine_snapshots.py)
+    zygote_preload: Tuple[str, ...]  # modules a warm interpreter imports beyond the entry module (warmstart/zygote.py)
+    # flags that let it sleep while it is snapshotted on a GPU, () if it cannot (warmstart/engine_snapshots.py)
     snapshot_sleep_flags: Tuple[str, ...]
     # the worker extension (a class path) whose method refills a lean snapshot's weights; None if it has none
     snapshot_refill_extension: Optional[str]

@@ -84,7 +84,7 @@ class LaunchPlan:
     capture_bytes: int = 0  # a capture: this node's part, estimated from the checkpoint (launch/capture_route.py)
     runtime: Optional[EngineRuntime] = None  # what would run the command (engines/runtime.py): its problem stops a launch
     engine_start: Optional[EngineStart] = None  # launch/engine_start.py: the engine's start-up cuts
-    engine_snapshot: Optional[dict] = None  # --engine-snapshot: restore | take | off and why (launch/snapshot_plan.py)
+    engine_snapshot: Optional[dict] = None  # --engine-snapshot: restore | take | off and why (warmstart/snapshot_plan.py)
 
     def refuse_unstartable(self) -> None:
         """A one-line UsageError (exit 2) when the engine command cannot start here."""
@@ -182,7 +182,7 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
                                                      "CUDA device files, which no checkpoint releases"
                                           if opts.engine_snapshot else "--no-engine-fork")
     if opts.engine_snapshot:  # what the run will do with it, decided the same way, writing nothing
-        from mxlaunch.launch.snapshot_plan import plan_engine_snapshot
+        from mxlaunch.warmstart.snapshot_plan import plan_engine_snapshot
 
         plan.engine_snapshot = plan_engine_snapshot(plan.spec.argv, plan.source_id, os.environ, p2p=plan.p2p is not None,
                                                     store_root=None if getattr(store, "remote", False) else store.root,

@@ -4,7 +4,7 @@ Two, each in the plan (`engine_start`) with its reason, neither changing what th
 - `fork`: variables from the engine (`start_env`) — vLLM on CUDA forks its engine core from the API server
   instead of spawning one that imports vLLM again. On by default; `--no-engine-fork` leaves the engine's own.
 - `zygote` (opt-in, `--zygote`): a restart is forked from a warm interpreter that has imported the engine
-  (launch/zygote.py). Opt-in because it leaves a process on the node between runs (until idle).
+  (warmstart/zygote.py). Opt-in because it leaves a process on the node between runs (until idle).
 Pure: the environment is passed in.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Dict, Mapping, Optional
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.engines.runtime import EngineRuntime
-from mxlaunch.launch.zygote import ZygoteEntry, entry_for
+from mxlaunch.warmstart.zygote import ZygoteEntry, entry_for
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
-from mxlaunch.launch import no_io_uring
+from mxlaunch.warmstart import no_io_uring
 
 _BREAK = re.compile(rb"\r\n|\r|\n")
 
@@ -33,7 +33,7 @@ def _pdeathsig() -> None:
 def start(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, *, stdin: Optional[int] = None,
           die_with_parent: bool = True, dumpable: bool = False) -> subprocess.Popen:
     """The engine in its own process group, stdout and stderr together on one pipe. dumpable: no io_uring
-    in its tree (launch/no_io_uring.py), and no PR_SET_PDEATHSIG: CRIU restores it, and the restored root
+    in its tree (warmstart/no_io_uring.py), and no PR_SET_PDEATHSIG: CRIU restores it, and the restored root
     would get it the moment CRIU (its parent then) exits — so CRIU can snapshot it — and stdin /dev/null unless
     one is given: CRIU refuses a tree holding a terminal it did not get the master of ("tty: Found slave peer
     index 0 without correspond master peer", a launch from an interactive shell), and a restore could only

@@ -29,9 +29,9 @@ from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError, UsageError
 from mxlaunch.fileutil import mark_used, own_dir, process_start_time, write_json_atomic
 from mxlaunch.launch import port, process
-from mxlaunch.launch.zygote_starts import ZygoteStarts
-from mxlaunch.launch import lean_snapshot
-from mxlaunch.launch.engine_snapshots import EngineSnapshots
+from mxlaunch.warmstart.zygote_starts import ZygoteStarts
+from mxlaunch.warmstart import lean_snapshot
+from mxlaunch.warmstart.engine_snapshots import EngineSnapshots
 from mxlaunch.launch.capture import CaptureSession
 from mxlaunch.launch.cleanup import SegmentRecord, read_own_json, reap_all_stale_runs, shm_entries, user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
@@ -90,7 +90,7 @@ class Launcher(Stopping):
         kc = store or open_store(opts.artifact_path)  # JIT kernel caches: restored before the engine, captured after ready
         self.kernel = KernelCacheRun(plan.kernel_cache, KernelCacheStore(kc.root, kc.coordinator), emit, model=plan.spec.model)
         self.store_root = kc.root
-        self.zygotes = ZygoteStarts(plan, opts, self.store_root, self.log_dir, emit)  # --zygote (launch/zygote_starts.py)
+        self.zygotes = ZygoteStarts(plan, opts, self.store_root, self.log_dir, emit)  # --zygote (warmstart/zygote_starts.py)
         self.snapshots = EngineSnapshots(opts.engine_snapshot, list(plan.spec.argv), plan.source_id, self.shm_dir,
                                          self.log_dir, emit, p2p=plan.p2p is not None,  # --engine-snapshot
                                          store_root=None if getattr(kc, "remote", False) else kc.root)
@@ -256,7 +256,7 @@ class Launcher(Stopping):
                 self.plan.strategy = "snapshot"
                 self.plan.reason = "restored this command's engine snapshot: no engine start, no weights to load"
             self._prepare()
-            if restored is None:  # a dumpable start on a GPU: the flags that let it sleep (launch/engine_snapshots.py)
+            if restored is None:  # a dumpable start on a GPU: the flags that let it sleep (warmstart/engine_snapshots.py)
                 engine = spec_engine(self.plan.spec)
                 self.plan.argv += self.snapshots.engine_args(engine.snapshot_sleep_flags, self.plan.argv,
                                                              engine.snapshot_refill_extension,
@@ -386,7 +386,7 @@ class Launcher(Stopping):
         return False if self.capture.failed else None
 
     def _store_refill_plan(self) -> str:
-        """The plan a lean snapshot's serving engine refills from (launch/lean_snapshot.py): its path."""
+        """The plan a lean snapshot's serving engine refills from (warmstart/lean_snapshot.py): its path."""
         return lean_snapshot.write_store_plan(self.store or open_store(self.opts.artifact_path), self.plan,
                                               self.shm_dir, self.opts.ready_timeout)
 

@@ -247,7 +247,7 @@ class Stopping:
         if snapshots is not None:
             snapshots.reap()
         remove_rendezvous_files(rendezvous_files(self.shm_dir / "markers"), since=self.started_wall - 1.0)
-        zygotes = getattr(self, "zygotes", None)  # a zygote image in the making (launch/zygote_starts.py)
+        zygotes = getattr(self, "zygotes", None)  # a zygote image in the making (warmstart/zygote_starts.py)
         if zygotes is not None:
             zygotes.abandon(wait_s=1.0 if hurry else 5.0)
         if self.stage_job is not None:

@@ -88,7 +88,7 @@ def manifest_from_markers(markers: Iterable[Optional[object]], source_id: str, c
 
 
 # folders at the store's root that hold no snapshot: JIT kernel caches (kernelcache/archive.py) and zygote
-# images (launch/zygote_image.py)
+# images (warmstart/zygote_image.py)
 NOT_SNAPSHOTS = ("kernel-cache", "zygote-images")
 
 

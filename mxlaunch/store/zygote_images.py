@@ -1,6 +1,6 @@
 """Where zygote images live in a store, and which are there: the layout (`zygote-images/<uid>/<key>/meta.json`),
 and the listing the store's prune and `mxlaunch zygotes` read. Below both the store and the launcher: making,
-checking and restoring an image is the launcher's (launch/zygote_image.py), which builds on this layout."""
+checking and restoring an image is the launcher's (warmstart/zygote_image.py), which builds on this layout."""
 
 from __future__ import annotations
 

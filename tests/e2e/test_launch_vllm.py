@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from mxlaunch.coord.peers import open_registry
-from mxlaunch.launch import criu
+from mxlaunch.warmstart import criu
 from mxlaunch.store.core import MANIFEST, Store
 from tests.helpers.cli import compare_gold
 from tests.helpers.hub_server import HubServer

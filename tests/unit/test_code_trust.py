@@ -24,9 +24,10 @@ from mxlaunch.errors import UsageError
 from mxlaunch.kernelcache import caches
 from mxlaunch.kernelcache.archive import KEY_JSON, KernelCacheStore
 from mxlaunch.kernelcache.caches import cache_key, key_fields
-from mxlaunch.launch import kernel, zygote_image
-from mxlaunch.launch.criu import CriuError
-from mxlaunch.launch.zygote_starts import ZygoteStarts
+from mxlaunch.launch import kernel
+from mxlaunch.warmstart import zygote_image
+from mxlaunch.warmstart.criu import CriuError
+from mxlaunch.warmstart.zygote_starts import ZygoteStarts
 from tests.helpers.second_user import SHARED_GROUP, User, ensure_group, intruder  # noqa: F401 — the fixture
 
 pytestmark = pytest.mark.unit

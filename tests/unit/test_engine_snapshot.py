@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.fileutil import pid_alive
-from mxlaunch.launch import engine_snapshot as es
-from mxlaunch.launch import no_io_uring
-from mxlaunch.launch.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
-from mxlaunch.launch.engine_snapshots import EngineSnapshots
+from mxlaunch.warmstart import engine_snapshot as es
+from mxlaunch.warmstart import no_io_uring
+from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
+from mxlaunch.warmstart.engine_snapshots import EngineSnapshots
 from mxlaunch.plugin import snapshot_signal
 
 SYSCALL_PROBE = """
@@ -264,7 +264,7 @@ def test_a_restored_engine_is_woken_in_a_marks_folder_made_again_and_removed(tmp
 
 
 def test_a_lean_sleep_is_level_2_and_a_refill_wakes_the_weights_refills_them_then_wakes_the_kv_cache(tmp_path: Path) -> None:
-    from mxlaunch.launch import lean_snapshot
+    from mxlaunch.warmstart import lean_snapshot
 
     server = _fake_server(tmp_path)
     try:
@@ -290,7 +290,7 @@ def test_a_lean_sleep_is_level_2_and_a_refill_wakes_the_weights_refills_them_the
 
 def test_only_a_dumpable_vllm_start_on_a_cuda_node_gets_sleep_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mxlaunch.engines.registry import ENGINES
-    from mxlaunch.launch import engine_snapshots
+    from mxlaunch.warmstart import engine_snapshots
 
     asked = {"MXLAUNCH_SNAPSHOT_SLEEP": "1"}
     snaps = EngineSnapshots(False, ["vllm", "serve", "m"], "sid", tmp_path, tmp_path, lambda *a, **k: None, environ=asked)
@@ -311,7 +311,7 @@ def test_only_a_dumpable_vllm_start_on_a_cuda_node_gets_sleep_mode(tmp_path: Pat
 
 def test_a_lean_snapshot_adds_the_refill_extension_unless_something_stops_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mxlaunch.engines.registry import ENGINES
-    from mxlaunch.launch import engine_snapshots
+    from mxlaunch.warmstart import engine_snapshots
 
     events: list[dict] = []
     snaps = EngineSnapshots(False, ["vllm", "serve", "m"], "sid", tmp_path, tmp_path,
@@ -336,7 +336,7 @@ def test_a_lean_snapshot_adds_the_refill_extension_unless_something_stops_it(tmp
 
 
 def test_a_lean_snapshot_is_restored_only_for_a_launch_that_stages_its_weights(tmp_path: Path) -> None:
-    from mxlaunch.launch import lean_snapshot
+    from mxlaunch.warmstart import lean_snapshot
 
     assert lean_snapshot.why_not_restore({"lean": True}, "staged") is None
     assert "this launch's plan is capture" in lean_snapshot.why_not_restore({"lean": True}, "capture")
@@ -393,7 +393,7 @@ def test_without_criu_the_launch_says_why_and_starts_the_engine_as_usual(tmp_pat
 
 
 def test_criu_before_4_2_is_refused_for_engines_on_6_16_kernels_only() -> None:
-    from mxlaunch.engine_checkpoint import assess, socket_blocker
+    from mxlaunch.warmstart.engine_checkpoint import assess, socket_blocker
 
     assert socket_blocker((4, 1, 1), "6.18.44-fc-v1252").startswith("criu 4.1.1 cannot dump a TCP socket")
     assert socket_blocker((4, 2, 1), "6.18.44") is None and socket_blocker((4, 1, 1), "6.8.0-45-generic") is None

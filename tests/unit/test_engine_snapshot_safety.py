@@ -19,10 +19,10 @@ from typing import Iterator
 import pytest
 
 from mxlaunch.fileutil import ForeignPath
-from mxlaunch.launch import engine_snapshot as es
-from mxlaunch.launch import engine_snapshots
-from mxlaunch.launch.engine_snapshots import EngineSnapshots
-from mxlaunch.launch.snapshot_key import RUN_ONLY, key_facts, key_salt, snapshot_key
+from mxlaunch.warmstart import engine_snapshot as es
+from mxlaunch.warmstart import engine_snapshots
+from mxlaunch.warmstart.engine_snapshots import EngineSnapshots
+from mxlaunch.warmstart.snapshot_key import RUN_ONLY, key_facts, key_salt, snapshot_key
 from tests.helpers.second_user import User, intruder  # noqa: F401 (a fixture)
 
 SHM = Path("/dev/shm")
@@ -234,7 +234,7 @@ def test_the_post_dump_step_takes_only_own_held_link_remaps_and_never_blocks(
 
 COPY_PROBE = """
 import json, os, sys
-from mxlaunch.launch.snapshot_files import copy_held
+from mxlaunch.warmstart.snapshot_files import copy_held
 path, dest, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
 st = os.stat(path)  # the name passed the lstat: the descriptor is checked again
 try:

@@ -1,4 +1,4 @@
-"""Files a snapshot's processes hold (launch/held_files.py): a node that lacks a small cache file gets the copy
+"""Files a snapshot's processes hold (warmstart/held_files.py): a node that lacks a small cache file gets the copy
 kept at the dump; one without a copy is named; nothing that exists is touched."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.launch import held_files
+from mxlaunch.warmstart import held_files
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
-"""A snapshot image kept in the store is checked before a restore reads it (launch/image_sums.py), and only a
-lean snapshot goes into the store (launch/engine_snapshots.py)."""
+"""A snapshot image kept in the store is checked before a restore reads it (warmstart/image_sums.py), and only a
+lean snapshot goes into the store (warmstart/engine_snapshots.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.launch.engine_snapshots import STORE_FOLDER, EngineSnapshots
-from mxlaunch.launch.image_sums import SUMS, check_sums, write_sums
+from mxlaunch.warmstart.engine_snapshots import STORE_FOLDER, EngineSnapshots
+from mxlaunch.warmstart.image_sums import SUMS, check_sums, write_sums
 
 pytestmark = pytest.mark.unit
 

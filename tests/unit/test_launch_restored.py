@@ -84,7 +84,7 @@ def test_the_exit_event_is_the_launchers_last_even_when_its_cleanup_still_report
 
 def test_a_zygote_image_maker_reports_before_abandon_returns_and_never_after(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from mxlaunch.launch import zygote, zygote_image
+    from mxlaunch.warmstart import zygote, zygote_image
 
     monkeypatch.setattr(zygote, "SHM_ROOT", tmp_path)
     (tmp_path / f"mxlaunch-zygote-{os.getuid()}").mkdir(mode=0o700)

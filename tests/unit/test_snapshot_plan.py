@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.launch import criu, engine_snapshots, snapshot_plan
-from mxlaunch.launch.engine_snapshots import EngineSnapshots
+from mxlaunch.warmstart import criu, engine_snapshots, snapshot_plan
+from mxlaunch.warmstart.engine_snapshots import EngineSnapshots
 from tests.helpers.cli import run_cli
 
 ARGV = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]

@@ -180,7 +180,7 @@ def test_stale_p2p_records_in_the_stores_registry_go_too(tmp_path: Path) -> None
 def test_zygote_images_are_pruned_by_use_and_never_listed_as_snapshots(tmp_path: Path) -> None:
     """An image (store/zygote_images.py) is hundreds of MB per zygote key: `store prune` removes this user's
     unused ones like kernel caches, and `store list` never takes the images' folder for a snapshot."""
-    from mxlaunch.launch import zygote_image
+    from mxlaunch.warmstart import zygote_image
     from mxlaunch.store import zygote_images
 
     store, now = Store(tmp_path), time.time()

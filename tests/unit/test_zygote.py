@@ -1,4 +1,4 @@
-"""The warm interpreter (plugin/zygote.py) and the launcher's side of it (launch/zygote.py), with real
+"""The warm interpreter (plugin/zygote.py) and the launcher's side of it (warmstart/zygote.py), with real
 processes: a zygote of this Python forks children that run a small module written here, and the handle the
 launcher gets drives them like a Popen (output, exit codes, signals, the lifeline)."""
 
@@ -17,7 +17,7 @@ from typing import Iterator
 
 import pytest
 
-from mxlaunch.launch import zygote
+from mxlaunch.warmstart import zygote
 from mxlaunch.launch.engine_start import plan_engine_start
 from mxlaunch.engines.registry import parse_command
 from mxlaunch.plan import PLAN_ENV
@@ -163,7 +163,7 @@ def test_an_idle_zygote_exits_and_so_does_one_whose_socket_is_removed(module_dir
 
 def test_stopping_the_zygotes_removes_their_folder_once_nothing_is_left_in_it(module_dir: Path) -> None:
     """Issue 42: /dev/shm/mxlaunch-zygote-<uid> stayed after `mxlaunch zygotes --stop` (its import TMPDIR in it)."""
-    from mxlaunch.launch.zygote_env import IMPORT_TMPDIR
+    from mxlaunch.warmstart.zygote_env import IMPORT_TMPDIR
 
     key, pid = _start(module_dir, _env(module_dir))
     root = zygote.zygote_root()

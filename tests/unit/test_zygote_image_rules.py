@@ -1,4 +1,4 @@
-"""Zygote images without CRIU: which CRIU may run (launch/criu.py), which images may be restored (only this
+"""Zygote images without CRIU: which CRIU may run (warmstart/criu.py), which images may be restored (only this
 user's, in a folder nobody else can enter), and the handshake's way out — a zygote started for an image whose
 launcher stops before it is dumped serves as a plain zygote at once. Real zygote processes; the dump and
 restore themselves, with a real CRIU, are tests/e2e/test_zygote_image.py."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_RESUME
-from mxlaunch.launch import criu, zygote, zygote_image
-from mxlaunch.launch.criu import CriuError
+from mxlaunch.warmstart import criu, zygote, zygote_image
+from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.plugin.zygote import READY_LINE
 from tests.unit.test_zygote import _entry, _env, _stop, module_dir  # noqa: F401 — the fixture
 

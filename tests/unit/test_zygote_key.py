@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mxlaunch.launch import zygote, zygote_env, zygote_image
+from mxlaunch.warmstart import zygote, zygote_env, zygote_image
 from mxlaunch.plan import PLAN_ENV
 from mxlaunch.store import zygote_images
 

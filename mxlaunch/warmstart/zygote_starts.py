@@ -1,6 +1,6 @@
 """One launch's use of zygotes (`--zygote`): fork the engine from a waiting zygote, or from one restored from its
 CRIU image, else spawn it and start a zygote for the next start once this one is ready (and, where CRIU runs,
-have that zygote dumped into the store: launch/zygote_image.py). The launcher (launch/run.py) calls `fork`
+have that zygote dumped into the store: warmstart/zygote_image.py). The launcher (launch/run.py) calls `fork`
 before spawning, `start_next` once ready and `abandon` when it stops; every decision is a `zygote` or
 `zygote-image` event with its reason.
 """
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from mxlaunch.launch import criu, zygote, zygote_image
-from mxlaunch.launch.criu import CriuError
-from mxlaunch.launch.decide import LaunchOptions, LaunchPlan
+from mxlaunch.warmstart import criu, zygote, zygote_image
+from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.plan import PLAN_ENV
+
+if TYPE_CHECKING:  # annotations only: warmstart/ never imports the plan at run time
+    from mxlaunch.launch.decide import LaunchOptions, LaunchPlan
 
 
 class ZygoteStarts:

@@ -1,7 +1,7 @@
 """`launch --engine-snapshot` inside one launch: restore the command's snapshot if there is one, else start
-the engine dumpable and snapshot it once it serves (the mechanics are launch/engine_snapshot.py's).
+the engine dumpable and snapshot it once it serves (the mechanics are warmstart/engine_snapshot.py's).
 
-Kept out of run.py the way launch/zygote_starts.py keeps the zygote: the launcher asks four things — a
+Kept out of run.py the way warmstart/zygote_starts.py keeps the zygote: the launcher asks four things — a
 restored engine or None, the engine's extra environment, whether to start it dumpable, and to start the
 maker once ready — and tells it when it stops.
 """
@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from mxlaunch import settings
-from mxlaunch.engine_checkpoint import criu_version, run_quietly, socket_blocker
+from mxlaunch.warmstart.engine_checkpoint import criu_version, run_quietly, socket_blocker
 from mxlaunch.fileutil import ForeignPath
-from mxlaunch.launch import criu
-from mxlaunch.launch.criu import CriuError
-from mxlaunch.launch.cuda_checkpoint import CudaCheckpointError
-from mxlaunch.launch import lean_snapshot
-from mxlaunch.launch.image_sums import SUMS, check_sums
-from mxlaunch.launch.engine_snapshot import (META, RestoredEngine, SnapshotError, SnapshotMaker, cuda_or_none, find,
+from mxlaunch.warmstart import criu
+from mxlaunch.warmstart.criu import CriuError
+from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpointError
+from mxlaunch.warmstart import lean_snapshot
+from mxlaunch.warmstart.image_sums import SUMS, check_sums
+from mxlaunch.warmstart.engine_snapshot import (META, RestoredEngine, SnapshotError, SnapshotMaker, cuda_or_none, find,
                                             own_root, restore, snapshots_root)
-from mxlaunch.launch.snapshot_key import key_facts, key_of, key_salt
+from mxlaunch.warmstart.snapshot_key import key_facts, key_of, key_salt
 
 
 STORE_FOLDER = "engine-snapshots"  # below the store's root: <uid>/<key>/, as the node-local folder
@@ -46,7 +46,7 @@ class EngineSnapshots:
         self.maker: Optional[SnapshotMaker] = None
         self.restored: Optional[RestoredEngine] = None
         self.sleep = False  # the engine sleeps while it is snapshotted (engine_args decides)
-        self.lean = False  # ... at level 2, its weights left out of the image (launch/lean_snapshot.py)
+        self.lean = False  # ... at level 2, its weights left out of the image (warmstart/lean_snapshot.py)
         if not enabled:
             return
         if p2p:  # a P2P pull or source holds NIXL agents and peers' handles: not a state to freeze and bring back
@@ -57,7 +57,7 @@ class EngineSnapshots:
             why = socket_blocker(criu_version(run_quietly([self.binary, "--version"])), os.uname().release) or ""
             self.binary = None if why else self.binary
         if self.binary is not None:
-            try:  # the launcher's environment, as the engine inherits it (launch/snapshot_key.py: what is keyed)
+            try:  # the launcher's environment, as the engine inherits it (warmstart/snapshot_key.py: what is keyed)
                 self.facts = key_facts(argv, source_id, environ, key_salt(own_root(self.root_env)), os.getcwd())
                 self.key = key_of(self.facts)
             except ForeignPath as exc:

@@ -8,7 +8,7 @@ of GPU memory) the probe restored one in 11.7–12.4 s against 38–77 s (docs/b
 Layout (node-local: an image holds the engine's whole memory, its GPU memory included, tens of GiB):
 
     $MXLAUNCH_ENGINE_SNAPSHOTS (default ~/.cache/mxlaunch/engine-snapshots)/<uid>/   0700, this user's alone
-        key-salt                    the salt of the key's digests (launch/snapshot_key.py), 0600
+        key-salt                    the salt of the key's digests (warmstart/snapshot_key.py), 0600
         <key>/                      one per command and environment (snapshot_key.py: argv, named files, source id,
                                     interpreter, kernel, cwd, every variable but the run-only ones)
             key.json                what the key digests: values of variables and secrets only as salted digests
@@ -18,7 +18,7 @@ Layout (node-local: an image holds the engine's whole memory, its GPU memory inc
             shm-files/              /dev/shm files the engine had open (the launcher's cleanup removes them)
 
 /dev/shm is every user's (docs/security.md): the post-dump step takes only link-remap files that are regular,
-this user's and held by the dumped tree (launch/snapshot_files.py), the named files are read without following
+this user's and held by the dumped tree (warmstart/snapshot_files.py), the named files are read without following
 a link, and a restore puts each file back only as a new name (O_EXCL | O_NOFOLLOW): a name another user took
 first refuses the restore (one event; the engine starts as usual), nothing is written through it.
         .<key>.<pid>.tmp/           a snapshot in progress, renamed into place when complete
@@ -34,7 +34,7 @@ subreaper) becomes the restored tree's parent.
 
 What it needs, checked before anything is tried: CRIU 4.2+ (4.1 fails on 6.16+ kernels' sockets), the
 capability, the driver's checkpoint API where there is a GPU, and an engine started by the launcher with
-io_uring filtered out (launch/no_io_uring.py). TCP connections are closed at restore (--tcp-close): clients
+io_uring filtered out (warmstart/no_io_uring.py). TCP connections are closed at restore (--tcp-close): clients
 reconnect. Any failure is a `SnapshotError` or `CriuError`; the launcher then starts the engine as usual.
 """
 
@@ -57,12 +57,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from mxlaunch import settings
 from mxlaunch.fileutil import ForeignPath, create_own, foreign, open_own, own_dir, pid_alive
-from mxlaunch.launch import criu, held_files, snapshot_files
-from mxlaunch.launch.criu import CriuError
-from mxlaunch.launch.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
-from mxlaunch.launch.snapshot_files import process_tree
-from mxlaunch.launch.snapshot_key import RECORD, snapshot_key  # noqa: F401 (snapshot_key: the tests take it here)
-from mxlaunch.launch.zygote import private_dir
+from mxlaunch.warmstart import criu, held_files, snapshot_files
+from mxlaunch.warmstart.criu import CriuError
+from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
+from mxlaunch.warmstart.snapshot_files import process_tree
+from mxlaunch.warmstart.snapshot_key import RECORD, snapshot_key  # noqa: F401 (snapshot_key: the tests take it here)
+from mxlaunch.warmstart.zygote import private_dir
 from mxlaunch.contract import SNAPSHOT_RELEASED as SUFFIX
 from mxlaunch.contract import SNAPSHOT_SIGNAL_NUMBER, snapshot_action_path as action_path
 from mxlaunch.contract import snapshot_done_path as done_path
@@ -264,7 +264,7 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
     """Snapshot the serving tree at `root_pid` into `folder` (made here); the engine serves on. `sleep`: the
     engine (vLLM with --enable-sleep-mode) sleeps while it is snapshotted, and the restore wakes it. `lean`
     (with `sleep`): it sleeps at level 2 — its weights left out of the image — and the serving engine then
-    refills them from the plan file `lean()` writes (launch/lean_snapshot.py); a restore refills them likewise.
+    refills them from the plan file `lean()` writes (warmstart/lean_snapshot.py); a restore refills them likewise.
     `facts`: what its key digests (snapshot_key.key_facts), written as key.json. Returns the meta written to
     meta.json plus the pause's phases."""
     pids = process_tree(root_pid)
@@ -346,7 +346,7 @@ def _write_new(path: Path, text: str) -> None:
 def _post_dump_script(folder: Path, root_pid: int) -> Path:
     """CRIU's action script: at post-dump (the engine frozen), copy the link-remap files CRIU made for the
     tree (a hard link to an unlinked file it holds, e.g. a POSIX semaphore) before --leave-running makes CRIU
-    delete them; a restore needs them and consumes them. The copying is launch/snapshot_files.py's, run by
+    delete them; a restore needs them and consumes them. The copying is warmstart/snapshot_files.py's, run by
     this interpreter isolated (-I -S: the standard library only): only regular files of this uid that the
     tree holds, never blocking on a FIFO, never following a link."""
     script = folder / "post-dump.sh"
@@ -417,7 +417,7 @@ class SnapshotMaker(threading.Thread):
             result = take(self.binary, self.root_pid, tmp, self.marks, cuda_or_none(), sleep=self.sleep,
                           facts=self.facts, lean=self.lean)
             if self.sums:
-                from mxlaunch.launch.image_sums import write_sums  # noqa: PLC0415
+                from mxlaunch.warmstart.image_sums import write_sums  # noqa: PLC0415
 
                 t0 = time.monotonic()
                 write_sums(tmp)

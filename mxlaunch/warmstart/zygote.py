@@ -6,7 +6,7 @@ ready a zygote is started for the next start (after ready, so it never competes 
 
 The key is a digest of everything a child inherits from the zygote's imports rather than from its request:
 the interpreter, the engine's version, the entry, the folder, and only the environment those imports read
-(launch/zygote_env.py: names and prefixes found by tracing them), each value as a salted digest. Everything
+(warmstart/zygote_env.py: names and prefixes found by tracing them), each value as a salted digest. Everything
 else (which Slurm job, node, host or TMPDIR this is) reaches the child with its request, so a new job's first
 start finds the zygote image the last job left in the store (issue 42). Sockets live in /dev/shm/mxlaunch-zygote-<uid>/ (0700), one per key. That
 folder must be this user's own (fileutil.own_root): where another user made the name first, this user's private
@@ -33,8 +33,8 @@ from mxlaunch.contract import ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_SOCKET
 from mxlaunch.engines.environment import PYTHON_EXE
 from mxlaunch.fileutil import foreign, own_root, pid_alive, private_dir
 from mxlaunch.launch.logfile import open_log
-from mxlaunch.launch.snapshot_key import digest
-from mxlaunch.launch.zygote_env import IMPORT_TMPDIR, PINNED, import_env
+from mxlaunch.warmstart.snapshot_key import digest
+from mxlaunch.warmstart.zygote_env import IMPORT_TMPDIR, PINNED, import_env
 from mxlaunch.plan import PLAN_ENV
 
 SHM_ROOT = Path("/dev/shm")
@@ -298,7 +298,7 @@ def start_zygote(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str,
                  log_dir: Path, idle_s: float = IDLE_S, for_image: bool = False) -> Optional[int]:
     """Start a zygote for `key` in the background (its own session; it outlives this launcher until idle);
     its pid, or None when one is already there or one refused. for_image: it stands still after its imports
-    for a CRIU dump (launch/zygote_image.py ImageMaker), logging to zygote.log again only if unclaimed."""
+    for a CRIU dump (warmstart/zygote_image.py ImageMaker), logging to zygote.log again only if unclaimed."""
     root = zygote_root()
     root.mkdir(mode=0o700, exist_ok=True)
     if not private_root():

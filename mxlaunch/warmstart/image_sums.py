@@ -1,6 +1,6 @@
 """Checksums of a snapshot image's files: written when it is published, checked before a restore reads it.
 
-Why: an image kept in the artifact store (a lean engine snapshot, launch/lean_snapshot.py) is read by other
+Why: an image kept in the artifact store (a lean engine snapshot, warmstart/lean_snapshot.py) is read by other
 nodes and later jobs, over a shared filesystem that can hand back a file cut short (a copy or a quota that ran
 out) or damaged. CRIU restoring such an image fails late or, worse, restores wrong memory. An xxh3-128 per file
 (~0.3 s for a lean image of a few GB) catches that before anything is restored; a mismatch is one event and the

@@ -1,9 +1,9 @@
 """What `launch --engine-snapshot` will do, decided for the plan (and the dry run) without writing anything.
 
-Why a module of its own: the run's side (launch/engine_snapshots.py EngineSnapshots) makes the private
+Why a module of its own: the run's side (warmstart/engine_snapshots.py EngineSnapshots) makes the private
 snapshots folder and the key's salt on its way; a dry run must only read. So this asks the same questions in
 the same order — P2P, CRIU usable, CRIU able to dump a TCP socket on this kernel, the snapshots folder this
-user's alone (node-local, or the store's for a lean snapshot: snapshots_env), the key (launch/snapshot_key.py,
+user's alone (node-local, or the store's for a lean snapshot: snapshots_env), the key (warmstart/snapshot_key.py,
 under the salt when there is one), whether a lean snapshot found can serve this plan — and answers with one of:
 
     restore   this command's snapshot is there: it is restored instead of starting the engine
@@ -22,20 +22,20 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from mxlaunch import settings
-from mxlaunch.engine_checkpoint import criu_version, run_quietly, socket_blocker
+from mxlaunch.warmstart.engine_checkpoint import criu_version, run_quietly, socket_blocker
 from mxlaunch.fileutil import ForeignPath, foreign, open_own
-from mxlaunch.launch import criu, lean_snapshot
-from mxlaunch.launch.engine_snapshot import META, find, safe_ancestors, snapshots_root
-from mxlaunch.launch.engine_snapshots import STORE_FOLDER
-from mxlaunch.launch.image_sums import SUMS
-from mxlaunch.launch.snapshot_key import SALT, SALT_BYTES, key_facts, key_of
-from mxlaunch.launch.zygote import private_dir
+from mxlaunch.warmstart import criu, lean_snapshot
+from mxlaunch.warmstart.engine_snapshot import META, find, safe_ancestors, snapshots_root
+from mxlaunch.warmstart.engine_snapshots import STORE_FOLDER
+from mxlaunch.warmstart.image_sums import SUMS
+from mxlaunch.warmstart.snapshot_key import SALT, SALT_BYTES, key_facts, key_of
+from mxlaunch.warmstart.zygote import private_dir
 
 
 def snapshots_env(environ: Mapping[str, str], store_root: Optional[Path]) -> Mapping[str, str]:
     """The environment whose snapshots_root() is where this launch's snapshots live: a lean one (no weights, a
     few GB) in the local artifact store (`store_root`), unless $MXLAUNCH_ENGINE_SNAPSHOTS names a folder; a full
-    one node-local (launch/engine_snapshots.py EngineSnapshots.root_env)."""
+    one node-local (warmstart/engine_snapshots.py EngineSnapshots.root_env)."""
     if settings.snapshot_sleep(environ) == 2 and store_root is not None and not settings.engine_snapshots(environ):
         return {**environ, settings.ENGINE_SNAPSHOTS: str(Path(store_root) / STORE_FOLDER)}
     return environ
