@@ -10,6 +10,9 @@ are readable by the user alone (0600, folders 0700) or, with `MXLAUNCH_GROUP`, b
 folders 2770: the group's members publish beside each other). They are created with that mode (os.open's
 mode, fchmod before the first byte), so no reader ever sees one with wider permissions; `exposure()` is the
 reader's side: why a file or folder others could have written (or read) must not be trusted.
+
+Names in places other users can write (/dev/shm, /tmp: own_dir, open_own, untrusted_path, ...) are
+mxlaunch/safety/ownership.py's: there the shared group never counts, and existing is not being ours.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any, Optional
 
 from mxlaunch import settings
 from mxlaunch.errors import UsageError
+from mxlaunch.safety.ownership import (  # noqa: F401 — for the launch/ modules until the warm-start move lands
+    ForeignPath, create_own, foreign, open_own, own_dir, own_fallbacks, own_root, private_dir, untrusted_path)
 
 MAX_JSON_BYTES = 64 << 20
 
@@ -149,152 +154,6 @@ def exposure(st: os.stat_result, *, is_dir: bool) -> Optional[str]:
         shared = "MXLAUNCH_GROUP is not set" if gid is None else f"the shared group is {gid}"
         return f"is open to group {st.st_gid} (mode {mode:04o}) and {shared}"
     return None
-
-
-class ForeignPath(UsageError):
-    """A name in a shared place (/dev/shm, /tmp, a store) that is not this user's own: another user made it
-    first, it is a link, or others can write it. The message names the path and the fix."""
-
-
-def own_dir(path: str | os.PathLike[str], *, mode: int = 0o700) -> Path:
-    """A folder in a shared place that only this user controls: made with `mode` when missing; one that exists
-    must be a real folder (lstat: no symbolic link), owned by this uid and writable by nobody else (group or
-    others), or ForeignPath is raised. Callers either fall back to a private name or stop with its one line.
-    Why not ensure_dir: in /dev/shm or /tmp anyone may create the name first, so existing is not being ours."""
-    p = Path(path)
-    try:
-        os.mkdir(p, mode)
-        os.chmod(p, mode)  # the umask may have narrowed it; never wider than asked
-    except FileExistsError:
-        pass
-    st = os.lstat(p)
-    why = foreign(st, is_dir=True)
-    if why:
-        raise ForeignPath(f"{p} {why}", f"remove it (or ask its owner to), or point mxlaunch elsewhere")
-    return p
-
-
-def private_dir(path: str | os.PathLike[str]) -> bool:
-    """Is `path` a real folder of this user's that nobody else can enter (lstat: a link is not)?"""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
-
-
-def foreign(st: os.stat_result, *, is_dir: bool) -> Optional[str]:
-    """Why a file or folder in a shared place is not this user's own (None when it is): not the expected
-    kind (a link, a FIFO, ...), another owner, or writable by group or others. Stricter than exposure():
-    no shared group counts here, because these names are the user's private working state."""
-    kind_ok = stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)
-    if not kind_ok:
-        return f"is not a {'real folder' if is_dir else 'regular file'} (a link or another kind of file)"
-    if st.st_uid != os.getuid():
-        return f"belongs to uid {st.st_uid}, not this user (uid {os.getuid()})"
-    if stat.S_IMODE(st.st_mode) & 0o022:
-        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
-def untrusted_path(path: str | os.PathLike[str], *, is_dir: bool) -> Optional[str]:
-    """Why `path` in a shared place may be in another user's hands (None when it is not): it must be this
-    user's own (foreign()), and every folder above it (links resolved) must belong to root or this user and be
-    writable by nobody else, unless sticky (/dev/shm, /tmp: there only an entry's owner may rename or remove it).
-    Why the folders too: whoever can write a folder above a file can swap the file under its name."""
-    p = Path(path)
-    try:
-        why = foreign(os.lstat(p), is_dir=is_dir)
-        if why:
-            return f"{p} {why}"
-        parent = Path(os.path.realpath(p.parent))
-        for folder in (parent, *parent.parents):
-            st = os.lstat(folder)
-            mode = stat.S_IMODE(st.st_mode)
-            if not stat.S_ISDIR(st.st_mode):
-                return f"{folder} is not a real folder"
-            if st.st_uid not in (0, os.getuid()):
-                return f"{folder} belongs to uid {st.st_uid}, not this user (uid {os.getuid()}) or root"
-            if mode & 0o022 and not mode & stat.S_ISVTX:
-                return f"{folder} is writable by others (mode {mode:04o})"
-    except OSError as exc:
-        return f"{p} cannot be checked ({exc.strerror or exc})"
-    return None
-
-
-def own_root(parent: str | os.PathLike[str], name: str, *, create: bool = True) -> tuple[Optional[Path], Optional[str]]:
-    """This user's folder `name` in a shared place (`parent`: /dev/shm), and why the name itself was not used
-    (None when it was). `name` is used when it is this user's own (own_dir); when another user took it first (or
-    it is a link, or writable by others), a private fallback `name.XXXXXXXX` of this user's is: the first one
-    there (every launch of this user on the node agrees on it), else a new one (mkdtemp: a random name, 0700).
-    create=False makes nothing: (None, why) when neither is there. ForeignPath when `parent` is writable by
-    everyone without the sticky bit (then anyone could rename this user's folders there)."""
-    base = Path(parent)
-    mode = os.stat(base).st_mode
-    if mode & 0o002 and not mode & stat.S_ISVTX:
-        raise ForeignPath(f"{base} is writable by everyone without the sticky bit, so any user could rename "
-                          "mxlaunch's folders there", f"ask the node's admin to `chmod +t {base}`")
-    primary = base / name
-    try:
-        if create:
-            return own_dir(primary), None
-        why = foreign(os.lstat(primary), is_dir=True)
-        if why is None:
-            return primary, None
-        why = f"{primary} {why}"
-    except ForeignPath as exc:
-        why = exc.message
-    except FileNotFoundError:
-        why = None
-    found = own_fallbacks(base, name)
-    if found:
-        return found[0], why
-    if not create:
-        return None, why
-    import tempfile  # noqa: PLC0415
-
-    return Path(tempfile.mkdtemp(prefix=f"{name}.", dir=base)), why
-
-
-def own_fallbacks(parent: str | os.PathLike[str], name: str) -> list[Path]:
-    """The fallbacks own_root made for `name` (`name.XXXXXXXX`) that are this user's own, sorted; names of
-    that shape another user made (or links) are never listed."""
-    found = []
-    try:
-        entries = sorted(os.listdir(parent))
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.startswith(f"{name}."):
-            continue
-        try:
-            if foreign(os.lstat(Path(parent) / entry), is_dir=True) is None:
-                found.append(Path(parent) / entry)
-        except OSError:
-            continue
-    return found
-
-
-def open_own(path: str | os.PathLike[str], flags: int = os.O_RDONLY) -> int:
-    """os.open for a file in a shared place: never through a symbolic link (O_NOFOLLOW), never a FIFO
-    (O_NONBLOCK until checked), and only a regular file of this user's that others cannot write;
-    ForeignPath otherwise. Returns the descriptor (blocking again)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        why = foreign(os.fstat(fd), is_dir=False)
-        if why:
-            raise ForeignPath(f"{path} {why}", "remove it (or ask its owner to); mxlaunch will not use it")
-        os.set_blocking(fd, True)
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def create_own(path: str | os.PathLike[str], *, mode: int = 0o600) -> int:
-    """A new file that did not exist before (O_CREAT | O_EXCL | O_NOFOLLOW): a planted name or link makes it
-    fail with FileExistsError instead of writing through it. Returns a write descriptor."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
 def unique_name(prefix: str) -> str:

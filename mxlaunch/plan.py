@@ -33,7 +33,7 @@ loader. All are written by temp name + rename.
 
 Trust: the plan says which files become the engine's weights and where captured weights and P2P records go, so
 the plugin reads it only when the file and its run folder are this user's own and nobody else could have
-written or swapped them (fileutil.untrusted_path: no link, this uid, no write for others, nor for anyone on a
+written or swapped them (ownership.untrusted_path: no link, this uid, no write for others, nor for anyone on a
 folder above). Anything else is a PlanError — the engine's default loader serves, with the reason in its log.
 Markers go into a markers folder of this user's (own_dir), each created new (O_EXCL | O_NOFOLLOW) and renamed
 into place: a link planted there is replaced, never written through.
@@ -50,8 +50,9 @@ from typing import Mapping
 from mxlaunch import settings
 from mxlaunch.contract import P2P_LAYOUTS, RAW, STRATEGIES, marker_name
 from mxlaunch.errors import UsageError
+from mxlaunch.safety.ownership import open_own, own_dir, untrusted_path
 from mxlaunch.safety.redact import redact_url
-from mxlaunch.fileutil import open_own, own_dir, untrusted_path, write_json_atomic
+from mxlaunch.fileutil import write_json_atomic
 
 MAX_PLAN_BYTES = 64 << 20
 REFUSED_FIX = ("the plugin reads plan files only from folders nobody else can write: start the engine through "
@@ -160,7 +161,7 @@ def _read_own_plan(path: str | os.PathLike[str]) -> object:
         if len(raw) > MAX_PLAN_BYTES:
             raise ValueError(f"larger than {MAX_PLAN_BYTES} bytes")
         return json.loads(raw.decode("utf-8"))
-    except UsageError as exc:  # fileutil.ForeignPath: swapped between the check and the open
+    except UsageError as exc:  # ownership.ForeignPath: swapped between the check and the open
         raise PlanError(f"plan {path} refused: {exc.message} — {REFUSED_FIX}") from exc
     except (OSError, ValueError) as exc:
         raise PlanError(f"cannot read plan {path}: {exc}") from exc

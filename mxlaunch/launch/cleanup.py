@@ -8,7 +8,7 @@ folder (`segments.json`, `SegmentRecord`): the next launch of this user removes 
 (`reap_stale_runs`) and, with it, those of its recorded segments that are still the same files and that
 no live process maps or holds open.
 
-The user's folder is this uid's own (fileutil.own_root): `/dev/shm/mxlaunch-<uid>` when it is a real folder of
+The user's folder is this uid's own (ownership.own_root): `/dev/shm/mxlaunch-<uid>` when it is a real folder of
 this user's that nobody else can write, else — another user made the name first — a private fallback
 `/dev/shm/mxlaunch-<uid>.XXXXXXXX` (the plan file records where the run folder is; the reaping looks in both).
 It stays after a run (empty, 0700): while it is there nobody else can take its name. What the reaping reads
@@ -29,7 +29,8 @@ from typing import Any, Iterable, Optional
 from mxlaunch.contract import RENDEZVOUS_FILE
 from mxlaunch.engines.registry import ENGINES
 from mxlaunch.errors import UsageError
-from mxlaunch.fileutil import foreign, open_own, own_fallbacks, own_root, pid_alive, write_json_atomic
+from mxlaunch.fileutil import pid_alive, write_json_atomic
+from mxlaunch.safety.ownership import foreign, open_own, own_fallbacks, own_root
 
 SHM_ROOT = Path("/dev/shm")
 SEGMENTS = "segments.json"  # in a run folder: {"segments": [{"name": ..., "ino": ...}, ...]}
@@ -64,7 +65,7 @@ def user_roots() -> list[Path]:
 
 
 def read_own_json(path: Path, limit: int = 1 << 20) -> Any:
-    """JSON from a file of this user's that nobody else can write (O_NOFOLLOW, no FIFO: fileutil.open_own);
+    """JSON from a file of this user's that nobody else can write (O_NOFOLLOW, no FIFO: ownership.open_own);
     None for anything else, or when it cannot be read."""
     try:
         fd = open_own(path)

@@ -23,7 +23,7 @@ their addresses kept) and is woken by "refill <plan file>": the weights' memory 
 cache woken. The refill's per-rank results are in the report's "result".
 
 The folder is in the run folder in /dev/shm: the handler is installed only when it is this user's alone
-(fileutil.untrusted_path), reads the action file only as this user's own regular file (no link, no FIFO that
+(ownership.untrusted_path), reads the action file only as this user's own regular file (no link, no FIFO that
 would block the handler), and writes its reports by a new temp file (O_EXCL | O_NOFOLLOW) renamed into place:
 a link planted under either name is never written through.
 """
@@ -38,10 +38,10 @@ import threading
 from typing import Any, Mapping, Optional
 
 from mxlaunch import settings
-from mxlaunch.contract import (REFILL_METHOD, SNAPSHOT_RELEASED, SNAPSHOT_SIGNAL_NUMBER, snapshot_action_path,
-                               snapshot_done_path)
+from mxlaunch.contract import (FINGERPRINT_METHOD, REFILL_METHOD, SNAPSHOT_RELEASED, SNAPSHOT_SIGNAL_NUMBER,
+                               snapshot_action_path, snapshot_done_path)
 from mxlaunch.errors import UsageError
-from mxlaunch.fileutil import create_own, open_own, untrusted_path
+from mxlaunch.safety.ownership import create_own, open_own, untrusted_path
 
 SIGNAL = signal.Signals(SNAPSHOT_SIGNAL_NUMBER)  # SIGUSR2: the protocol is mxlaunch/contract.py's
 SUFFIX = SNAPSHOT_RELEASED
@@ -103,7 +103,9 @@ def action_work(client: Any, action: str, arg: str = "") -> Any:
     if action == "sleep":
         return client.sleep(SLEEP_LEVEL)
     if action == "sleep-lean":
-        return client.sleep(LEAN_LEVEL)
+        if not arg:
+            raise ValueError("sleep-lean needs the plan file the engine will refill from")
+        return _sleep_lean(client, arg)
     if action == "wake":
         return client.wake_up(None)
     if action == "refill":
@@ -111,6 +113,21 @@ def action_work(client: Any, action: str, arg: str = "") -> Any:
             raise ValueError("refill needs the plan file to refill from")
         return _refill(client, arg)
     raise ValueError(f"unknown action {action!r}")
+
+
+class NotLean(Exception):
+    """The plan's files cannot refill this engine (another layout): nothing was changed, no lean sleep."""
+
+
+async def _sleep_lean(client: Any, plan: str) -> Any:
+    """Every worker checks that the plan's files fit its live tensors and takes their fingerprint (which the
+    refill must match), then the engine sleeps at level 2. A misfit raises NotLean before anything changed."""
+    checked = await client.collective_rpc(FINGERPRINT_METHOD, args=(plan,))
+    why = [r["why"] for r in checked or [] if isinstance(r, dict) and r.get("why")]
+    if why:
+        raise NotLean(why[0])
+    await client.sleep(LEAN_LEVEL)
+    return checked
 
 
 async def _refill(client: Any, plan: str) -> Any:

@@ -21,6 +21,7 @@ from typing import Mapping, Optional
 
 from mxlaunch import settings
 from mxlaunch.errors import UsageError
+from mxlaunch.safety.ownership import open_judged
 
 
 @dataclass(frozen=True)
@@ -116,17 +117,13 @@ def _group(gid: int) -> str:
 def open_trusted(path: str | os.PathLike[str], who: Writers, what: str, *, dir_fd: Optional[int] = None,
                  is_dir: bool = False, shared_ok: bool = False) -> tuple[Optional[int], str]:
     """(descriptor, "") of a file (or folder) a trusted writer wrote, opened without following a link and
-    without blocking on a FIFO; (None, why) otherwise. FileNotFoundError when it is not there."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_DIRECTORY if is_dir else 0)
+    without blocking on a FIFO (ownership.open_judged); (None, why) otherwise. FileNotFoundError when it is not
+    there."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if is_dir else 0)
     try:
-        fd = os.open(path, flags, dir_fd=dir_fd)
+        return open_judged(path, flags, lambda st: who.why_not(st, what, is_dir=is_dir, shared_ok=shared_ok),
+                           dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:  # ELOOP: a link; ENOTDIR: not a folder
         return None, f"{what} cannot be opened as a {'real folder' if is_dir else 'regular file'} ({exc.strerror or exc})"
-    why = who.why_not(os.fstat(fd), what, is_dir=is_dir, shared_ok=shared_ok)
-    if why:
-        os.close(fd)
-        return None, why
-    os.set_blocking(fd, True)
-    return fd, ""

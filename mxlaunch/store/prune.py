@@ -34,8 +34,9 @@ from mxlaunch.coord.base import valid_id
 from mxlaunch.coord.peers_file import PEERS_DIR, FileRegistry
 from mxlaunch.coord.peers_record import reapable
 from mxlaunch.errors import MxlaunchError
-from mxlaunch.fileutil import LAST_USED, last_used, private_dir
+from mxlaunch.fileutil import LAST_USED, last_used
 from mxlaunch.kernelcache.archive import KEY_JSON, KernelCacheStore
+from mxlaunch.safety.ownership import private_dir
 from mxlaunch.store import zygote_images
 from mxlaunch.store.core import NOT_SNAPSHOTS, Store
 from mxlaunch.store.capture import _du, capture_ids

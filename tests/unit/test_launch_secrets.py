@@ -14,9 +14,9 @@ from typing import Iterator
 
 import pytest
 
-from mxlaunch.fileutil import ForeignPath
 from mxlaunch.launch.logfile import open_log
 from mxlaunch.plan import Plan, load_plan
+from mxlaunch.safety.ownership import ForeignPath
 from mxlaunch.store.core import SnapshotMeta, build_manifest
 from tests.helpers.cli import one_line_error, run_cli
 from tests.helpers.second_user import intruder_or_skip
