@@ -27,7 +27,7 @@ from mxlaunch.contract import ABORT, RENDEZVOUS_FILE, parse_marker_name, staged_
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import MxlaunchError, UsageError
-from mxlaunch.fileutil import mark_used, own_dir, process_start_time, write_json_atomic
+from mxlaunch.fileutil import mark_used, process_start_time, write_json_atomic
 from mxlaunch.launch import port, process
 from mxlaunch.warmstart.zygote_starts import ZygoteStarts
 from mxlaunch.warmstart import lean_snapshot
@@ -38,6 +38,7 @@ from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
 from mxlaunch.launch.kernel import KernelCacheRun
 from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.launch.process import default_log_root
+from mxlaunch.safety.ownership import own_dir
 from mxlaunch.signal_relay import SignalRelay
 from mxlaunch.launch.shutdown import BudgetReader, Stopping
 from mxlaunch.launch.stop_watchdog import StopWatchdog

@@ -8,7 +8,8 @@ import json
 import os
 from pathlib import Path
 
-from mxlaunch.fileutil import last_used, private_dir
+from mxlaunch.fileutil import last_used
+from mxlaunch.safety.ownership import private_dir
 
 IMAGES = "zygote-images"
 META = "meta.json"

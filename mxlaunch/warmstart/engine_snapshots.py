@@ -15,7 +15,6 @@ from typing import Callable, Mapping, Optional
 
 from mxlaunch import settings
 from mxlaunch.warmstart.engine_checkpoint import criu_version, run_quietly, socket_blocker
-from mxlaunch.fileutil import ForeignPath
 from mxlaunch.warmstart import criu
 from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpointError
@@ -24,6 +23,7 @@ from mxlaunch.warmstart.image_sums import SUMS, check_sums
 from mxlaunch.warmstart.engine_snapshot import (META, RestoredEngine, SnapshotError, SnapshotMaker, cuda_or_none, find,
                                             own_root, restore, snapshots_root)
 from mxlaunch.warmstart.snapshot_key import key_facts, key_of, key_salt
+from mxlaunch.safety.ownership import ForeignPath
 
 
 STORE_FOLDER = "engine-snapshots"  # below the store's root: <uid>/<key>/, as the node-local folder

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from mxlaunch.fileutil import create_own
+from mxlaunch.safety.ownership import create_own
 
 FOLDER = "held-files"
 COPY_LIMIT = 64 << 20  # a cache's index or lock file; anything larger is expected on the node (the software, the model)

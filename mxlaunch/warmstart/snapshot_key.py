@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from mxlaunch.fileutil import create_own, open_own
+from mxlaunch.safety.ownership import create_own, open_own
 
 RECORD = "key.json"
 SALT = "key-salt"

@@ -23,13 +23,13 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 from mxlaunch import settings
 from mxlaunch.warmstart.engine_checkpoint import criu_version, run_quietly, socket_blocker
-from mxlaunch.fileutil import ForeignPath, foreign, open_own
 from mxlaunch.warmstart import criu, lean_snapshot
 from mxlaunch.warmstart.engine_snapshot import META, find, safe_ancestors, snapshots_root
 from mxlaunch.warmstart.engine_snapshots import STORE_FOLDER
 from mxlaunch.warmstart.image_sums import SUMS
 from mxlaunch.warmstart.snapshot_key import SALT, SALT_BYTES, key_facts, key_of
 from mxlaunch.warmstart.zygote import private_dir
+from mxlaunch.safety.ownership import ForeignPath, foreign, open_own
 
 
 def snapshots_env(environ: Mapping[str, str], store_root: Optional[Path]) -> Mapping[str, str]:

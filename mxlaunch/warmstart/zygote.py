@@ -9,7 +9,7 @@ the interpreter, the engine's version, the entry, the folder, and only the envir
 (warmstart/zygote_env.py: names and prefixes found by tracing them), each value as a salted digest. Everything
 else (which Slurm job, node, host or TMPDIR this is) reaches the child with its request, so a new job's first
 start finds the zygote image the last job left in the store (issue 42). Sockets live in /dev/shm/mxlaunch-zygote-<uid>/ (0700), one per key. That
-folder must be this user's own (fileutil.own_root): where another user made the name first, this user's private
+folder must be this user's own (ownership.own_root): where another user made the name first, this user's private
 fallback `/dev/shm/mxlaunch-zygote-<uid>.XXXXXXXX` holds the sockets instead (zygotes keep working), and zygote
 images are off (`image_blocker`): a restored image listens where it was dumped, in the name another user holds.
 
@@ -31,11 +31,12 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.contract import ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_SOCKET
 from mxlaunch.engines.environment import PYTHON_EXE
-from mxlaunch.fileutil import foreign, own_root, pid_alive, private_dir
+from mxlaunch.fileutil import pid_alive
 from mxlaunch.launch.logfile import open_log
 from mxlaunch.warmstart.snapshot_key import digest
 from mxlaunch.warmstart.zygote_env import IMPORT_TMPDIR, PINNED, import_env
 from mxlaunch.plan import PLAN_ENV
+from mxlaunch.safety.ownership import foreign, own_root, private_dir
 
 SHM_ROOT = Path("/dev/shm")
 IDLE_S = 900.0  # a zygote with no engine and no request for this long exits
@@ -76,7 +77,7 @@ def entry_for(argv: Sequence[str], python: Optional[str], executable: Optional[s
 def zygote_root() -> Path:
     """This user's own folder for zygote sockets: the usual name when it is this user's own or not there yet (the
     callers that write make it 0700 and check it: private_root), else this user's private fallback (made when
-    there is none yet: fileutil.own_root)."""
+    there is none yet: ownership.own_root)."""
     primary = SHM_ROOT / f"mxlaunch-zygote-{os.getuid()}"
     try:
         if foreign(os.lstat(primary), is_dir=True) is None:
@@ -247,7 +248,7 @@ def stop_zygotes(wait_s: float = 5.0) -> list[str]:
 
 def remove_empty_root(root: Path) -> None:
     """Remove the zygote folder (its import TMPDIR first) where nothing is left in it, and only where it is a real
-    folder of this user's (fileutil.foreign): never another user's name, never through a link."""
+    folder of this user's (ownership.foreign): never another user's name, never through a link."""
     for folder in (root / IMPORT_TMPDIR, root):
         try:
             if foreign(os.lstat(folder), is_dir=True) is None:

@@ -18,11 +18,11 @@ from typing import Iterator
 
 import pytest
 
-from mxlaunch.fileutil import ForeignPath
 from mxlaunch.warmstart import engine_snapshot as es
 from mxlaunch.warmstart import engine_snapshots
 from mxlaunch.warmstart.engine_snapshots import EngineSnapshots
 from mxlaunch.warmstart.snapshot_key import RUN_ONLY, key_facts, key_salt, snapshot_key
+from mxlaunch.safety.ownership import ForeignPath
 from tests.helpers.second_user import User, intruder  # noqa: F401 (a fixture)
 
 SHM = Path("/dev/shm")

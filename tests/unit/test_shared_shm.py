@@ -20,11 +20,12 @@ from typing import Iterator
 
 import pytest
 
-from mxlaunch.fileutil import ForeignPath, mark_used, own_dir, untrusted_path
+from mxlaunch.fileutil import mark_used
 from mxlaunch.launch import cleanup
 from mxlaunch.warmstart import zygote
 from mxlaunch.plan import Plan, PlanError, load_plan, write_marker
 from mxlaunch.plugin import snapshot_signal
+from mxlaunch.safety.ownership import ForeignPath, own_dir, untrusted_path
 from tests.helpers.second_user import User, intruder, tree  # noqa: F401 — the fixture
 
 PY = sys.executable
