@@ -29,6 +29,7 @@ SNAPSHOT_VERSION = 1  # bump when the raw snapshot's layout changes: old snapsho
 SNAPSHOT_SIGNAL_NUMBER = 12  # signal.SIGUSR2 on Linux (kept numeric: this module imports nothing)
 SNAPSHOT_RELEASED = ".released"
 REFILL_METHOD = "mxlaunch_refill"  # the worker method a lean snapshot's refill calls (plugin/weight_refill.py)
+FINGERPRINT_METHOD = "mxlaunch_fingerprint"  # ... and the one called before the sleep: the weights' fingerprint
 
 
 def snapshot_action_path(folder: str, pid: int) -> str:

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from mxlaunch import settings
-from mxlaunch.fileutil import ForeignPath, create_own, foreign, open_own, own_dir, pid_alive
+from mxlaunch.fileutil import pid_alive
 from mxlaunch.warmstart import criu, held_files, snapshot_files
 from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
@@ -66,6 +66,7 @@ from mxlaunch.warmstart.zygote import private_dir
 from mxlaunch.contract import SNAPSHOT_RELEASED as SUFFIX
 from mxlaunch.contract import SNAPSHOT_SIGNAL_NUMBER, snapshot_action_path as action_path
 from mxlaunch.contract import snapshot_done_path as done_path
+from mxlaunch.safety.ownership import ForeignPath, create_own, foreign, open_own, own_dir
 
 SIGNAL = signal.Signals(SNAPSHOT_SIGNAL_NUMBER)  # SIGUSR2 (the protocol: mxlaunch/contract.py)
 
@@ -91,7 +92,7 @@ def snapshots_root(environ: Mapping[str, str] = os.environ) -> Path:
 
 def own_root(environ: Mapping[str, str] = os.environ) -> Path:
     """snapshots_root(), made if missing and checked: a real folder of this uid's that nobody else can enter
-    (fileutil.own_dir, 0700), below folders nobody else can rename it in (safe_ancestors). ForeignPath (one
+    (ownership.own_dir, 0700), below folders nobody else can rename it in (safe_ancestors). ForeignPath (one
     line naming the path and the fix) otherwise: an image is code, restored as this user."""
     root = snapshots_root(environ)
     try:
@@ -250,7 +251,8 @@ def engine_order(pid: int, marks: Path, action: str, timeout: float = ACTION_TIM
     report = json.loads(done.read_text(encoding="utf-8"))
     done.unlink(missing_ok=True)
     if report.get("error"):
-        error = NotAsked if str(report["error"]).startswith("LookupError:") else SnapshotError
+        # nothing changed in the engine: no client to ask (LookupError), or files that cannot refill it (NotLean)
+        error = NotAsked if str(report["error"]).startswith(("LookupError:", "NotLean:")) else SnapshotError
         raise error(f"the engine could not {action}: {report['error']}")
     return time.monotonic() - t0, report.get("result")
 
@@ -276,8 +278,11 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
         (lambda: engine_action(root_pid, marks, "wake"))
     if sleep:
         try:
-            sleep_s = engine_action(root_pid, marks, "sleep-lean" if lean else "sleep")
-        except NotAsked as exc:  # nothing changed: the snapshot is taken awake (its KV cache in the image)
+            sleep_s = engine_action(root_pid, marks, "sleep-lean", arg=refill_from) if lean else \
+                engine_action(root_pid, marks, "sleep")
+        except NotAsked as exc:  # nothing changed: the snapshot is taken awake (its KV cache in the image) ...
+            if lean:  # ... but never a full image where a lean one was asked for (it would go into the store)
+                raise SnapshotError(f"no lean snapshot taken: {exc}") from None
             sleep, lean, sleep_skipped = False, None, str(exc)
         except SnapshotError:
             try:  # a sleep that failed half-way must not leave the engine asleep (nor without its weights)

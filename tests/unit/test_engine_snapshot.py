@@ -183,6 +183,8 @@ class AsyncLLM:
         print("rpc", method, *args, flush=True)
         if "bad" in args[0]:
             raise RuntimeError("rank 0: refilling the weights failed")
+        if method == "mxlaunch_fingerprint":
+            return [{{"rank": 0, "why": "rank 0: the snapshot's layout is not the live one" if "misfit" in args[0] else ""}}]
         return [{{"rank": 0, "bytes": 5}}, {{"rank": 1, "bytes": 7}}]
 
 client = AsyncLLM() if {with_client!r} else None
@@ -268,8 +270,12 @@ def test_a_lean_sleep_is_level_2_and_a_refill_wakes_the_weights_refills_them_the
 
     server = _fake_server(tmp_path)
     try:
-        es.engine_action(server.pid, tmp_path, "sleep-lean", timeout=20)
-        assert server.stdout.readline().split() == ["sleep", "2"]
+        with pytest.raises(es.NotAsked, match="NotLean: rank 0: the snapshot's layout is not the live one"):
+            es.engine_action(server.pid, tmp_path, "sleep-lean", timeout=20, arg=str(tmp_path / "misfit.json"))
+        assert server.stdout.readline().strip() == f"rpc mxlaunch_fingerprint {tmp_path / 'misfit.json'}"
+        es.engine_action(server.pid, tmp_path, "sleep-lean", timeout=20, arg=str(tmp_path / "plan.json"))
+        assert [server.stdout.readline().strip() for _ in range(2)] == [  # no sleep after the misfit: this is next
+            f"rpc mxlaunch_fingerprint {tmp_path / 'plan.json'}", "sleep 2"]
         restored = es.RestoredEngine(server.pid, os.open(os.devnull, os.O_RDONLY), meta={"marks": str(tmp_path),
                                                                                        "root": server.pid, "lean": True})
         info = lean_snapshot.refill(restored, tmp_path / "plan.json")

@@ -13,7 +13,8 @@ from mxlaunch.fileutil import write_json_atomic
 from mxlaunch.plan import Plan, RankFile
 from mxlaunch.plugin.capture import capture_tensors
 from mxlaunch.plugin.loader import module_tensors
-from mxlaunch.plugin.weight_refill import METHOD, RefillError, WeightRefill, refill
+from mxlaunch.plugin.weight_refill import (METHOD, RefillError, WeightRefill, fingerprint, refill, take_fingerprint,
+                                           tensor_print)
 
 pytestmark = pytest.mark.unit
 
@@ -25,11 +26,11 @@ class Tiny(torch.nn.Module):
         self.register_buffer("scale", torch.arange(width, dtype=torch.float32))  # persistent: in the capture
 
 
-def _captured(tmp_path: Path, model: torch.nn.Module) -> Path:
+def _captured(tmp_path: Path, model: torch.nn.Module, name: str = "store") -> Path:
     """Capture `model` into the store-like folder and write a plan pointing rank 0 at the files; the plan."""
-    out = tmp_path / "store" / "0"
+    out = tmp_path / name / "0"
     capture_tensors(module_tensors(model), out, fsync=False)
-    run = tmp_path / "run"
+    run = tmp_path / f"run-{name}"
     run.mkdir(mode=0o700)
     files = [RankFile(path=str(p), bytes=p.stat().st_size) for p in sorted(out.glob("*.safetensors"))]
     plan = Plan(strategy="staged", source_id="sid", run_dir=str(run), ranks={"0": files}, wait_timeout_s=5)
@@ -48,7 +49,7 @@ def test_a_discarded_model_is_refilled_exactly_and_the_launcher_hears_it_loaded(
     done = refill(served, str(plan), rank=0)
     assert all(torch.equal(t, want[n]) for n, t in module_tensors(served))
     assert done["bytes"] == sum(t.numel() * t.element_size() for t in want.values()) and done["rank"] == 0
-    marker = json.loads((tmp_path / "run" / "markers" / "loaded-0.json").read_text())
+    marker = json.loads((tmp_path / "run-store" / "markers" / "loaded-0.json").read_text())
     assert marker["strategy"] == "refill" and marker["bytes"] == done["bytes"]
 
 
@@ -75,3 +76,35 @@ def test_vllm_calls_the_extension_by_its_method_name_on_the_worker(tmp_path: Pat
 
     assert getattr(Worker(), METHOD)(str(plan))["rank"] == 0
     assert torch.equal(model.proj.weight, want)
+
+
+def test_a_refill_must_give_back_the_weights_the_engine_served_before_its_sleep(tmp_path: Path) -> None:
+    """The fingerprint taken before the sleep: files that fit the layout but hold other values are refused."""
+    torch.manual_seed(2)
+    served, other = Tiny(), Tiny()  # the same layout, other values (a capture the engine did not serve)
+    plan, wrong = _captured(tmp_path, served), _captured(tmp_path, other, "other")
+    assert take_fingerprint(served, str(plan), 0) == {"rank": 0, "why": "", "tensors": 3}
+    with pytest.raises(RefillError, match=r"differ from the engine's own at the snapshot, e\.g\. proj\."):
+        refill(served, str(wrong), rank=0)
+    assert refill(served, str(plan), rank=0)["bytes"] > 0  # its own snapshot: the same fingerprint
+
+
+def test_files_of_another_layout_refuse_the_lean_sleep_before_anything_changes(tmp_path: Path) -> None:
+    plan = _captured(tmp_path, Tiny(8))
+    live = Tiny(4)
+    before = fingerprint(live)
+    got = take_fingerprint(live, str(plan), 0)
+    assert "the snapshot's layout is not the live one" in got["why"] and got["tensors"] == 0
+    assert fingerprint(live) == before  # headers only: nothing was written
+
+
+def test_the_fingerprint_sees_a_moved_byte_and_spans_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mxlaunch.plugin.weight_refill as wr
+
+    t = torch.arange(1000, dtype=torch.float32)
+    swapped = t.clone()
+    swapped[[3, 700]] = swapped[[700, 3]]  # the same values, two moved
+    assert tensor_print(t) != tensor_print(swapped) and tensor_print(t) == tensor_print(t.clone())
+    whole = tensor_print(t)
+    monkeypatch.setattr(wr, "CHUNK", 64)  # many chunks: the positions continue across them
+    assert tensor_print(t) == whole
