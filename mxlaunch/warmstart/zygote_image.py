@@ -44,6 +44,7 @@ from mxlaunch.fileutil import mark_used, pid_alive
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
 from mxlaunch.warmstart import criu, snapshot_key, zygote
 from mxlaunch.warmstart.criu import CriuError
+from mxlaunch.warmstart.image_sums import SUMS, check_sums, write_sums
 from mxlaunch.store.zygote_images import META, image_dir, images_root  # the layout, below the store's prune
 
 private = zygote.private_dir  # an image is restored, and dumped into, only from a folder this user alone controls
@@ -170,6 +171,9 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
         if not zygote.private_root():
             raise CriuError(f"{zygote.zygote_root()} is not a folder of this user's alone")
         t0 = time.monotonic()
+        damaged = check_sums(by_fd) if (by_fd / SUMS).exists() else None  # an image made before sums: as it is
+        if damaged:
+            raise CriuError(f"image refused: {folder} is damaged: {damaged}")
         _wait_pid_free(_pid_in(by_fd / META), 5.0)
         log.parent.mkdir(parents=True, exist_ok=True)
         write_resume(key, log, restored=True)
@@ -284,6 +288,7 @@ class ImageMaker(threading.Thread):
         size = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
         (tmp / META).write_text(json.dumps({"key": self.key, "pid": self.pid, "bytes": size, "made": time.time(),
                                             "kernel": os.uname().release}), encoding="utf-8")
+        write_sums(tmp)  # the image travels (other nodes and jobs read it from the store): checked before each restore
         final = image_dir(self.store_root, self.key)
         try:
             os.rename(tmp, final)

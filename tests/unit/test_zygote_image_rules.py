@@ -74,6 +74,22 @@ def test_a_restore_whose_pid_is_held_names_it_and_leaves_no_resume_file(module_d
     assert not (zygote.zygote_root() / f"k1{ZYGOTE_RESUME}").exists()
 
 
+def test_a_damaged_image_is_refused_before_criu_reads_it(module_dir: Path) -> None:  # noqa: F811
+    """An image travels through the store to other nodes and jobs: its sums (written at the dump) are checked
+    before a restore, and a file changed since is named; CRIU is never run on it."""
+    from mxlaunch.warmstart.image_sums import write_sums
+
+    zygote.zygote_root().mkdir(mode=0o700, exist_ok=True)
+    folder = publish_fake_image(module_dir / "store", "k3")
+    (folder / "pages-1.img").write_bytes(b"memory" * 1000)
+    write_sums(folder)
+    with open(folder / "pages-1.img", "r+b") as f:  # a shared file system handed back a damaged copy
+        f.write(b"X")
+    with pytest.raises(CriuError, match=r"image refused: .*k3 is damaged: pages-1.img does not match its checksum"):
+        zygote_image.restore_zygote("/bin/false", module_dir / "store", "k3", module_dir / "log", module_dir / "work")
+    assert not (zygote.zygote_root() / f"k3{ZYGOTE_RESUME}").exists()
+
+
 def test_a_zygote_whose_launcher_stops_before_the_dump_serves_plain_at_once(module_dir: Path) -> None:  # noqa: F811
     """Started for an image, the zygote stands still after its imports; the launcher stops first (abandon): it
     must then publish its socket and log again, not wait out --image-wait-s (300 s)."""
