@@ -29,8 +29,6 @@ from typing import Any, Optional
 
 from mxlaunch import settings
 from mxlaunch.errors import UsageError
-from mxlaunch.safety.ownership import (  # noqa: F401 — for the launch/ modules until the warm-start move lands
-    ForeignPath, create_own, foreign, open_own, own_dir, own_fallbacks, own_root, private_dir, untrusted_path)
 
 MAX_JSON_BYTES = 64 << 20
 
