@@ -6,13 +6,15 @@ appears, publishes a captured snapshot once every rank has written its part (a c
 uploaded into the store first, in the background once the engine is ready), watches for readiness,
 and cleans up on every exit path. It returns the engine's own exit code. A stop signal frees the staged
 files first and stops the engine within the scheduler's grace (shutdown.py).
+
+Launcher is the coordinator; its mixins hold the jobs it runs beside the engine: the stage (run_stage.py:
+start, watch, free, give up), the plugin's markers (run_markers.py), and the stop and cleanup (shutdown.py).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import threading
@@ -23,21 +25,22 @@ from typing import Any, Callable, Optional
 import httpx
 
 from mxlaunch import settings
-from mxlaunch.contract import ABORT, RENDEZVOUS_FILE, parse_marker_name, staged_line
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
-from mxlaunch.errors import MxlaunchError, UsageError
+from mxlaunch.errors import UsageError
 from mxlaunch.fileutil import mark_used, process_start_time, write_json_atomic
 from mxlaunch.launch import port, process
 from mxlaunch.warmstart.zygote_starts import ZygoteStarts
 from mxlaunch.warmstart import lean_snapshot
 from mxlaunch.warmstart.engine_snapshots import EngineSnapshots
 from mxlaunch.launch.capture import CaptureSession
-from mxlaunch.launch.cleanup import SegmentRecord, read_own_json, reap_all_stale_runs, shm_entries, user_root
+from mxlaunch.launch.cleanup import SegmentRecord, reap_all_stale_runs, shm_entries, user_root
 from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
 from mxlaunch.launch.kernel import KernelCacheRun
 from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.launch.process import default_log_root
+from mxlaunch.launch.run_markers import Markers
+from mxlaunch.launch.run_stage import Staging
 from mxlaunch.safety.ownership import own_dir
 from mxlaunch.signal_relay import SignalRelay
 from mxlaunch.launch.shutdown import BudgetReader, Stopping
@@ -45,12 +48,11 @@ from mxlaunch.launch.stop_watchdog import StopWatchdog
 from mxlaunch.launch.logfile import open_log
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
 from mxlaunch.safety.redact import Scrubber, redact_text, redact_url, secret_values
-from mxlaunch.slurm import default_readers
 from mxlaunch.store.core import Store
 from mxlaunch.store.opener import open_store
 
 
-class Launcher(Stopping):
+class Launcher(Staging, Markers, Stopping):
     """Runs one LaunchPlan in the foreground. `emit(event, **fields)` reports progress."""
 
     def __init__(self, plan: LaunchPlan, opts: LaunchOptions, emit: Callable[..., None],
@@ -171,70 +173,6 @@ class Launcher(Stopping):
             if "mxlaunch" not in names:
                 env[allowlist] = ",".join(names + ["mxlaunch"])
         return env
-
-    def _start_stage(self) -> None:
-        if self.plan.strategy != "staged":
-            return
-        from mxlaunch.stage import default_per_file
-        from mxlaunch.staging.reader import StageJob
-        from mxlaunch.staging.sources import CopyItem
-
-        items, expected = [], {}
-        for f in self.plan.stage_files:
-            rank, inner = _rank_rel(f.path)
-            rel = f"{rank}/{inner}"
-            items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
-            expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
-        reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
-        store = self.store or open_store(self.opts.artifact_path)
-        if getattr(store, "remote", False):  # an S3 store: parallel ranged GETs into /dev/shm (staging/s3_stage.py)
-            job = store.stage_job(items, self.shm_dir / "stage", expected=expected, reserve_bytes=reserve).start()
-            self.stage_job = job
-            self._watch_stage(job)
-            return
-        readers = self.opts.readers or default_readers()
-        from mxlaunch.staging.lustre import layouts_of
-        from mxlaunch.staging.schedule import readers_for_layouts
-
-        layouts = layouts_of([i.src for i in items])  # a store on Lustre: the schedule keeps every OST busy
-        if not self.opts.readers_given:
-            readers = readers_for_layouts(readers, layouts)  # and enough readers to keep each OST deep
-        job = StageJob(items, self.shm_dir / "stage", readers=readers, expected=expected,
-                       per_file=default_per_file(readers), reserve_bytes=reserve, layouts=layouts)
-        job.start()
-        self.stage_job = job
-        self._watch_stage(job)
-
-    def _watch_stage(self, job: Any) -> None:
-        """Report the stage's end; a failure sends the engine to its default loader (the abort marker)."""
-
-        def watch() -> None:
-            try:
-                result = job.wait()
-                self.stage_result = result
-                self.emit("staged", bytes=result.bytes, seconds=round(result.seconds, 3),
-                          gib_per_s=round(result.gib_per_s, 3), o_direct=result.o_direct)
-                line = staged_line(result.bytes, result.seconds)
-                self.echo(line)
-                self._feed_profile(line)
-            except Exception as exc:  # noqa: BLE001 — reported to the plugin through the abort marker
-                self._abort_stage(getattr(exc, "message", str(exc)))
-
-        threading.Thread(target=watch, name="mx-stage-watch", daemon=True).start()
-
-    def _start_stage_or_fall_back(self) -> None:
-        """Start staging; if it cannot start (no room after all, a clash), the engine is already running:
-        it gets the abort marker and loads by its default loader, as when staging fails later."""
-        try:
-            self._start_stage()
-        except (MxlaunchError, OSError) as exc:
-            self._abort_stage(getattr(exc, "message", None) or str(exc))
-
-    def _abort_stage(self, reason: str) -> None:
-        """Staging failed: the abort marker sends the engine's plugin to its default loader; say why."""
-        self.stage_error = reason
-        write_json_atomic(own_dir(self.shm_dir / "markers") / ABORT, {"reason": reason}, private=True)
-        self.emit("fallback", reason=f"staging failed: {reason}")
 
     # -- the run --
 
@@ -395,43 +333,6 @@ class Launcher(Stopping):
     def published(self) -> bool:
         return self.capture is not None and self.capture.published
 
-    def _check_markers(self) -> None:
-        markers = self.shm_dir / "markers"
-        if self.capture is not None:
-            self.capture.poll()  # the claim holder publishes once every node's part is in (or gives up)
-        if not markers.is_dir():
-            return
-        for path in sorted(markers.glob("*.json")):
-            parsed = parse_marker_name(path)
-            if parsed is None:
-                continue
-            kind, rank = parsed
-            if kind == "loaded" and rank not in self.loaded:
-                self.loaded.add(rank)
-                self._free_stage(rank)  # give /dev/shm back as soon as no worker needs the files
-                self.emit("loaded", rank=rank, **self._read_marker(path))
-            elif kind == "fallback" and rank not in self.loaded:
-                self.loaded.add(rank)
-                self._free_stage(rank)
-                self.emit("fallback", rank=rank, reason=self._read_marker(path).get("reason", "?"))
-                if self.capture is not None:  # a capturing rank that fell back: no snapshot, free the claim now
-                    self.capture.on_fallback(rank)
-            elif kind == "captured" and self.capture is not None:
-                self.capture.on_captured(rank, self._read_marker(path))
-
-    def _read_marker(self, path: Path) -> dict:
-        """A marker's fields to report (the rendezvous file it may name is the cleanup's business)."""
-        data = _read_marker(path)
-        data.pop(RENDEZVOUS_FILE, None)
-        return data
-
-    def _free_stage(self, rank: int) -> None:
-        """Remove a snapshot rank's staged files once every local worker that reads them has loaded."""
-        snapshot_rank = next((w["snapshot_rank"] for w in self.plan.local_ranks if w["rank"] == rank), rank)
-        sharing = {w["rank"] for w in self.plan.local_ranks if w["snapshot_rank"] == snapshot_rank}
-        if sharing <= self.loaded:
-            shutil.rmtree(self.shm_dir / "stage" / str(snapshot_rank), ignore_errors=True)
-
     def _report_ready(self) -> None:
         seconds = self.ready_at - self.t0
         with self._profile_lock:
@@ -452,12 +353,6 @@ def serves_http(spec: LaunchSpec) -> bool:
     """False on the worker nodes of a multi-node run: they never answer /health, so readiness is not
     awaited there and the ready timeout does not apply."""
     return spec_engine(spec).serves_http(spec)
-
-
-def _read_marker(path: Path) -> dict:
-    """A marker's fields, read only from a file of this user's that nobody else can write (read_own_json)."""
-    data = read_own_json(path)
-    return {k: v for k, v in data.items() if k != "rank"} if isinstance(data, dict) else {}
 
 
 def _client_host(host: Optional[str]) -> str:
