@@ -38,9 +38,9 @@ sglang-venv: $(SGLANG_STAMP)
 # CRIU 4.2.1 for the zygote-image and engine-snapshot tests (real dumps and restores): built from Debian's source when run as root
 # (apt), else left out — those tests then skip and say why. Its log is .criu4-kit.log.
 CRIU_KIT = .criu4-kit/run.sh
-$(CRIU_KIT): scripts/build_criu_kit.sh
+$(CRIU_KIT): scripts/kits/build_criu_kit.sh
 	@if [ "$$(id -u)" = 0 ]; then \
-	  bash scripts/build_criu_kit.sh > .criu4-kit.log 2>&1 || { tail -20 .criu4-kit.log; exit 1; }; \
+	  bash scripts/kits/build_criu_kit.sh > .criu4-kit.log 2>&1 || { tail -20 .criu4-kit.log; exit 1; }; \
 	else echo "not root: no CRIU kit (the zygote-image tests skip)"; fi
 
 criu-kit: $(CRIU_KIT)
@@ -50,11 +50,11 @@ demo: $(STAMP)
 
 # The unit tests need only $(VENV): they run while SGLang's venv installs (the live tests wait for it).
 test: $(STAMP)
-	MXLAUNCH_LIVE_SETUP='$(MAKE) $(SGLANG_STAMP) criu-kit' bash scripts/run_tests.sh
+	MXLAUNCH_LIVE_SETUP='$(MAKE) $(SGLANG_STAMP) criu-kit' bash scripts/services/run_tests.sh
 
 # Every test, the `full` ones too (second live runs of covered capabilities): before each release of a capability.
 test-full: $(STAMP)
-	MXLAUNCH_LIVE_SETUP='$(MAKE) $(SGLANG_STAMP) criu-kit' bash scripts/run_tests.sh --full
+	MXLAUNCH_LIVE_SETUP='$(MAKE) $(SGLANG_STAMP) criu-kit' bash scripts/services/run_tests.sh --full
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache

@@ -99,7 +99,7 @@ VARIABLES: dict[str, str] = {
     P2P_CUDA_IPC: "0: same-host P2P pulls go over NIXL too and sources export no CUDA IPC handles (default 1)",
     NIXL_PROGRESS_THREAD: "P2P: 0 starts NIXL agents without their progress thread (default 1)",
     CRIU: "the CRIU 4+ binary for `launch --zygote` images and the doctor's CRIU rows, e.g. the kit's "
-          "`.criu4-kit/run.sh` (scripts/build_criu_kit.sh; default: `criu` on PATH)",
+          "`.criu4-kit/run.sh` (scripts/kits/build_criu_kit.sh; default: `criu` on PATH)",
     SNAPSHOT_DIR: "set by the engine-snapshot path for the engine: where each engine process reports, on SIGUSR2, that "
                   "it released NVML for a CRIU dump (never set it by hand)",
     ENGINE_SNAPSHOTS: "where `launch --engine-snapshot` keeps its snapshots (node-local; they hold the engine's memory, "
@@ -129,7 +129,7 @@ def engine_snapshots(environ: Mapping[str, str] = os.environ) -> Optional[Path]:
 def snapshot_sleep(environ: Mapping[str, str] = os.environ) -> int:
     """How an engine snapshot of vLLM on a GPU sleeps the engine first ($MXLAUNCH_SNAPSHOT_SLEEP): 0 awake, 1 at
     level 1 (the KV cache left out), 2 or "lean" at level 2 (the weights left out too, refilled from the
-    snapshot at a restore: warmstart/lean_snapshot.py). Anything else is 0. Opt-in until GPU runs have shown each
+    snapshot at a restore: launch/lean_snapshot.py). Anything else is 0. Opt-in until GPU runs have shown each
     restore and serve exactly."""
     value = environ.get(SNAPSHOT_SLEEP, "0").strip().lower()
     return {"1": 1, "2": 2, "lean": 2}.get(value, 0)
@@ -331,7 +331,7 @@ def _checked_int(name: str, key: str, value: str, least: int) -> int:
     return int(value)
 
 
-# Measured on the 2×H200 machine (docs/benchmarks.md, scripts/bench_p2p.py --knob-sweep): NIXL's UCX thread
+# Measured on the 2×H200 machine (docs/benchmarks.md, scripts/bench/bench_p2p.py --knob-sweep): NIXL's UCX thread
 # pool splits one request over 4 UCX workers, i.e. 4 CUDA streams to the peer GPU (UCX's cuda_ipc puts every
 # copy from one peer on one stream otherwise): 346 GiB/s, 0.95× a torch peer copy, against 180–216 with
 # NIXL's defaults. Set either variable (even to "") to replace these.

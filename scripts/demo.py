@@ -3,7 +3,7 @@
 
     make demo          # or: .venv/bin/python scripts/demo.py [--size 300MiB]
 
-1. builds a random Llama + tokenizer in code (scripts/make_tiny_model.py; no downloads);
+1. builds a random Llama + tokenizer in code (scripts/kits/make_tiny_model.py; no downloads);
 2. first launch — nothing in the store yet: vLLM loads the checkpoint its own way and mxlaunch
    captures a per-rank snapshot on the way; `mxlaunch verify --record` keeps its logprobs as gold;
 3. second launch — the snapshot exists: it is staged into /dev/shm while vLLM starts and the
@@ -105,7 +105,7 @@ def main() -> int:
         say(f"1/4 build a random Llama ({args.size}) and its tokenizer, in code")
         if not (model / "config.json").exists():
             shutil.rmtree(model, ignore_errors=True)
-            subprocess.run([PY, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model), "--size", args.size],
+            subprocess.run([PY, str(REPO / "scripts" / "kits" / "make_tiny_model.py"), "--out", str(model), "--size", args.size],
                            check=True)
         else:
             print(f"reusing {model.relative_to(REPO)}")

@@ -42,7 +42,7 @@ def _kernel_caches_in_the_session_tmp(tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server for the session (scripts/start_redis.sh) with a random `requirepass`, as
+    """A real redis-server for the session (scripts/services/start_redis.sh) with a random `requirepass`, as
     `redis://:PASSWORD@127.0.0.1:PORT/0`.
     Tests that use it are marked `redis`; each one flushes the database it needs."""
     from tests.helpers.redis_server import redis_session

@@ -36,7 +36,7 @@ class RequestResult:
 # worker keeps one keep-alive connection (TCP_NODELAY), chunked transfer and SSE are decoded by hand,
 # and every timestamp is taken in data_received() — as the bytes arrive, before any parsing — so the
 # client's own work does not inflate TTFT or ITL. httpx (used everywhere else) adds ~2 ms per request
-# on a 2-core box: far over the 2 % budget that scripts/bench_client.py enforces.
+# on a 2-core box: far over the 2 % budget that scripts/bench/bench_client.py enforces.
 
 
 def _http_error(status: int, body: bytes) -> str:

@@ -7,7 +7,7 @@ of requests and by --max-duration (requests still running then are cancelled and
 
 The hot path is a lean HTTP/1.1 client on an asyncio Protocol (mxlaunch/bench/client.py: one keep-alive
 connection per in-flight request; TTFT counts from sending the request, connection set-up excluded;
-timestamps are time.perf_counter() taken in data_received(), as the bytes arrive). scripts/bench_client.py
+timestamps are time.perf_counter() taken in data_received(), as the bytes arrive). scripts/bench/bench_client.py
 measures the client's own overhead against a trivial local streaming server.
 """
 

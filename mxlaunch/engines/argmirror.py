@@ -1,7 +1,7 @@
 """argparse, mirrored: what both engines' argv parsers share (engines/vllm_argv.py, engines/sglang_argv.py).
 
 mxlaunch reads engine command lines without importing the engine (a login node has none), so each
-engine carries its parser's option table, generated from the engine's own parser (scripts/gen_*_flags.py,
+engine carries its parser's option table, generated from the engine's own parser (scripts/kits/gen_*_flags.py,
 drift-checked by the oracle tests), and this module splits tokens the way argparse does over such a
 table: launch forms (`python -m MODULE` and console scripts), flags and their values by arity, the
 `--config FILE.yaml` mapping turned into flags, and which fields a command sets itself. What differs

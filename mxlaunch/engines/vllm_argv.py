@@ -40,7 +40,7 @@ from mxlaunch.errors import UsageError
 #
 # Which flags take a value. vLLM's argparse knows, but asking it means importing vLLM (~9 s, torch).
 # Instead mxlaunch carries vLLM's own table (engines/vllm_flags.py, generated from the installed parser
-# by scripts/gen_vllm_flags.py; tests check it against the installed parser, so a vLLM upgrade that
+# by scripts/kits/gen_vllm_flags.py; tests check it against the installed parser, so a vLLM upgrade that
 # changes it fails loudly): boolean flags (also `--no-X` for BooleanOptionalAction ones), multi-value ones
 # (nargs "+": every following token up to the next flag), `--hf-token` (an optional value), the short
 # aliases, and every one-value flag. A flag the table does not know (a newer

@@ -12,7 +12,7 @@ Settings (docs/plugin.md): MXLAUNCH_GPU_COPY = auto (files registered early + ri
 hybrid (registrar in the weight phase + ring) | register | pageable; MXLAUNCH_GPU_READERS = ring readers (default one per core, at most 16);
 MXLAUNCH_GPU_CHUNK_MIB = one slot (default 16; 2 slots per reader: 512 MiB pinned at 16 readers);
 MXLAUNCH_GPU_REGISTRARS / MXLAUNCH_GPU_REGISTER_MIB for the registering modes. On the 1×H200 machine
-the ring alone was fastest (scripts/bench_gpu_load.py --sweep, docs/benchmarks.md).
+the ring alone was fastest (scripts/bench/bench_gpu_load.py --sweep, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A CPU engine's parameters come from `torch.empty`: memory no page backs yet. A `
 page fault per 4 KiB page inside the kernel's copy (524,288 for 2 GiB), each allocating and zeroing its
 page. Filling the range's page tables first in one call (`MADV_POPULATE_WRITE`, Linux ≥ 5.14) does the
 same work without the fault path: the restore of a 2 GiB Llama-shaped model on the 2-core VM went from
-0.66 s to 0.50 s (1.31×, medians of 5 fresh processes, `scripts/bench_cpu_restore.py`).
+0.66 s to 0.50 s (1.31×, medians of 5 fresh processes, `scripts/bench/bench_cpu_restore.py`).
 
 Asking for 2 MiB pages as well (`MADV_HUGEPAGE` on the tensor's aligned interior; THP is "madvise" on most
 distributions) was bimodal there: 0.37–0.42 s when huge pages were free, 1.15–1.59 s when the kernel

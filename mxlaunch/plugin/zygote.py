@@ -20,7 +20,7 @@ PR_SET_PDEATHSIG does. The zygote is single-threaded (select on the socket and o
 forking it is safe, and it exits after --idle-s seconds with no child and no request, or when its socket is
 removed or replaced.
 
-With --image-log LOG (the launcher can run CRIU, warmstart/zygote_image.py), the zygote stands still after its
+With --image-log LOG (the launcher can run CRIU, launch/zygote_image.py), the zygote stands still after its
 imports, where CRIU can dump it: every descriptor on /dev/null (a log file that grows would fail CRIU's size
 check on restore), nothing listening, polling for `<key>.resume`. The launcher claims the dump by renaming
 `<key>.dumpable`, dumps (which stops this process) and restores the image; the restored copy reads the
@@ -114,7 +114,7 @@ def device_files() -> List[str]:
 
 def release_nvml() -> None:
     """NVML left initialised by the imports holds /dev/nvidiactl, /dev/nvidia0 and the caps files open (vLLM
-    0.26's platform detection calls nvmlInit while it is imported: scripts/probe_cuda_init.py on the H200).
+    0.26's platform detection calls nvmlInit while it is imported: scripts/probes/probe_cuda_init.py on the H200).
     Shut it down before a dump: whoever uses it next initialises it again. Only when the library is already
     loaded: never load it for this."""
     try:
@@ -193,7 +193,7 @@ def become_engine(req: dict, out_fd: int, life_fd: int, entry: Tuple[str, str]) 
         os.close(fd)
     os.environ.clear()
     os.environ.update(req["env"])
-    tempfile.tempdir = None  # the zygote imported under its own pinned TMPDIR (warmstart/zygote_env.py): use the request's
+    tempfile.tempdir = None  # the zygote imported under its own pinned TMPDIR (launch/zygote_env.py): use the request's
     os.chdir(req["cwd"])
     if os.environ.get("PYTHONUNBUFFERED"):
         for stream in (sys.stdout, sys.stderr):

@@ -4,7 +4,7 @@ keeps them (`readinto`, the GIL released while the kernel copies), with no Pytho
 Why: the S3 staging path is CPU-bound in the client, not in the server. On the 2-core VM against a local
 SeaweedFS, httpx's streaming (a bytes object per read, then `pwrite`) staged 1 GiB at 0.28–0.38 GiB/s while
 the same 16 connections reading into an mmap with the standard library's http.client reached 0.69–0.79 GiB/s
-(scripts/bench_s3_stage.py, docs/benchmarks.md). Used for presigned S3 URLs (no redirects, no auth header,
+(scripts/bench/bench_s3_stage.py, docs/benchmarks.md). Used for presigned S3 URLs (no redirects, no auth header,
 plain HTTP(S)); a URL a proxy variable applies to stays on httpx, which honours proxies. Each chunk's pages are
 allocated with `posix_fallocate` before they are written, so a full filesystem is ENOSPC there, never a
 SIGBUS from a page the mapping could not get.

@@ -1,6 +1,6 @@
 """Sample `lfs getstripe` outputs, plain and `-y` YAML, for plain and PFL composite files: written from Lustre's
 documented output formats (Lustre cannot be installed on the machines that run the unit tests). They are the
-parser's reference inputs (tests/unit/test_lustre.py) and the layouts scripts/bench_ost_model.py simulates, so
+parser's reference inputs (tests/unit/test_lustre.py) and the layouts scripts/bench/bench_ost_model.py simulates, so
 the benchmark runs without the test suite."""
 
 # `lfs getstripe FILE` for a plain file striped over 4 OSTs (Lustre 2.x plain output).

@@ -15,7 +15,7 @@ holds the caller's real copy of the bytes inside the modelled transfer, as a rea
 during it. Time advances from one part's end to the next, whenever its thread wakes, so a thread that
 wakes late (64 of them on 2 cores) delays only its own next request, not its OST's other ones.
 
-Only code passes a model (StageJob(ost_model=...), scripts/bench_ost_model.py): no setting turns it on,
+Only code passes a model (StageJob(ost_model=...), scripts/bench/bench_ost_model.py): no setting turns it on,
 so no production staging is ever slowed by it. It records each OST's delivered bytes over time, the time
 it had work and its requests in flight, for the per-OST utilisation and depth the benchmark reports.
 """

@@ -5,7 +5,7 @@ completes first, so a consumer (the engine's loader) can start on it while later
 With Lustre layouts, chunks are cut at stripe boundaries so each touches one OST, and the next chunk
 goes to the OST with the fewest requests in flight, under a per-OST depth bound, earliest file first.
 The bound is the readers shared by the OSTs that still have chunks to hand out: an OST needs many
-requests in flight to reach its ceiling (scripts/bench_ost_model.py), so when the last files' OSTs are
+requests in flight to reach its ceiling (scripts/bench/bench_ost_model.py), so when the last files' OSTs are
 all that is left, they get every reader. For the same reason an OST's last chunks are handed out in
 smaller pieces (2 MiB at the least): its final requests then still fill its depth, instead of a few
 whole chunks running alone at the bottom of its curve.

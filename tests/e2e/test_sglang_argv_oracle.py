@@ -94,7 +94,7 @@ def test_what_sglang_refuses_mxlaunch_refuses(tmp_path: Path) -> None:
 
 def test_the_option_table_matches_the_installed_sglang() -> None:
     python = sglang_python()
-    proc = subprocess.run([str(python), str(REPO / "scripts" / "gen_sglang_flags.py")], capture_output=True,
+    proc = subprocess.run([str(python), str(REPO / "scripts" / "kits" / "gen_sglang_flags.py")], capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     carried = (REPO / "mxlaunch" / "engines" / "sglang_flags.py").read_text()

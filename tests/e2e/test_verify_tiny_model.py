@@ -1,4 +1,4 @@
-"""scripts/make_tiny_model.py: byte-identical per seed, different across seeds, loadable shapes."""
+"""scripts/kits/make_tiny_model.py: byte-identical per seed, different across seeds, loadable shapes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Zygote images with a real CRIU (4.1.1 from scripts/build_criu_kit.sh; `make test` builds it when run as root):
+"""Zygote images with a real CRIU (4.1.1 from scripts/kits/build_criu_kit.sh; `make test` builds it when run as root):
 a zygote that has imported torch is dumped into the store, restored at once to serve, and restored again, from
 the image, after it was stopped — as a node's first start does — and each restored copy forks working engines.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.warmstart import criu, zygote, zygote_env, zygote_image
+from mxlaunch.launch import criu, zygote, zygote_env, zygote_image
 from tests.unit.test_zygote import _env, _stop, module_dir  # noqa: F401 — the fixture
 
 pytestmark = pytest.mark.e2e

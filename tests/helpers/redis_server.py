@@ -1,4 +1,4 @@
-"""A real redis-server for the redis tests: scripts/start_redis.sh starts it (installing Debian's package
+"""A real redis-server for the redis tests: scripts/services/start_redis.sh starts it (installing Debian's package
 with apt-get when missing and running as root — CI's case) on a free loopback port, no persistence, with
 `requirepass` (mxlaunch refuses a Redis registry without a password): the URL carries the password."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[2]
-START = REPO / "scripts" / "start_redis.sh"
+START = REPO / "scripts" / "services" / "start_redis.sh"
 
 
 def start_redis(folder: Path, password: str | None = None) -> str:

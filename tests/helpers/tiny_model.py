@@ -1,4 +1,4 @@
-"""Tiny random models for tests, made by scripts/make_tiny_model.py and cached by content.
+"""Tiny random models for tests, made by scripts/kits/make_tiny_model.py and cached by content.
 
 The cache key is the generator script's sha256 + seed + size, so a changed script makes new models.
 Concurrent test sessions share the cache safely (a file lock; the script publishes by rename).
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "make_tiny_model.py"
+SCRIPT = REPO / "scripts" / "kits" / "make_tiny_model.py"
 
 
 def model_key(seed: int = 0, size: str = "tiny", vocab: int | None = None) -> str:

@@ -1,6 +1,6 @@
 """A real Slurm cluster for the session: Debian's slurmctld + slurmd + munge, two nodes on this host.
 
-`slurm_cluster` runs scripts/start_slurm.sh (it installs the packages with apt-get when they are
+`slurm_cluster` runs scripts/services/start_slurm.sh (it installs the packages with apt-get when they are
 missing — CI runs as root on a fresh machine), which writes a slurm.conf for localhost into the
 session's temp folder, starts munged, slurmctld and two slurmd (`slurmd -N mx1`, `-N mx2`, their own
 ports) and waits until sinfo shows both idle; the daemons stop at the end of the session. Jobs are
@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:
 from tests.helpers.tiny_model import cached_model  # noqa: E402
 from tests.helpers.vllm_server import VLLM_ENV  # noqa: E402
 
-START = REPO / "scripts" / "start_slurm.sh"
+START = REPO / "scripts" / "services" / "start_slurm.sh"
 TEMPLATES = REPO / "slurm"
 
 

@@ -2,7 +2,7 @@
 
 There is no GPU here (CI has none); what is real: the files in /dev/shm, their read-only mappings, the
 thread that waits for them to land, and the take/claim/stop rules the restore relies on. The driver
-calls themselves ran on the H200 (scripts/bench_gpu_load.py, docs/benchmarks.md).
+calls themselves ran on the H200 (scripts/bench/bench_gpu_load.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The pure parts of the GPU copy path (windows, modes, file kinds); the copies themselves need a GPU.
 
-What ran on a GPU is in docs/benchmarks.md (scripts/bench_gpu_load.py, scripts/gpu_model_proof.py).
+What ran on a GPU is in docs/benchmarks.md (scripts/bench/bench_gpu_load.py, scripts/bench/gpu_model_proof.py).
 """
 
 from __future__ import annotations

@@ -484,17 +484,17 @@ def test_to_json_round_trip(tmp_path) -> None:
 
 
 def test_generated_table_has_not_drifted_from_installed_vllm(oracle) -> None:
-    """engines/vllm_flags.py is what scripts/gen_vllm_flags.py makes of the installed vLLM's parser."""
+    """engines/vllm_flags.py is what scripts/kits/gen_vllm_flags.py makes of the installed vLLM's parser."""
     import importlib.util
 
     from mxlaunch.engines import vllm_flags
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "gen_vllm_flags.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "kits" / "gen_vllm_flags.py"
     spec = importlib.util.spec_from_file_location("gen_vllm_flags", script)
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     table = {k: v for k, v in gen.option_table(oracle.api_parser).items() if k.startswith("--")}
-    fix = "regenerate: python scripts/gen_vllm_flags.py > mxlaunch/engines/vllm_flags.py"
+    fix = "regenerate: python scripts/kits/gen_vllm_flags.py > mxlaunch/engines/vllm_flags.py"
     assert table == vllm_flags.OPTIONS, (fix, sorted(set(table.items()) ^ set(vllm_flags.OPTIONS.items()))[:10])
     assert gen.short_aliases(oracle.api_parser) == vllm_flags.SHORT, fix
     assert vllm_flags.VLLM_VERSION == gen.version(), fix
