@@ -19,7 +19,7 @@ PRESHARDED = "sglang-presharded"  # SGLang's presharded dump: one folder every r
 SHARED_FOLDER_FORMATS = (PRESHARDED,)  # formats whose one folder serves every rank (single node only)
 # a zygote's files in its folder, one set per key (warmstart/zygote.py starts and uses it; plugin/zygote.py serves)
 ZYGOTE_SOCKET, ZYGOTE_INFO, ZYGOTE_REFUSED = ".sock", ".json", ".refused"
-# the zygote image handshake (plugin/zygote.py `await_image`, warmstart/zygote_image.py): the zygote stands still and
+# the zygote image handshake (plugin/zygote_dump.py `await_image`, warmstart/zygote_image.py): the zygote stands still and
 # says so (.dumpable), the launcher claims it (renamed .dumping) and dumps it; a restore is told where to log (.resume)
 ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME = ".dumpable", ".dumping", ".resume"
 SNAPSHOT_VERSION = 1  # bump when the raw snapshot's layout changes: old snapshots stop matching

@@ -220,7 +220,7 @@ def _write_done(folder: str, action: str, error: Optional[BaseException], result
 
 def release_and_report(folder: str) -> dict[str, Any]:
     """Shut NVML down and say which GPU device files this process still holds."""
-    from mxlaunch.plugin.zygote import device_files, release_nvml  # noqa: PLC0415 — only when signalled
+    from mxlaunch.plugin.zygote_dump import device_files, release_nvml  # noqa: PLC0415 — only when signalled
 
     report: dict[str, Any] = {"pid": os.getpid()}
     try:

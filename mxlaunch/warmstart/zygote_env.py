@@ -1,6 +1,6 @@
 """The environment a zygote's imports read: what its key (and its image's) holds of the environment.
 
-A forked engine gets the request's whole environment (plugin/zygote.py become_engine), so a variable matters
+A forked engine gets the request's whole environment (plugin/zygote_child.py become_engine), so a variable matters
 to the key only when the engine's imports read it before the fork and keep what they read (a module constant,
 a config default). Everything else — which Slurm job, node, host or shell this is — reaches the child at fork,
 and a new job hits the image the last one left in the store (issue 42).

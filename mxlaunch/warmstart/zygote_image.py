@@ -14,7 +14,7 @@ Layout, under the store's root (a node-local mirror for an S3 store):
             *.img                   CRIU's files
         .<key>.<pid>.tmp/           a dump in progress
 
-The flow (the plugin's half is plugin/zygote.py `await_image`):
+The flow (the plugin's half is plugin/zygote_dump.py `await_image`):
 - after ready, `ImageMaker` starts the zygote with --image-log; once it stands still (`<key>.dumpable`), the
   maker claims it, dumps it (CRIU stops it), publishes the image and restores it at once to serve this node;
 - a later start with no zygote: `restore_zygote` writes `<key>.resume` (where to log), restores the image and

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 IMPORT_PROBE = r'''
 import json, os, sys, threading, time, traceback
 sys.path.insert(0, sys.argv[2])
-from mxlaunch.plugin.zygote import device_files  # what the zygote checks before a dump (stdlib only)
+from mxlaunch.plugin.zygote_dump import device_files  # what the zygote checks before a dump (stdlib only)
 sys.setswitchinterval(1e-4)
 t0 = time.perf_counter()
 main = threading.main_thread().ident
@@ -69,7 +69,7 @@ print("PROBE " + json.dumps({"import_s": round(took, 2), "driver_init_calls": ca
 IPC_PROBE = r'''
 import json, multiprocessing as mp, os, sys, time
 sys.path.insert(0, sys.argv[2])
-from mxlaunch.plugin.zygote import device_files
+from mxlaunch.plugin.zygote_dump import device_files
 MiB = 1 << 20
 
 def source(conn):

@@ -142,7 +142,7 @@ def test_the_handler_reports_after_releasing_nvml(tmp_path: Path, monkeypatch: p
     """No NVML here: the release and the device-file scan are recorded stand-ins (zygote.release_nvml's own rule,
     shut down only what is loaded, is the zygote tests'); the report must come after the release and say what
     the process still holds then."""
-    from mxlaunch.plugin import zygote as plugin_zygote
+    from mxlaunch.plugin import zygote_dump as plugin_zygote
 
     calls: list[str] = []
     monkeypatch.setattr(plugin_zygote, "release_nvml", lambda: calls.append("release"))

@@ -246,7 +246,7 @@ def test_markers_never_go_through_a_planted_link(tmp_path: Path) -> None:
 
 def test_the_snapshot_handler_writes_through_no_planted_link_and_refuses_a_folder_others_write(
         shm: Path, intruder: User, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mxlaunch.plugin import zygote as plugin_zygote
+    from mxlaunch.plugin import zygote_dump as plugin_zygote
 
     monkeypatch.setattr(plugin_zygote, "release_nvml", lambda: None)
     monkeypatch.setattr(plugin_zygote, "device_files", lambda: [])

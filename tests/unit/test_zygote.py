@@ -180,7 +180,7 @@ def test_the_serving_loop_returns_only_after_idle_s_without_a_request_or_once_it
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The zygote's loop on a clock that moves only when its select waits out its timeout: it returns once
     idle_s has passed with no request and no child, not before; a removed socket ends it at its next wake."""
-    from mxlaunch.plugin import zygote as plugin
+    from mxlaunch.plugin import zygote_server as plugin
 
     clock = [1000.0]
 
@@ -313,7 +313,7 @@ def test_a_request_from_another_uid_is_refused_by_the_kernels_word_on_the_peer(
     uid (SO_PEERCRED) is closed before its descriptors or its request are read: nothing is forked for it."""
     import subprocess
 
-    from mxlaunch.plugin import zygote as plugin
+    from mxlaunch.plugin import zygote_server as plugin
     from tests.helpers.second_user import SYSTEM_PYTHON, intruder_or_skip
 
     intruder = intruder_or_skip()

@@ -146,7 +146,7 @@ def test_a_zygote_that_holds_gpu_device_files_is_not_dumped_and_the_event_says_w
     says it in the event, removes the marker and dumps nothing. A real zygote started for an image, whose
     preloaded module makes its device-file scan report /dev/nvidiactl (no GPU here)."""
     (module_dir / "mxz_gpu.py").write_text(
-        "import sys\nsys.modules['__main__'].device_files = lambda: ['/dev/nvidiactl']  # the zygote's own scan\n")
+        "import sys\nsys.modules['mxlaunch.plugin.zygote_dump'].device_files = lambda: ['/dev/nvidiactl']  # its scan\n")
     env = _env(module_dir)
     entry = zygote.ZygoteEntry(sys.executable, "module", "mxz_child", (), ("mxz_gpu",))
     key = zygote.zygote_key(entry, "1", env, str(module_dir))
