@@ -2,7 +2,7 @@
 
 Why a module of its own: the zygote image (warmstart/zygote_image.py) is the first user, and the engine snapshot
 (issue 24) would be the next; both need the same binary lookup, the same "problem — fix" errors and the same
-log handling. The binary is settings.CRIU (for example the kit `scripts/build_criu_kit.sh` builds:
+log handling. The binary is settings.CRIU (for example the kit `scripts/kits/build_criu_kit.sh` builds:
 `.criu4-kit/run.sh`), else `criu` on PATH. CRIU older than 4.0 fails on recent kernels, so it is not used.
 
 What a restore needs (measured, docs/benchmarks.md): the original pid and thread ids free on this node, the
@@ -33,7 +33,7 @@ def why_not(environ: Mapping[str, str] = os.environ, status_text: Optional[str] 
     binary = criu_binary(environ)
     if binary is None:
         where = f"{CRIU_ENV}={environ[CRIU_ENV]} is not executable" if environ.get(CRIU_ENV) else "no criu on PATH"
-        return None, f"{where} (scripts/build_criu_kit.sh builds CRIU 4.2.1; point {CRIU_ENV} at its run.sh)"
+        return None, f"{where} (scripts/kits/build_criu_kit.sh builds CRIU 4.2.1; point {CRIU_ENV} at its run.sh)"
     if status_text is None:
         try:
             status_text = Path("/proc/self/status").read_text()

@@ -55,7 +55,7 @@ class CheckpointSupport:
         return not self.blockers
 
 
-CRIU_FIX = ("install CRIU 4.0+ (Debian 13: apt install criu; elsewhere scripts/build_criu_kit.sh "
+CRIU_FIX = ("install CRIU 4.0+ (Debian 13: apt install criu; elsewhere scripts/kits/build_criu_kit.sh "
             "builds one with its libraries)")
 
 
@@ -84,7 +84,7 @@ def socket_blocker(criu_ver: Optional[tuple[int, ...]], release: str) -> Optiona
     criu#2705): an engine (its HTTP socket) cannot be dumped; a zygote (no TCP socket) can."""
     if criu_ver is not None and criu_ver < (4, 2) and kernel_version(release) >= (6, 16):
         return (f"criu {'.'.join(map(str, criu_ver))} cannot dump a TCP socket on kernel {release} (6.16+) — "
-                "use CRIU 4.2 or newer (scripts/build_criu_kit.sh builds 4.2.1)")
+                "use CRIU 4.2 or newer (scripts/kits/build_criu_kit.sh builds 4.2.1)")
     return None
 
 
