@@ -129,7 +129,7 @@ def engine_snapshots(environ: Mapping[str, str] = os.environ) -> Optional[Path]:
 def snapshot_sleep(environ: Mapping[str, str] = os.environ) -> int:
     """How an engine snapshot of vLLM on a GPU sleeps the engine first ($MXLAUNCH_SNAPSHOT_SLEEP): 0 awake, 1 at
     level 1 (the KV cache left out), 2 or "lean" at level 2 (the weights left out too, refilled from the
-    snapshot at a restore: launch/lean_snapshot.py). Anything else is 0. Opt-in until GPU runs have shown each
+    snapshot at a restore: warmstart/lean_snapshot.py). Anything else is 0. Opt-in until GPU runs have shown each
     restore and serve exactly."""
     value = environ.get(SNAPSHOT_SLEEP, "0").strip().lower()
     return {"1": 1, "2": 2, "lean": 2}.get(value, 0)

@@ -35,7 +35,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from mxlaunch.launch import criu  # noqa: E402
+from mxlaunch.warmstart import criu  # noqa: E402
 from tests.helpers.cli import compare_gold, run_cli  # noqa: E402
 from tests.helpers.launcher import LaunchProcess  # noqa: E402
 from tests.helpers.tiny_model import make_model  # noqa: E402

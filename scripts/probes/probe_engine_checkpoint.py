@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Probe an engine snapshot's two halves on this node (issue 24): CRIU's, and the CUDA checkpoint API's.
 
-1. What mxlaunch's doctor decides (mxlaunch/engine_checkpoint.py): capabilities, `criu`, the driver's API.
+1. What mxlaunch's doctor decides (mxlaunch/warmstart/engine_checkpoint.py): capabilities, `criu`, the driver's API.
 2. The GPU half, measured: a child process fills --gib GiB of GPU memory with random bytes and keeps a host
    copy; this process drives the driver's checkpoint API on it (lock → checkpoint: GPU state into the
    child's host memory, the GPU memory released → restore → unlock), then the child checks every byte and
@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from mxlaunch import engine_checkpoint  # noqa: E402
+from mxlaunch.warmstart import engine_checkpoint  # noqa: E402
 
 CHILD = r"""
 import sys, torch

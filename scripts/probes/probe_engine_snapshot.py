@@ -3,7 +3,7 @@
 for its GPU state, CRIU for the processes), restore it, and check that it serves the same numbers.
 
 Issue 24's last build item. The halves were proven apart (scripts/probes/probe_engine_checkpoint.py: the driver API
-on a torch process, 2026-12-02; launch/zygote_image.py: CRIU 4.1.1 on an imported interpreter, 2026-12-04);
+on a torch process, 2026-12-02; warmstart/zygote_image.py: CRIU 4.1.1 on an imported interpreter, 2026-12-04);
 this runs them together on a served engine, step by step, and records what each step did, so a failure says
 which half refused and why:
 
@@ -41,10 +41,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from mxlaunch import engine_checkpoint  # noqa: E402
-from mxlaunch.launch import no_io_uring  # noqa: E402
-from mxlaunch.launch.engine_snapshot import catches  # noqa: E402
-from mxlaunch.launch.engine_snapshot import process_tree as tree  # noqa: E402
+from mxlaunch.warmstart import engine_checkpoint  # noqa: E402
+from mxlaunch.warmstart import no_io_uring  # noqa: E402
+from mxlaunch.warmstart.engine_snapshot import catches  # noqa: E402
+from mxlaunch.warmstart.engine_snapshot import process_tree as tree  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 from gpu_engine_e2e import verify  # noqa: E402  — the harness's: record the gold, or compare with it
@@ -325,7 +325,7 @@ def main() -> int:
                 cuda.step("restore", p)
                 cuda.step("unlock", p)
             return 1
-        (args.images / "timens-0.img").unlink(missing_ok=True)  # restore on the node's clocks (launch/criu.py)
+        (args.images / "timens-0.img").unlink(missing_ok=True)  # restore on the node's clocks (warmstart/criu.py)
         # --link-remap made link_remap.N files (an unlinked file kept alive by a link, e.g. a POSIX semaphore's
         # first name); a restore consumes them, so keep their dump-time contents for every later restore
         remaps = [f for f in Path("/dev/shm").glob("link_remap.*")]

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.fileutil import pid_alive
-from mxlaunch.launch import engine_snapshot as es
+from mxlaunch.warmstart import engine_snapshot as es
 from tests.e2e.test_zygote_image import usable_criu
 from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.launch import criu, zygote, zygote_env, zygote_image
+from mxlaunch.warmstart import criu, zygote, zygote_env, zygote_image
 from tests.unit.test_zygote import _env, _stop, module_dir  # noqa: F401 — the fixture
 
 pytestmark = pytest.mark.e2e

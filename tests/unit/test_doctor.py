@@ -114,7 +114,7 @@ STATUS = "Name:\tpython3\nCapInh:\t0000000000000000\nCapEff:\t{}\nCapBnd:\t00000
                                              ("0000010000000000", True),  # CAP_CHECKPOINT_RESTORE alone
                                              ("0000000000000000", False)])
 def test_the_engine_snapshot_row_names_each_missing_half_with_its_fix(capeff: str, caps_ok: bool) -> None:
-    from mxlaunch import engine_checkpoint as ec
+    from mxlaunch.warmstart import engine_checkpoint as ec
     from mxlaunch.doctor import check_engine_checkpoint
 
     caps = ec.effective_caps(STATUS.format(capeff))
@@ -131,7 +131,7 @@ def test_the_engine_snapshot_row_names_each_missing_half_with_its_fix(capeff: st
 
 def test_a_criu_older_than_4_is_a_blocker_with_the_kit_as_fix() -> None:
     """Debian 12's criu 3.17.1 is on PATH there but fails `criu check` on 6.x kernels; a 4.1.1 build passes."""
-    from mxlaunch import engine_checkpoint as ec
+    from mxlaunch.warmstart import engine_checkpoint as ec
     from mxlaunch.doctor import check_engine_checkpoint
 
     assert ec.criu_version("Version: 3.17.1\n") == (3, 17, 1) and ec.criu_version("Version: 4.1.1\nGitID: x") == (4, 1, 1)
@@ -144,7 +144,7 @@ def test_a_criu_older_than_4_is_a_blocker_with_the_kit_as_fix() -> None:
 
 
 def test_the_cuda_checkpoint_api_is_read_from_libcuda_without_a_context() -> None:
-    from mxlaunch import engine_checkpoint as ec
+    from mxlaunch.warmstart import engine_checkpoint as ec
 
     class Lib:
         def cuDriverGetVersion(self, out) -> int:  # noqa: N802 — the driver's name
@@ -163,7 +163,7 @@ def test_the_cuda_checkpoint_api_is_read_from_libcuda_without_a_context() -> Non
 
 def test_the_zygote_image_row_says_whether_a_first_start_can_restore(tmp_path: Path) -> None:
     from mxlaunch.doctor import check_zygote_images
-    from mxlaunch.launch import criu
+    from mxlaunch.warmstart import criu
 
     fake = tmp_path / "criu"
     fake.write_text("#!/bin/sh\necho 'Version: 4.1.1'\n")
