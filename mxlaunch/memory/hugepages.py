@@ -83,7 +83,7 @@ class HugePager:
     reader. They wait rather than fill 4 KiB pages meanwhile because those fills would be measured
     into the verdict: on the 16-core H200 host, 16 threads filling 4 KiB pages pay 2.4–3.8 CPU s/GiB
     (their page allocations contend), a collapse made among 15 such threads cost 1.05–2.6 s/GiB, over
-    the limit, while collapses alone cost 0.4–0.7 with the copy (scripts/probes/probe_tmpfs_landing.py) — and
+    the limit, while collapses alone cost 0.4–0.7 with the copy (scripts/probes/probe_tmpfs_landing.py, retired) — and
     the S3 staging lost its 2 MiB pages, and a third of its rate, in two runs of three (docs/benchmarks.md).
     A probe is short (a collapse fills 2 MiB pages at several GiB/s), so the wait is milliseconds.
     After the probe, a running average over the last `window` bytes keeps watching: memory

@@ -3,7 +3,7 @@
 Why not NIXL there: between two processes on the *same* GPU, UCX (NIXL's backend) found no CUDA transport and
 fell back to "software emulation" over tcp/lo (the H200, vLLM 0.26: 7.94 GiB in 17.6 s, 0.45 GiB/s), while a
 device-to-device copy out of an IPC-mapped allocation ran at the GPU's own copy speed (1317 GiB/s,
-scripts/probes/probe_same_gpu_ipc.py). Peers on other hosts, or where the driver refuses, keep NIXL.
+scripts/probes/probe_same_gpu_ipc.py, retired). Peers on other hosts, or where the driver refuses, keep NIXL.
 
 Source: one handle per allocation holding a region (a region is the part of one caching-allocator segment,
 i.e. one cudaMalloc, that the served tensors use: transfer/regions.py), exported with `cuIpcGetMemHandle` on

@@ -1,5 +1,5 @@
 """Synthetic Llama-70B rank tensors on the GPU, shared by the GPU benchmarks (bench_gpu_load.py,
-bench_gpu_two_ranks.py, probe_two_gpu_files.py) so that none imports another."""
+bench_gpu_two_ranks.py) so that neither imports the other."""
 
 from __future__ import annotations
 
