@@ -2,7 +2,7 @@
 """Probe an engine snapshot on a GPU node: checkpoint an initialized vLLM engine (the CUDA driver's checkpoint API
 for its GPU state, CRIU for the processes), restore it, and check that it serves the same numbers.
 
-Issue 24's last build item. The halves were proven apart (scripts/probes/probe_engine_checkpoint.py: the driver API
+Issue 24's last build item. The halves were proven apart (scripts/probes/probe_engine_checkpoint.py, retired: the driver API
 on a torch process, 2026-12-02; warmstart/zygote_image.py: CRIU 4.1.1 on an imported interpreter, 2026-12-04);
 this runs them together on a served engine, step by step, and records what each step did, so a failure says
 which half refused and why:
