@@ -144,6 +144,23 @@ def test_no_script_needs_the_test_suite() -> None:
     assert bad == {}
 
 
+SCRIPT_KINDS = {"bench", "probes", "kits", "services"}  # issue 43: scripts sorted by kind, each named in the README
+SCRIPTS_AT_TOP = {"demo.py"}  # the README's demo (`make demo`): what a new reader runs first, so it stays in sight
+
+
+def test_every_script_lives_in_the_folder_of_its_kind() -> None:
+    scripts = ROOT.parent / "scripts"
+    entries = [p for p in scripts.iterdir() if p.name != "__pycache__"]
+    assert {p.name for p in entries if not p.is_dir()} == SCRIPTS_AT_TOP, "a loose script: move it into its kind's folder"
+    assert {p.name for p in entries if p.is_dir()} == SCRIPT_KINDS, "a new kind of script: name it in README's layout"
+    for kind in sorted(SCRIPT_KINDS):
+        files = [p for p in (scripts / kind).iterdir() if p.name != "__pycache__"]
+        assert files and all(p.is_file() for p in files), f"scripts/{kind}/ is empty or nested"
+    assert all(p.name.startswith("probe_") for p in (scripts / "probes").glob("*.py"))
+    readme = (ROOT.parent / "README.md").read_text()
+    assert [k for k in sorted(SCRIPT_KINDS) if f"`scripts/{k}/`" not in readme] == [], "README's layout names each kind"
+
+
 def test_the_top_level_holds_only_what_every_side_shares_and_every_package_says_what_it_owns() -> None:
     top = sorted(p.stem for p in ROOT.glob("*.py") if p.stem != "__init__")
     assert len(top) <= 12, top
