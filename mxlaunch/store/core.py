@@ -87,9 +87,10 @@ def manifest_from_markers(markers: Iterable[Optional[object]], source_id: str, c
 # ---- the store ---------------------------------------------------------------------------------------------
 
 
-# folders at the store's root that hold no snapshot: JIT kernel caches (kernelcache/archive.py) and zygote
-# images (warmstart/zygote_image.py)
-NOT_SNAPSHOTS = ("kernel-cache", "zygote-images")
+# folders at the store's root that hold no snapshot: JIT kernel caches (kernelcache/archive.py), zygote images
+# (warmstart/zygote_image.py) and lean engine snapshots (warmstart/lean_snapshot.py)
+ENGINE_SNAPSHOTS = "engine-snapshots"
+NOT_SNAPSHOTS = ("kernel-cache", "zygote-images", ENGINE_SNAPSHOTS)
 
 
 class Store:

@@ -38,7 +38,7 @@ from mxlaunch.fileutil import LAST_USED, last_used
 from mxlaunch.kernelcache.archive import KEY_JSON, KernelCacheStore
 from mxlaunch.safety.ownership import private_dir
 from mxlaunch.store import zygote_images
-from mxlaunch.store.core import NOT_SNAPSHOTS, Store
+from mxlaunch.store.core import ENGINE_SNAPSHOTS, NOT_SNAPSHOTS, Store
 from mxlaunch.store.capture import _du, capture_ids
 from mxlaunch.store.snapshot import MANIFEST
 
@@ -177,6 +177,10 @@ def _in_use(store: Store, caches: KernelCacheStore) -> list[Item]:
         if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
             items.append(Item("zygote-image", folder.name, folder, _du(folder), "",
                               last_used(folder, zygote_images.META)))
+    engines = store.root / ENGINE_SNAPSHOTS / str(os.getuid())  # lean engine snapshots: this user's, like images
+    for folder in _children(engines) if private_dir(engines) else []:
+        if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
+            items.append(Item("engine-snapshot", folder.name, folder, _du(folder), "", last_used(folder, "meta.json")))
     return items
 
 
@@ -208,7 +212,8 @@ def _carry_out(store: Store, caches: KernelCacheStore, item: Item, dry_run: bool
         if not dry_run:
             shutil.rmtree(item.path, ignore_errors=True)
         return True
-    claim_id = {"kernel-cache": f"kc-{item.name}", "zygote-image": f"zi-{item.name}"}.get(item.kind,
+    claim_id = {"kernel-cache": f"kc-{item.name}", "zygote-image": f"zi-{item.name}",
+                "engine-snapshot": f"es-{item.name}"}.get(item.kind,
                                                                                           item.name.split("/")[0])
     if dry_run:
         holder = store.coordinator.holder(claim_id)
@@ -227,6 +232,7 @@ def _carry_out(store: Store, caches: KernelCacheStore, item: Item, dry_run: bool
             "capture": lambda: store.discard_capture(*item.name.split("/", 1)),
             "empty": lambda: _rmdir_empty(item.path),
             "zygote-image": lambda: shutil.rmtree(item.path),
+            "engine-snapshot": lambda: shutil.rmtree(item.path),
         }[item.kind]
         remove()
     except (OSError, ValueError, RuntimeError, MxlaunchError) as exc:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from mxlaunch import settings
+from mxlaunch.fileutil import mark_used
+from mxlaunch.store.core import ENGINE_SNAPSHOTS
 from mxlaunch.warmstart.engine_checkpoint import criu_version, run_quietly, socket_blocker
 from mxlaunch.warmstart import criu
 from mxlaunch.warmstart.criu import CriuError
@@ -26,7 +28,7 @@ from mxlaunch.warmstart.snapshot_key import key_facts, key_of, key_salt
 from mxlaunch.safety.ownership import ForeignPath
 
 
-STORE_FOLDER = "engine-snapshots"  # below the store's root: <uid>/<key>/, as the node-local folder
+STORE_FOLDER = ENGINE_SNAPSHOTS  # below the store's root: <uid>/<key>/, as the node-local folder
 
 
 class EngineSnapshots:
@@ -124,6 +126,7 @@ class EngineSnapshots:
             self.emit("engine-snapshot", status="failed", key=self.key, reason=f"restore: {exc}")
             return None
         self.restored = engine
+        mark_used(folder)  # `store prune` removes the least recently used first (a lean one lives in the store)
         self.emit("engine-snapshot", status="restored", key=self.key, path=str(folder), **info)
         return engine
 

@@ -197,3 +197,25 @@ def test_zygote_images_are_pruned_by_use_and_never_listed_as_snapshots(tmp_path:
     assert {(i.kind, i.name) for i in report.removed} == {("zygote-image", "a" * 20)}
     assert not (root / ("a" * 20)).exists() and zygote_image.find_image(tmp_path, "b" * 20) == root / ("b" * 20)
     assert (tmp_path / "zygote-images").is_dir()  # the empty-folder sweep leaves the images' root alone
+
+
+def test_lean_engine_snapshots_in_the_store_are_pruned_by_use_and_never_listed_as_snapshots(tmp_path: Path) -> None:
+    """A lean engine snapshot (warmstart/lean_snapshot.py) lives in the store, GBs per command: `store prune`
+    removes this user's unused ones, `store list` never takes their folder for a snapshot."""
+    from mxlaunch.store.core import ENGINE_SNAPSHOTS
+
+    store, now = Store(tmp_path), time.time()
+    root = tmp_path / ENGINE_SNAPSHOTS / str(os.getuid())
+    root.mkdir(parents=True, mode=0o700)
+    (root / "key-salt").write_bytes(b"s" * 32)
+    for key in ("c" * 20, "d" * 20):
+        (root / key).mkdir()
+        (root / key / "meta.json").write_text(json.dumps({"lean": True}))
+        (root / key / "pages-1.img").write_bytes(b"x" * 4096)
+    used_at(root / ("c" * 20), now - 40 * DAY)
+    used_at(root / ("d" * 20), now - 1 * DAY)
+    assert store.list() == []
+    report = prune(store, unused_for=parse_duration("30d"), now=now)
+    assert {(i.kind, i.name) for i in report.removed} == {("engine-snapshot", "c" * 20)}
+    assert not (root / ("c" * 20)).exists() and (root / ("d" * 20) / "meta.json").exists()
+    assert (root / "key-salt").exists()  # the salt that makes every node's keys the same stays
