@@ -23,7 +23,7 @@ ZYGOTE_SOCKET, ZYGOTE_INFO, ZYGOTE_REFUSED = ".sock", ".json", ".refused"
 # says so (.dumpable), the launcher claims it (renamed .dumping) and dumps it; a restore is told where to log (.resume)
 ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME = ".dumpable", ".dumping", ".resume"
 SNAPSHOT_VERSION = 1  # bump when the raw snapshot's layout changes: old snapshots stop matching
-# an engine snapshot's signal protocol (warmstart/engine_snapshot.py asks, plugin/snapshot_signal.py answers): SIGUSR2
+# an engine snapshot's signal protocol (warmstart/engine_tree.py asks, plugin/snapshot_signal.py answers): SIGUSR2
 # to an engine process; <dir>/<pid>.action (an order: "sleep", "wake", "sleep-lean", "refill <plan>") turns it into
 # that action, reported in <dir>/<pid>.<action>.done, else it releases NVML and reports <dir>/<pid>.released
 SNAPSHOT_SIGNAL_NUMBER = 12  # signal.SIGUSR2 on Linux (kept numeric: this module imports nothing)

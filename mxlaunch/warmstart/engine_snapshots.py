@@ -1,5 +1,5 @@
 """`launch --engine-snapshot` inside one launch: restore the command's snapshot if there is one, else start
-the engine dumpable and snapshot it once it serves (the mechanics are warmstart/engine_snapshot.py's).
+the engine dumpable and snapshot it once it serves (the mechanics are warmstart/engine_snapshot.py's and its siblings').
 
 Kept out of run.py the way warmstart/zygote_starts.py keeps the zygote: the launcher asks four things — a
 restored engine or None, the engine's extra environment, whether to start it dumpable, and to start the
@@ -22,8 +22,9 @@ from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpointError
 from mxlaunch.warmstart import lean_snapshot
 from mxlaunch.warmstart.image_sums import SUMS, check_sums
-from mxlaunch.warmstart.engine_snapshot import (META, RestoredEngine, SnapshotError, SnapshotMaker, cuda_or_none, find,
-                                            own_root, restore, snapshots_root)
+from mxlaunch.warmstart.engine_snapshot import META, SnapshotError, cuda_or_none, find, own_root, snapshots_root
+from mxlaunch.warmstart.snapshot_maker import SnapshotMaker
+from mxlaunch.warmstart.snapshot_restore import RestoredEngine, restore
 from mxlaunch.warmstart.snapshot_key import key_facts, key_of, key_salt
 from mxlaunch.safety.ownership import ForeignPath
 

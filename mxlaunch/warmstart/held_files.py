@@ -9,7 +9,7 @@ software (the caches in the user's home or /tmp), and a restore puts a kept copy
 missing (a new file, O_EXCL | O_NOFOLLOW, in folders made 0700), or names the missing file in its one-line
 reason when there is no copy: then the engine starts as usual.
 
-/dev/shm files are warmstart/engine_snapshot.py's (shm_files); deleted files are CRIU's own (link-remaps).
+/dev/shm files are warmstart/engine_tree.py's (shm_files); deleted files are CRIU's own (link-remaps).
 """
 
 from __future__ import annotations

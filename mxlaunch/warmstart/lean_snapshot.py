@@ -7,7 +7,7 @@ garbage. So with `MXLAUNCH_SNAPSHOT_SLEEP=lean` the engine (vLLM with --enable-s
 worker extension) sleeps at level 2 while it is snapshotted: its weights' and KV cache's memory is released
 (their virtual addresses kept, so the CUDA graphs stay valid) and the image holds neither.
 
-- Taking one (warmstart/engine_snapshot.py `take(lean=...)`): after the dump the serving engine refills its
+- Taking one (warmstart/snapshot_take.py `take(lean=...)`): after the dump the serving engine refills its
   weights from the store's published snapshot files (`write_store_plan`: a plan naming them per local rank).
 - Restoring one: the launcher restores the processes, stages the snapshot into /dev/shm as a staged start
   does, and has the restored engine refill from that plan (`refill`) while the files land; only then does it
@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from mxlaunch.plan import Plan, RankFile
-from mxlaunch.warmstart.engine_snapshot import RestoredEngine, SnapshotError, _wake_restored
+from mxlaunch.warmstart.engine_snapshot import SnapshotError
+from mxlaunch.warmstart.snapshot_restore import RestoredEngine, _wake_restored
 
 REFILL_PLAN = "refill-plan.json"
 

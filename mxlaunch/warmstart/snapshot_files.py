@@ -11,7 +11,7 @@ back to the restored engine). So a name is copied only when all of these hold:
   - its inode is one the dumped tree holds open or mapped (CRIU's link-remap is a hard link to such a file:
     files-reg.c create_link_remap, linkat of the held descriptor);
   - opened with O_NOFOLLOW | O_NONBLOCK and the descriptor's fstat is that same inode again.
-Anything else is skipped (a line on stderr, in CRIU's log). The launcher's engine_snapshot.py imports the
+Anything else is skipped (a line on stderr, in CRIU's log). The launcher's engine_tree.py imports the
 helpers for the same rules on the named /dev/shm files it keeps.
 """
 

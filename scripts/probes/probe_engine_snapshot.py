@@ -43,8 +43,8 @@ sys.path.insert(0, str(REPO))
 
 from mxlaunch.warmstart import engine_checkpoint  # noqa: E402
 from mxlaunch.warmstart import no_io_uring  # noqa: E402
-from mxlaunch.warmstart.engine_snapshot import catches  # noqa: E402
-from mxlaunch.warmstart.engine_snapshot import process_tree as tree  # noqa: E402
+from mxlaunch.warmstart.engine_tree import catches  # noqa: E402
+from mxlaunch.warmstart.snapshot_files import process_tree as tree  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 from gpu_engine_e2e import verify  # noqa: E402  — the harness's: record the gold, or compare with it

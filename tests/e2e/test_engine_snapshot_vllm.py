@@ -30,6 +30,7 @@ import pytest
 
 from mxlaunch.fileutil import pid_alive
 from mxlaunch.warmstart import engine_snapshot as es
+from mxlaunch.warmstart import snapshot_restore, snapshot_take
 from tests.e2e.test_zygote_image import usable_criu
 from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess
@@ -160,7 +161,7 @@ def test_a_real_dump_keeps_only_its_link_remap_and_a_name_squatted_before_the_re
         assert holder.stdout.readline().strip() == b"ready"
         marks = tmp_path / "marks"
         marks.mkdir()
-        meta = es.take(binary, holder.pid, tmp_path / "snap", marks, None, facts={"test": 1})
+        meta = snapshot_take.take(binary, holder.pid, tmp_path / "snap", marks, None, facts={"test": 1})
         [kept] = meta["link_remaps"]  # the FIFO did not block the frozen tree; the planted file was not taken
         names.append(Path("/dev/shm") / kept)
         assert os.listdir(tmp_path / "snap" / "link-remaps") == [kept] and fifo.name != kept != planted.name
@@ -171,10 +172,10 @@ def test_a_real_dump_keeps_only_its_link_remap_and_a_name_squatted_before_the_re
 
         intruder.python(f"open('/dev/shm/{kept}', 'w').write('theirs')")  # the name the restore needs
         with pytest.raises(es.SnapshotError, match=f"/dev/shm/{kept}, which the restore must create, belongs to uid"):
-            es.restore(binary, tmp_path / "snap", tmp_path / "work")
+            snapshot_restore.restore(binary, tmp_path / "snap", tmp_path / "work")
         assert Path(f"/dev/shm/{kept}").read_text() == "theirs" and not pid_alive(holder.pid)
         os.unlink(f"/dev/shm/{kept}")  # gone again (root may): the same snapshot restores
-        engine, _ = es.restore(binary, tmp_path / "snap", tmp_path / "work")
+        engine, _ = snapshot_restore.restore(binary, tmp_path / "snap", tmp_path / "work")
         try:
             assert Path(f"/proc/{engine.pid}/fd/3").read_bytes() == b"held bytes"
         finally:
@@ -182,7 +183,7 @@ def test_a_real_dump_keeps_only_its_link_remap_and_a_name_squatted_before_the_re
             engine.wait(timeout=30)
             engine.stdout.close()
     finally:
-        libc.prctl(36, 0, 0, 0, 0)  # es.restore made this process a subreaper: not for the rest of the session
+        libc.prctl(36, 0, 0, 0, 0)  # restore() made this process a subreaper: not for the rest of the session
         if holder.poll() is None:
             holder.kill()
             holder.wait()

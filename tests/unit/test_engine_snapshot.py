@@ -19,6 +19,9 @@ import pytest
 
 from mxlaunch.fileutil import pid_alive
 from mxlaunch.warmstart import engine_snapshot as es
+from mxlaunch.warmstart import engine_tree, snapshot_restore, snapshot_take
+from mxlaunch.warmstart.snapshot_files import process_tree
+from mxlaunch.warmstart.snapshot_key import snapshot_key
 from mxlaunch.warmstart import no_io_uring
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpoint, CudaCheckpointError
 from mxlaunch.warmstart.engine_snapshots import EngineSnapshots
@@ -86,11 +89,11 @@ def test_checkpoint_steps_run_on_every_pid_in_order_and_a_refusal_names_step_pid
 
 def test_the_key_follows_the_command_the_weights_and_the_visible_devices() -> None:
     argv = ["vllm", "serve", "m", "--port", "8000"]
-    key = es.snapshot_key(argv, "src1", {})
-    assert key == es.snapshot_key(list(argv), "src1", {"OLDPWD": "/x"})  # a run-only variable (test_engine_snapshot_safety.py)
-    assert key != es.snapshot_key([*argv[:-1], "8001"], "src1", {})  # the image listens on its port
-    assert key != es.snapshot_key(argv, "src2", {})
-    assert key != es.snapshot_key(argv, "src1", {"CUDA_VISIBLE_DEVICES": "1"})
+    key = snapshot_key(argv, "src1", {})
+    assert key == snapshot_key(list(argv), "src1", {"OLDPWD": "/x"})  # a run-only variable (test_engine_snapshot_safety.py)
+    assert key != snapshot_key([*argv[:-1], "8001"], "src1", {})  # the image listens on its port
+    assert key != snapshot_key(argv, "src2", {})
+    assert key != snapshot_key(argv, "src1", {"CUDA_VISIBLE_DEVICES": "1"})
 
 
 def test_a_snapshot_is_found_only_complete_and_in_a_folder_of_this_users_alone(tmp_path: Path) -> None:
@@ -113,10 +116,10 @@ def test_the_tree_lists_descendants_and_only_processes_with_a_handler_get_the_si
     child = 0
     try:
         child = int(parent.stdout.readline())
-        assert es.process_tree(parent.pid) == [parent.pid, child]
-        assert es.catches(parent.pid, signal.SIGUSR2) and not es.catches(child, signal.SIGUSR2)
+        assert process_tree(parent.pid) == [parent.pid, child]
+        assert engine_tree.catches(parent.pid, signal.SIGUSR2) and not engine_tree.catches(child, signal.SIGUSR2)
         with pytest.raises(es.SnapshotError, match=rf"\[{parent.pid}\] did not release NVML"):
-            es.release_nvml([parent.pid, child], tmp_path, timeout=0.3)  # its handler writes no report
+            engine_tree.release_nvml([parent.pid, child], tmp_path, timeout=0.3)  # its handler writes no report
         # Nobody was killed by the signal. The child's parent does not reap it, so a SIGUSR2 sent to it (0.3 s
         # ago) left a zombie (its /proc entry stays: pid_alive says no) or, not yet delivered, a pending signal.
         assert parent.poll() is None and pid_alive(child) and not _pending(child), Path(f"/proc/{child}/status").read_text()
@@ -215,9 +218,9 @@ def _fake_server(marks: Path, loop: str = "asyncio", fail: bool = False, with_cl
 def test_the_engine_sleeps_and_wakes_through_its_client_on_the_servers_loop(tmp_path: Path, loop: str) -> None:
     server = _fake_server(tmp_path, loop)
     try:
-        assert es.engine_action(server.pid, tmp_path, "sleep", timeout=20) > 0
+        assert engine_tree.engine_action(server.pid, tmp_path, "sleep", timeout=20) > 0
         assert server.stdout.readline().split() == ["sleep", str(snapshot_signal.SLEEP_LEVEL)]
-        es.engine_action(server.pid, tmp_path, "wake", timeout=20)
+        engine_tree.engine_action(server.pid, tmp_path, "wake", timeout=20)
         assert server.stdout.readline().split() == ["wake", "None"]
         assert sorted(os.listdir(tmp_path)) == []  # the orders and reports were taken away
         assert server.poll() is None  # the signals left it serving
@@ -232,14 +235,14 @@ def test_an_engine_that_cannot_sleep_says_why(tmp_path: Path) -> None:
     no_client = _fake_server(tmp_path / "other", with_client=False)
     try:
         with pytest.raises(es.SnapshotError, match="could not sleep: RuntimeError: cumem allocator is off") as failed:
-            es.engine_action(server.pid, tmp_path, "sleep", timeout=20)
+            engine_tree.engine_action(server.pid, tmp_path, "sleep", timeout=20)
         assert not isinstance(failed.value, es.NotAsked)  # the engine tried: the snapshot is not taken
         with pytest.raises(es.NotAsked, match=r"could not wake: LookupError: no engine client"):  # nothing changed
-            es.engine_action(no_client.pid, tmp_path / "other", "wake", timeout=20)
+            engine_tree.engine_action(no_client.pid, tmp_path / "other", "wake", timeout=20)
         plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         try:
             with pytest.raises(es.NotAsked, match="has no mxlaunch handler"):
-                es.engine_action(plain.pid, tmp_path, "sleep")
+                engine_tree.engine_action(plain.pid, tmp_path, "sleep")
             assert plain.poll() is None  # never signalled: SIGUSR2 would have killed it
         finally:
             plain.kill()
@@ -257,7 +260,7 @@ def test_a_restored_engine_is_woken_in_a_marks_folder_made_again_and_removed(tmp
     server = _fake_server(marks)
     try:
         shutil.rmtree(tmp_path / "shm")  # the first launch's run folder went with it
-        assert es._wake_restored({"marks": str(marks), "root": server.pid})[0] > 0
+        assert snapshot_restore._wake_restored({"marks": str(marks), "root": server.pid})[0] > 0
         assert server.stdout.readline().split() == ["wake", "None"]
         assert not (tmp_path / "shm").exists()  # what the wake made, it removed
     finally:
@@ -271,12 +274,12 @@ def test_a_lean_sleep_is_level_2_and_a_refill_wakes_the_weights_refills_them_the
     server = _fake_server(tmp_path)
     try:
         with pytest.raises(es.NotAsked, match="NotLean: rank 0: the snapshot's layout is not the live one"):
-            es.engine_action(server.pid, tmp_path, "sleep-lean", timeout=20, arg=str(tmp_path / "misfit.json"))
+            engine_tree.engine_action(server.pid, tmp_path, "sleep-lean", timeout=20, arg=str(tmp_path / "misfit.json"))
         assert server.stdout.readline().strip() == f"rpc mxlaunch_fingerprint {tmp_path / 'misfit.json'}"
-        es.engine_action(server.pid, tmp_path, "sleep-lean", timeout=20, arg=str(tmp_path / "plan.json"))
+        engine_tree.engine_action(server.pid, tmp_path, "sleep-lean", timeout=20, arg=str(tmp_path / "plan.json"))
         assert [server.stdout.readline().strip() for _ in range(2)] == [  # no sleep after the misfit: this is next
             f"rpc mxlaunch_fingerprint {tmp_path / 'plan.json'}", "sleep 2"]
-        restored = es.RestoredEngine(server.pid, os.open(os.devnull, os.O_RDONLY), meta={"marks": str(tmp_path),
+        restored = snapshot_restore.RestoredEngine(server.pid, os.open(os.devnull, os.O_RDONLY), meta={"marks": str(tmp_path),
                                                                                        "root": server.pid, "lean": True})
         info = lean_snapshot.refill(restored, tmp_path / "plan.json")
         assert [server.stdout.readline().strip() for _ in range(3)] == [
@@ -286,7 +289,7 @@ def test_a_lean_sleep_is_level_2_and_a_refill_wakes_the_weights_refills_them_the
             lean_snapshot.refill(restored, tmp_path / "bad-plan.json")
         assert [server.stdout.readline().strip() for _ in range(2)] == [
             "wake ['weights']", f"rpc mxlaunch_refill {tmp_path / 'bad-plan.json'}"]
-        es.engine_action(server.pid, tmp_path, "wake", timeout=20)  # the next line: the KV cache stayed asleep
+        engine_tree.engine_action(server.pid, tmp_path, "wake", timeout=20)  # the next line: the KV cache stayed asleep
         assert server.stdout.readline().split() == ["wake", "None"]
         restored.stdout.close()
     finally:
@@ -361,7 +364,7 @@ def test_a_restored_engine_reports_its_exit_code_like_a_popen() -> None:
     if pid == 0:
         os._exit(7)
     os.close(write_fd)
-    engine = es.RestoredEngine(pid, read_fd)
+    engine = snapshot_restore.RestoredEngine(pid, read_fd)
     assert engine.wait(timeout=10) == 7 and engine.poll() == 7
     engine.stdout.close()
 
@@ -370,16 +373,16 @@ def test_the_post_dump_script_keeps_link_remaps_only_at_post_dump(tmp_path: Path
     shm = tmp_path / "shm"
     shm.mkdir()
     (shm / "link_remap.7").write_bytes(b"sem")
-    monkeypatch.setattr(es, "SHM", shm)
+    monkeypatch.setattr(snapshot_take, "SHM", shm)
     folder = tmp_path / "img"
     folder.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); time.sleep(60)",
                                str(shm / "link_remap.7")])  # the dumped tree holds it (CRIU's link is to a held file)
     try:
-        while str(shm / "link_remap.7") not in es.open_files(holder.pid):
+        while str(shm / "link_remap.7") not in engine_tree.open_files(holder.pid):
             assert holder.poll() is None
             time.sleep(0.01)
-        script = es._post_dump_script(folder, holder.pid)
+        script = snapshot_take._post_dump_script(folder, holder.pid)
         subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "pre-dump"}, check=True)
         assert not (folder / "link-remaps").exists()
         subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "post-dump"}, check=True)
@@ -422,7 +425,7 @@ def test_a_restored_trees_orphans_are_reaped_and_no_other_childs_status_is_taken
         # both are zombies this process may reap: a reaper that takes any child's status would take other's
         assert not pid_alive(orphan) and Path(f"/proc/{orphan}").exists() and _ppid(orphan) == os.getpid()
         assert not pid_alive(other.pid) and Path(f"/proc/{other.pid}").exists() and other.returncode is None
-        engine = es.RestoredEngine(os.getpid(), os.open(os.devnull, os.O_RDONLY), [orphan])
+        engine = snapshot_restore.RestoredEngine(os.getpid(), os.open(os.devnull, os.O_RDONLY), [orphan])
         engine.reap_tree(wait_s=0.5)
         assert not Path(f"/proc/{orphan}").exists()
         assert other.wait(timeout=10) == 3  # another child's status was left to its Popen
@@ -440,7 +443,7 @@ def test_a_restored_engine_that_is_not_this_process_s_child_reports_alive_then_g
     middle = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         grandchild = int(middle.stdout.readline())
-        engine = es.RestoredEngine(grandchild, os.open(os.devnull, os.O_RDONLY))
+        engine = snapshot_restore.RestoredEngine(grandchild, os.open(os.devnull, os.O_RDONLY))
         assert engine.poll() is None
         os.kill(grandchild, signal.SIGKILL)  # its parent does not reap it: a zombie, not ours to wait for
         assert engine.wait(timeout=30) == 255 and engine.poll() == 255
@@ -452,5 +455,5 @@ def test_a_restored_engine_that_is_not_this_process_s_child_reports_alive_then_g
 
 def test_both_sides_of_the_snapshot_signal_use_sigusr2_from_the_contract() -> None:
     """The launcher asks and the plugin answers on one signal, defined once in mxlaunch/contract.py."""
-    assert es.SIGNAL == snapshot_signal.SIGNAL == signal.SIGUSR2
-    assert es.action_path("/d", 7) == snapshot_signal.action_path("/d", 7) == "/d/7.action"
+    assert engine_tree.SIGNAL == snapshot_signal.SIGNAL == signal.SIGUSR2
+    assert engine_tree.action_path("/d", 7) == snapshot_signal.action_path("/d", 7) == "/d/7.action"

@@ -19,6 +19,7 @@ from typing import Iterator
 import pytest
 
 from mxlaunch.warmstart import engine_snapshot as es
+from mxlaunch.warmstart import engine_tree, snapshot_restore, snapshot_take
 from mxlaunch.warmstart import engine_snapshots
 from mxlaunch.warmstart.engine_snapshots import EngineSnapshots
 from mxlaunch.warmstart.snapshot_key import RUN_ONLY, key_facts, key_salt, snapshot_key
@@ -185,7 +186,7 @@ def holder(path: Path) -> subprocess.Popen:
     """A process that holds `path` open (as the engine holds a POSIX semaphore), started and holding."""
     proc = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); time.sleep(120)", str(path)])
     deadline = time.monotonic() + 30
-    while str(path) not in es.open_files(proc.pid):
+    while str(path) not in engine_tree.open_files(proc.pid):
         assert proc.poll() is None and time.monotonic() < deadline, "the holder never opened its file"
         time.sleep(0.01)
     return proc
@@ -213,7 +214,7 @@ def test_the_post_dump_step_takes_only_own_held_link_remaps_and_never_blocks(
         """)
         folder = tmp_path / "img"
         folder.mkdir(mode=0o700)
-        script = es._post_dump_script(folder, engine.pid)
+        script = snapshot_take._post_dump_script(folder, engine.pid)
         # CRIU runs it while the engine is frozen: a FIFO opened for reading would wait for ever (the deadline fails)
         done = subprocess.run([str(script)], env={"CRTOOLS_SCRIPT_ACTION": "post-dump"}, capture_output=True,
                               text=True, timeout=60)
@@ -275,7 +276,7 @@ def test_a_held_shm_file_another_user_owns_is_not_snapshotted(intruder: User, sh
     engine = holder(theirs)
     try:
         with pytest.raises(es.SnapshotError, match=rf"holds {theirs}, which belongs to uid {intruder.uid}"):
-            es.shm_files([engine.pid])
+            engine_tree.shm_files([engine.pid])
     finally:
         engine.kill()
         engine.wait()
@@ -312,7 +313,7 @@ def test_a_link_remap_name_squatted_before_the_restore_refuses_it_and_nothing_is
     env = {"MXLAUNCH_ENGINE_SNAPSHOTS": str(tmp_path / "snaps")}
     snaps = snapshots_on(tmp_path, monkeypatch, env, events)
     fake_snapshot(es.own_root(env), snaps.key, [free.name, taken.name], [])
-    monkeypatch.setattr(es.criu, "restore", lambda *a, **k: pytest.fail("CRIU ran on a squatted name"))
+    monkeypatch.setattr(snapshot_restore.criu, "restore", lambda *a, **k: pytest.fail("CRIU ran on a squatted name"))
 
     assert snaps.try_restore() is None  # the launch starts the engine as usual
     [(name, fields)] = events
@@ -333,7 +334,7 @@ def test_a_named_shm_file_squatted_before_the_restore_refuses_it(tmp_path: Path,
     root.mkdir(mode=0o700)
     folder = fake_snapshot(root, "k", [], [str(name)])
     with pytest.raises(es.SnapshotError, match=rf"{name}, which the restore must create, belongs to uid {intruder.uid}"):
-        es.restore("criu-never-run", folder, tmp_path / "work")
+        snapshot_restore.restore("criu-never-run", folder, tmp_path / "work")
     assert name.read_text() == "theirs"
 
 
@@ -346,11 +347,11 @@ def test_a_restore_puts_its_files_back_as_new_private_names_and_replaces_only_it
     root.mkdir(mode=0o700)
     folder = fake_snapshot(root, "k", [left.name, fresh.name], [str(named)])
     os.chmod(folder / "link-remaps" / fresh.name, 0o640)
-    made = es.put_back(folder, json.loads((folder / "meta.json").read_text()))
+    made = snapshot_restore.put_back(folder, json.loads((folder / "meta.json").read_text()))
     assert [p for p, _, _ in made] == [str(left), str(fresh), str(named)]
     assert left.read_bytes() == b"kept " + left.name.encode() and named.read_bytes() == b"kept shm"
     assert stat.S_IMODE(os.lstat(fresh).st_mode) == 0o640  # as kept
-    es.remove_put_back(made)
+    snapshot_restore.remove_put_back(made)
     assert not [p for p in (left, fresh, named) if os.path.lexists(p)]
 
 
@@ -360,8 +361,8 @@ def test_removing_what_a_restore_put_back_spares_a_name_another_user_took_since(
     root = tmp_path / "root"
     root.mkdir(mode=0o700)
     folder = fake_snapshot(root, "k", [name.name], [])
-    made = es.put_back(folder, json.loads((folder / "meta.json").read_text()))
+    made = snapshot_restore.put_back(folder, json.loads((folder / "meta.json").read_text()))
     name.unlink()  # CRIU consumed it; then another user takes the name
     intruder.python(f"open({str(name)!r}, 'w').write('theirs')")
-    es.remove_put_back(made)
+    snapshot_restore.remove_put_back(made)
     assert name.read_text() == "theirs"
