@@ -119,6 +119,11 @@ def test_arrows_point_down() -> None:
     assert _importers(graph, "mxlaunch.plugin", "mxlaunch.staging") == set()
     assert graph["mxlaunch.memory.hugepages"] == set()  # the page helpers both sides share stand on nothing of ours
     assert _importers(graph, "mxlaunch.launch", "mxlaunch.cli") == set()
+    # warm start-up state (mxlaunch/warmstart/__init__.py): its in-engine half shares contract.py, never an import
+    assert _importers(graph, "mxlaunch.warmstart", "mxlaunch.plugin") == set()
+    assert _importers(graph, "mxlaunch.plugin", "mxlaunch.warmstart") == set()
+    assert _importers(graph, "mxlaunch.store", "mxlaunch.warmstart") == set()
+    assert {d for _, d in _importers(graph, "mxlaunch.warmstart", "mxlaunch.launch")} == {"mxlaunch.launch.logfile"}
 
 
 def test_no_import_circle_among_the_scripts() -> None:
