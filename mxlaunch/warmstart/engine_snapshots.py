@@ -169,3 +169,7 @@ class EngineSnapshots:
         if self.maker is not None and self.maker.is_alive():
             self.maker.stopping.set()
             self.maker.join(wait_s)
+            if self.maker.is_alive() and self.maker.silence():  # its outcome would come after the launcher's exit
+                self.emit("engine-snapshot", status="abandoned", key=self.key,
+                          reason=f"still being taken {wait_s:g} s after the launcher began to stop; a half-made "
+                                 "one is never published")

@@ -35,6 +35,20 @@ class SnapshotMaker(threading.Thread):
         self.emit, self.ready_to_take, self.facts, self.environ = emit, ready_to_take, facts, environ
         self.root = snapshots_root(environ)
         self.stopping = threading.Event()
+        self._lock, self._quiet, self._said = threading.Lock(), False, False
+
+    def _say(self, **fields: Any) -> None:
+        """The one `engine-snapshot` event, unless the launcher gave up waiting (it reported `abandoned`)."""
+        with self._lock:
+            if not self._quiet:
+                self._said = True
+                self.emit("engine-snapshot", key=self.key, **fields)
+
+    def silence(self) -> bool:
+        """The launcher stops without waiting longer: no event from here on; True when none was said yet."""
+        with self._lock:
+            self._quiet = True
+            return not self._said
 
     def run(self) -> None:
         try:
@@ -46,11 +60,11 @@ class SnapshotMaker(threading.Thread):
             if not decided or self.stopping.is_set():
                 return
             result = self._make()
-            self.emit("engine-snapshot", status="published", key=self.key, **result)
+            self._say(status="published", **result)
         except (SnapshotError, CriuError, CudaCheckpointError, OSError) as exc:
-            self.emit("engine-snapshot", status="failed", key=self.key, reason=str(exc))
+            self._say(status="failed", reason=str(exc))
         except ForeignPath as exc:
-            self.emit("engine-snapshot", status="failed", key=self.key, reason=exc.one_line())
+            self._say(status="failed", reason=exc.one_line())
 
     def _make(self) -> dict:
         self.root = own_root(self.environ)  # checked again: this user's alone, nobody else can swap it

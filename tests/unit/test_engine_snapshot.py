@@ -457,3 +457,27 @@ def test_both_sides_of_the_snapshot_signal_use_sigusr2_from_the_contract() -> No
     """The launcher asks and the plugin answers on one signal, defined once in mxlaunch/contract.py."""
     assert engine_tree.SIGNAL == snapshot_signal.SIGNAL == signal.SIGUSR2
     assert engine_tree.action_path("/d", 7) == snapshot_signal.action_path("/d", 7) == "/d/7.action"
+
+
+def test_a_snapshot_still_being_taken_at_the_stop_is_reported_abandoned_and_says_nothing_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's `exit` is its last event: a maker that outlives the stop's wait is reported once, then mute."""
+    import threading
+
+    from mxlaunch.warmstart import snapshot_maker
+
+    entered, release = threading.Event(), threading.Event()
+    monkeypatch.setattr(snapshot_maker, "own_root", lambda environ: tmp_path)
+    monkeypatch.setattr(snapshot_maker, "take", lambda *a, **k: entered.set() or release.wait(30) and {})
+    events: list[dict] = []
+    snaps = EngineSnapshots(False, ["vllm", "serve", "m"], "sid", tmp_path, tmp_path,
+                            lambda name, **k: events.append({"event": name, **k}), environ={})
+    snaps.binary, snaps.key = "criu", "k" * 20
+    snaps.maker = snapshot_maker.SnapshotMaker("criu", 1, snaps.key, tmp_path, snaps.emit, lambda: True, {})
+    snaps.maker.start()
+    assert entered.wait(10)  # the dump is under way (the engine paused for it)
+    snaps.abandon(wait_s=0.2)
+    assert [e["status"] for e in events] == ["abandoned"]
+    release.set()
+    snaps.maker.join(10)
+    assert [e["status"] for e in events] == ["abandoned"]  # its own failure never reported after the exit
