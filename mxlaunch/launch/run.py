@@ -45,7 +45,7 @@ from mxlaunch.safety.ownership import own_dir
 from mxlaunch.signal_relay import SignalRelay
 from mxlaunch.launch.shutdown import BudgetReader, Stopping
 from mxlaunch.launch.stop_watchdog import StopWatchdog
-from mxlaunch.launch.logfile import open_log
+from mxlaunch.safety.logfile import open_log
 from mxlaunch.plan import PLAN_ENV, Plan, RankFile
 from mxlaunch.safety.redact import Scrubber, redact_text, redact_url, secret_values
 from mxlaunch.store.core import Store
@@ -211,7 +211,7 @@ class Launcher(Staging, Markers, Stopping):
             env = {**self._env(), **self.snapshots.env(), **(self.kernel.restore() if restored is None else self.kernel.skip(
                 "the engine was restored from its snapshot: it compiles nothing in this run, so no kernel cache is "
                 "restored or captured"))}
-            log = open_log(self.log_dir / "engine.log")  # 0600, O_NOFOLLOW (launch/logfile.py)
+            log = open_log(self.log_dir / "engine.log")  # 0600, O_NOFOLLOW (safety/logfile.py)
             # The engine first, then staging: the engine needs the files only once it has built the model
             # (tens of seconds later), while the stage's reader threads, started first, held the GIL against
             # the kernel-cache restore and the spawn (0.7-0.8 s before the engine's first line on the 2-core VM).

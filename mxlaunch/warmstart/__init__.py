@@ -10,9 +10,9 @@ answer, lean_snapshot.py without weights or KV cache), their keys (snapshot_key.
 (image_sums.py) and the seccomp filter that keeps io_uring out of a dumpable engine (no_io_uring.py).
 
 It may import what every side shares (contract.py for the protocols the in-engine plugin answers, fileutil.py,
-settings.py, plan.py), safety/ownership.py (names in shared places that must be this user's own), store/ for where images live (store/zygote_images.py), engines/ for an engine's facts
-(engines/environment.py), and from launch/ only its log files (launch/logfile.py) and, for annotations only, the
-plan's types (launch/decide.py). launch/ (the plan and the supervisor), cli/ and doctor.py import it. The plugin
+settings.py, plan.py), safety/ (ownership.py: names in shared places that must be this user's own; logfile.py:
+its log files), store/ for where images live (store/zygote_images.py), engines/ for an engine's facts
+(engines/environment.py), and from launch/ only, for annotations, the plan's types (launch/decide.py). launch/ (the plan and the supervisor), cli/ and doctor.py import it. The plugin
 (plugin/zygote.py, snapshot_signal.py, weight_refill.py: the same jobs' in-engine half) never imports it, nor it
 the plugin: the two halves share contract.py. Callers import the module that defines the name: this file
 re-exports nothing.

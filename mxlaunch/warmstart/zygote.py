@@ -32,7 +32,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 from mxlaunch.contract import ZYGOTE_INFO, ZYGOTE_REFUSED, ZYGOTE_SOCKET
 from mxlaunch.engines.environment import PYTHON_EXE
 from mxlaunch.fileutil import pid_alive
-from mxlaunch.launch.logfile import open_log
+from mxlaunch.safety.logfile import open_log
 from mxlaunch.warmstart.snapshot_key import digest
 from mxlaunch.warmstart.zygote_env import IMPORT_TMPDIR, PINNED, import_env
 from mxlaunch.plan import PLAN_ENV
@@ -318,7 +318,7 @@ def start_zygote(key: str, entry: ZygoteEntry, env: Mapping[str, str], cwd: str,
     log_dir.mkdir(parents=True, exist_ok=True)
     if for_image:
         cmd += ["--image-log", str(log_dir / "zygote.log")]
-    with open_log(log_dir / "zygote.log", append=True) as log:  # 0600, O_NOFOLLOW (launch/logfile.py)
+    with open_log(log_dir / "zygote.log", append=True) as log:  # 0600, O_NOFOLLOW (safety/logfile.py)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(env), cwd=cwd, start_new_session=True)
     return proc.pid

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from mxlaunch.launch.logfile import open_log
+from mxlaunch.safety.logfile import open_log
 from mxlaunch.plan import Plan, load_plan
 from mxlaunch.safety.ownership import ForeignPath
 from mxlaunch.store.core import SnapshotMeta, build_manifest
