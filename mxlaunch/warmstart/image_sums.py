@@ -16,6 +16,8 @@ from typing import Optional
 
 import xxhash
 
+from mxlaunch.fileutil import LAST_USED
+
 SUMS = "sums.json"
 CHUNK = 8 << 20
 
@@ -29,8 +31,10 @@ def file_sum(path: Path) -> str:
 
 
 def image_files(folder: Path) -> list[Path]:
-    """Every regular file of the image (sums.json itself excepted), sorted: what CRIU and the restore read."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink() and p.name != SUMS)
+    """Every regular file of the image, sorted: what CRIU and the restore read — not sums.json itself, nor the
+    last-use stamp every restore touches (fileutil.mark_used: `store prune`'s clock, not part of the image)."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()
+                  and not (p.parent == folder and p.name in (SUMS, LAST_USED)))
 
 
 def write_sums(folder: Path) -> int:

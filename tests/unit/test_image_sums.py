@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mxlaunch.fileutil import mark_used
 from mxlaunch.warmstart.engine_snapshots import STORE_FOLDER, EngineSnapshots
 from mxlaunch.warmstart.image_sums import SUMS, check_sums, write_sums
 
@@ -25,6 +26,8 @@ def test_an_image_that_changed_since_it_was_written_is_named_with_what_changed(t
     image = _image(tmp_path / "img")
     assert write_sums(image) == 100_000 + 4 + 3 and (image / SUMS).exists()
     assert check_sums(image) is None
+    mark_used(image)  # every restore stamps its use (`store prune`): the image is the same image after it
+    assert (image / ".last-used").exists() and check_sums(image) is None
     with open(image / "pages-1.img", "r+b") as f:  # one byte damaged, the size kept
         f.seek(5000)
         f.write(b"q")
