@@ -78,11 +78,20 @@ def record(paths: Iterable[str], folder: Path) -> list[dict]:
 
 def put_back(folder: Path, held: Sequence[Mapping[str, Any]]) -> tuple[list[str], str]:
     """Put kept copies back where their path is missing; (paths made, why not "" or the first missing file that
-    has no copy). Nothing that exists is touched."""
+    has no copy). Nothing that exists is touched; a name that another user made (on a new node, a cache path
+    may be squatted before the first restore) refuses the restore: CRIU would reopen or map it in the engine."""
     made: list[str] = []
     for entry in held:
         path = Path(str(entry.get("path", "")))
-        if not path.is_absolute() or os.path.lexists(path):
+        if not path.is_absolute():
+            continue
+        try:
+            owner = os.lstat(path).st_uid
+        except FileNotFoundError:
+            owner = None
+        if owner is not None:
+            if owner not in (0, os.getuid()):
+                return made, f"{path}, which the image holds open, belongs to uid {owner}: not restoring into it"
             continue
         copy = entry.get("copy")
         if not copy or "/" not in str(copy) or ".." in str(copy):

@@ -48,3 +48,15 @@ def test_the_software_itself_is_never_copied_into_an_image(tmp_path: Path) -> No
     held = held_files.record([str(some)], tmp_path)
     assert "copy" not in held[0] and held[0]["bytes"] == some.stat().st_size
     assert not (tmp_path / held_files.FOLDER).exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid needs root (CI runs as root)")
+def test_a_held_name_another_user_made_first_refuses_the_restore(tmp_path: Path) -> None:
+    """On a new node another user may create a cache path the image holds before the first restore: CRIU would
+    reopen or map that file in the restored engine, so the restore is refused, naming it."""
+    held_path = tmp_path / "cache" / "launcher.so"
+    held_path.parent.mkdir()
+    held_path.write_bytes(b"planted")
+    os.chown(held_path, 4242, 4242)
+    made, why = held_files.put_back(tmp_path, [{"path": str(held_path), "bytes": 7, "mode": 0o644}])
+    assert made == [] and why == f"{held_path}, which the image holds open, belongs to uid 4242: not restoring into it"
