@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import httpx
 
 from mxlaunch import settings
+from mxlaunch.contract import LOADED
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.registry import spec_engine
 from mxlaunch.errors import UsageError
@@ -39,7 +40,7 @@ from mxlaunch.launch.decide import LaunchOptions, LaunchPlan, _rank_rel
 from mxlaunch.launch.kernel import KernelCacheRun
 from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.launch.process import default_log_root
-from mxlaunch.launch.run_markers import Markers
+from mxlaunch.launch.run_markers import Markers, clear_markers
 from mxlaunch.launch.run_stage import Staging
 from mxlaunch.safety.ownership import own_dir
 from mxlaunch.signal_relay import SignalRelay
@@ -187,6 +188,12 @@ class Launcher(Staging, Markers, Stopping):
             if serves_http(self.plan.spec) and self.plan.spec.port:  # before anything is staged or started
                 port.check_free(self.plan.spec.host, self.plan.spec.port)
             self._shm_before = shm_entries()  # before a restore: the files it puts back are the run's to remove
+            # A lean snapshot refills from the stage: staging starts first, so the weights land while CRIU
+            # restores the processes (on the H200 the two ran one after the other: 4-5 s, then 5 s).
+            staged_first = self.snapshots.lean_ahead(self.plan.strategy)
+            if staged_first:
+                self._prepare()
+                self._start_stage_or_fall_back()
             restored = self.snapshots.try_restore(self.plan.strategy)
             if restored is not None and restored.meta.get("lean"):  # its weights come from the stage (lean_snapshot.py)
                 self.plan.reason = "restored this command's lean engine snapshot: no engine start; its weights " \
@@ -194,7 +201,8 @@ class Launcher(Staging, Markers, Stopping):
             elif restored is not None:
                 self.plan.strategy = "snapshot"
                 self.plan.reason = "restored this command's engine snapshot: no engine start, no weights to load"
-            self._prepare()
+            if not staged_first:
+                self._prepare()
             if restored is None:  # a dumpable start on a GPU: the flags that let it sleep (warmstart/engine_snapshots.py)
                 engine = spec_engine(self.plan.spec)
                 self.plan.argv += self.snapshots.engine_args(engine.snapshot_sleep_flags, self.plan.argv,
@@ -222,11 +230,15 @@ class Launcher(Staging, Markers, Stopping):
             except OSError as exc:  # checked in the plan already; a PATH changed since, or a race
                 raise UsageError(f"cannot start the engine command {argv[0]}: {exc.strerror or exc}",
                                  "check the command after --, or activate the environment that has the engine")
-            self._start_stage_or_fall_back()
+            if not staged_first:
+                self._start_stage_or_fall_back()
             if self.plan.strategy in ("staged", "p2p"):  # `store prune` removes the least recently used first
                 mark_used(self.store_root / self.plan.source_id)
             if restored is not None and not self.snapshots.refill(self.shm_dir / "plan.json"):
-                self.proc = process.start(argv, env, dumpable=False)  # the lean restore failed: start as usual
+                # the lean restore failed: start as usual, from the stage — a rank the refill marked loaded
+                # would have its staged files freed under the new engine
+                clear_markers(self.shm_dir / "markers", LOADED)
+                self.proc = process.start(argv, env, dumpable=False)
             reader = threading.Thread(target=self._pump, args=(self.proc, log), daemon=True)
             reader.start()
             code = self._supervise()

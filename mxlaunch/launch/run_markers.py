@@ -56,6 +56,18 @@ class Markers:
         return data
 
 
+def clear_markers(markers: Path, kind: str) -> list[str]:
+    """Remove this run's `kind` markers (a restored engine's refill that failed: the engine started after it
+    must not have its ranks' staged files freed for a load it never did); the names removed."""
+    gone = []
+    for path in sorted(markers.glob("*.json")) if markers.is_dir() else ():
+        parsed = parse_marker_name(path)
+        if parsed is not None and parsed[0] == kind:
+            path.unlink(missing_ok=True)
+            gone.append(path.name)
+    return gone
+
+
 def _read_marker(path: Path) -> dict:
     """A marker's fields, read only from a file of this user's that nobody else can write (read_own_json)."""
     data = read_own_json(path)

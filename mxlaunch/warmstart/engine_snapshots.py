@@ -103,6 +103,17 @@ class EngineSnapshots:
         self.marks.mkdir(parents=True, exist_ok=True)
         return {settings.SNAPSHOT_DIR: str(self.marks)}
 
+    def lean_ahead(self, strategy: str) -> bool:
+        """Whether this launch will try a lean snapshot (its weights come from the stage): then the launcher
+        starts staging before the restore, so the weights land while CRIU restores the processes."""
+        if self.binary is None or strategy != "staged":
+            return False
+        folder = find(snapshots_root(self.root_env), self.key)
+        try:
+            return folder is not None and bool(json.loads((folder / META).read_text(encoding="utf-8")).get("lean"))
+        except (OSError, ValueError):
+            return False
+
     def try_restore(self, strategy: str = "staged") -> Optional[RestoredEngine]:
         """The command's snapshot, restored and unlocked; None when there is none or it cannot be restored
         (reported; the launcher then starts the engine as usual). A lean one (`restored.meta["lean"]`) is

@@ -133,3 +133,99 @@ def test_a_dumpable_engine_does_not_inherit_the_launchers_stdin() -> None:
             os.close(fd)
     assert dumpable.communicate(timeout=60)[0].decode().strip() == "/dev/null"
     assert plain.communicate(timeout=60)[0].decode().startswith("pipe:")  # a usual start keeps the launcher's
+
+
+def staged_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Launcher, list[tuple[str, dict]]]:
+    """A launcher whose plan is `staged`: the store holds a published snapshot of the model."""
+    from mxlaunch.launch import cleanup
+    from mxlaunch.store.core import SnapshotMeta
+
+    monkeypatch.setattr(cleanup, "SHM_ROOT", tmp_path / "shm")
+    monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "kc"))
+    store = Store(tmp_path / "store")
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint(tmp_path / "model"))]
+    opts = LaunchOptions(artifact_path=store.root, run_dir=tmp_path / "logs", ready_timeout=60)
+    sid = make_plan(argv, opts, store).source_id
+    with store.begin_capture(sid, SnapshotMeta(engine="vllm", engine_version="0.32.0"), nranks=1) as writer:
+        (writer.rank_dir(0) / "part-00000.safetensors").write_bytes(b"x" * 4096)
+        writer.add_rank_dir(0)
+        assert writer.mark_node_done()
+    plan = make_plan(argv, opts, store)
+    assert plan.strategy == "staged", plan.reason
+    events: list[tuple[str, dict]] = []
+    return Launcher(plan, opts, emit=lambda e, **f: events.append((e, f)), echo=lambda line: None, store=store), events
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_lean_restore_has_its_weights_staging_while_criu_restores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    lean: bool) -> None:
+    """On the H200 the lean restore (CRIU 1.5-2.6 s + the GPU) and the stage its refill reads (5 s) ran one after
+    the other: the stage now starts first. A full snapshot holds its weights: nothing is staged for it."""
+    runner, _ = staged_launcher(tmp_path, monkeypatch)
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(runner.snapshots, "lean_ahead", lambda strategy: lean and strategy == "staged")
+
+    def restored(strategy: str) -> Restored:
+        seen["staging"] = runner.stage_job is not None
+        seen["plan"] = json.loads((runner.shm_dir / "plan.json").read_text()) if lean else None
+        proc = Restored([sys.executable, "-c", "pass"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, start_new_session=True)
+        proc.meta = {"lean": lean}
+        return proc
+
+    monkeypatch.setattr(runner.snapshots, "try_restore", restored)
+    monkeypatch.setattr(runner.snapshots, "refill", lambda *a, **k: True, raising=False)
+    assert runner.run() == 0
+    assert seen["staging"] is lean, seen
+    if lean:  # the refill's plan is the staged one, written before the restore
+        assert seen["plan"]["strategy"] == "staged" and seen["plan"]["ranks"]["0"], seen["plan"]
+
+
+def test_a_failed_refill_leaves_no_loaded_marker_for_the_engine_started_after_it(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refill that failed at its check may have written rank 0's `loaded` marker: the engine started instead
+    must not have rank 0's staged files freed before it read them."""
+    from mxlaunch.contract import marker_name
+    from mxlaunch.launch import process
+
+    runner, events = staged_launcher(tmp_path, monkeypatch)
+    monkeypatch.setattr(runner.snapshots, "lean_ahead", lambda strategy: True)
+    proc = Restored([sys.executable, "-c", "pass"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True)
+    proc.meta = {"lean": True}
+    monkeypatch.setattr(runner.snapshots, "try_restore", lambda strategy: proc)
+
+    def failed_refill(plan_file: Path) -> bool:
+        (runner.shm_dir / "markers" / marker_name("loaded", 0)).write_text(json.dumps({"bytes": 4096}))
+        return False
+
+    started: dict[str, Any] = {}
+
+    def start(argv: list[str], env: dict, dumpable: bool = False) -> subprocess.Popen:
+        started["markers"] = sorted(p.name for p in (runner.shm_dir / "markers").iterdir())
+        return subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    monkeypatch.setattr(runner.snapshots, "refill", failed_refill, raising=False)
+    monkeypatch.setattr(process, "start", start)
+    runner.run()
+    assert started["markers"] == [], started
+
+
+def test_lean_ahead_reads_the_snapshot_its_restore_would_use(tmp_path: Path) -> None:
+    """Only a lean snapshot of this key, in this user's private folder, and only for a staged launch."""
+    from mxlaunch.warmstart.engine_snapshot import META, snapshots_root
+    from mxlaunch.warmstart.engine_snapshots import EngineSnapshots
+
+    snaps = EngineSnapshots(False, [], "sid", tmp_path / "shm", tmp_path / "logs", lambda e, **f: None,
+                            environ={"MXLAUNCH_ENGINE_SNAPSHOTS": str(tmp_path / "snaps")})
+    snaps.binary, snaps.key = "/bin/true", "k1"
+    root = snapshots_root(snaps.root_env)
+    (root / "k1").mkdir(parents=True)
+    os.chmod(root, 0o700)
+    (root / "k1" / META).write_text(json.dumps({"lean": False}))
+    assert not snaps.lean_ahead("staged")  # a full snapshot holds its weights
+    (root / "k1" / META).write_text(json.dumps({"lean": True}))
+    assert snaps.lean_ahead("staged") and not snaps.lean_ahead("capture")
+    os.chmod(root, 0o755)  # a folder others can enter is not trusted to hold an image
+    assert not snaps.lean_ahead("staged")
