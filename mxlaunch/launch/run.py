@@ -94,7 +94,7 @@ class Launcher(Staging, Markers, Stopping):
         kc = store or open_store(opts.artifact_path)  # JIT kernel caches: restored before the engine, captured after ready
         self.kernel = KernelCacheRun(plan.kernel_cache, KernelCacheStore(kc.root, kc.coordinator), emit, model=plan.spec.model)
         self.store_root = kc.root
-        self.zygotes = ZygoteStarts(plan, opts, self.store_root, self.log_dir, emit)  # --zygote (warmstart/zygote_starts.py)
+        self.zygotes = ZygoteStarts(plan, opts, self.store_root, self.log_dir, emit, stage_root=self.shm_dir)  # --zygote (warmstart/zygote_starts.py)
         self.snapshots = EngineSnapshots(opts.engine_snapshot, list(plan.spec.argv), plan.source_id, self.shm_dir,
                                          self.log_dir, emit, p2p=plan.p2p is not None,  # --engine-snapshot
                                          store_root=None if getattr(kc, "remote", False) else kc.root)

@@ -22,6 +22,7 @@ from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpointError
 from mxlaunch.warmstart import lean_snapshot
 from mxlaunch.warmstart.image_sums import SUMS, check_sums
+from mxlaunch.warmstart.image_stage import ImageDamaged, NoRoom, remove_copy, stage_image, staging_root
 from mxlaunch.warmstart.engine_snapshot import META, SnapshotError, cuda_or_none, find, own_root, snapshots_root
 from mxlaunch.warmstart.snapshot_maker import SnapshotMaker
 from mxlaunch.warmstart.snapshot_restore import RestoredEngine, restore
@@ -37,6 +38,7 @@ class EngineSnapshots:
                  emit: Callable[..., None], p2p: bool = False, environ: Mapping[str, str] = os.environ,
                  store_root: Optional[Path] = None) -> None:
         self.emit, self.log_dir, self.environ = emit, log_dir, environ
+        self.shm_dir = shm_dir  # the run folder: a store-held image is staged into it (warmstart/image_stage.py)
         # Where the snapshots live: a lean one (no weights, a few GB) in the artifact store, so that a new job or a
         # wiped node restores it (`store_root`: a local store's root); a full one (tens of GB) node-local.
         self.in_store = (settings.snapshot_sleep(environ) == 2 and store_root is not None
@@ -123,24 +125,45 @@ class EngineSnapshots:
         folder = find(snapshots_root(self.root_env), self.key)
         if folder is None:
             return None
+        copy, staged = None, {}
         try:
-            why = check_sums(folder) if (folder / SUMS).exists() else None  # a store-held image: checked first
-            why = why and f"the image in {folder} is damaged: {why}"
-            why = why or lean_snapshot.why_not_restore(json.loads((folder / META).read_text(encoding="utf-8")), strategy)
+            why = lean_snapshot.why_not_restore(json.loads((folder / META).read_text(encoding="utf-8")), strategy)
+            if why is None and (folder / SUMS).exists():  # a store-held image: staged and checked as it lands
+                copy, staged, why = self._stage_image(folder)
         except (OSError, ValueError) as exc:
             why = f"its {META}: {exc}"
         if why:
             self.emit("engine-snapshot", status="skipped", key=self.key, reason=why)
             return None
         try:
-            engine, info = restore(self.binary, folder, self.log_dir / "snapshot-restore")
+            engine, info = restore(self.binary, copy or folder, self.log_dir / "snapshot-restore")
         except (SnapshotError, CriuError, CudaCheckpointError, OSError, ValueError, KeyError) as exc:
             self.emit("engine-snapshot", status="failed", key=self.key, reason=f"restore: {exc}")
             return None
+        finally:
+            remove_copy(copy)  # read by CRIU: its pages are the restored processes' memory now
+        info.update(staged)
         self.restored = engine
         mark_used(folder)  # `store prune` removes the least recently used first (a lean one lives in the store)
         self.emit("engine-snapshot", status="restored", key=self.key, path=str(folder), **info)
         return engine
+
+    def _stage_image(self, folder: Path) -> tuple[Optional[Path], dict, Optional[str]]:
+        """The store's image copied into the run folder, checked as it lands (warmstart/image_stage.py): (the
+        copy, its stage's numbers, None); without room there (None, {}, None) once its sums match in place;
+        (None, {}, why) for an image that must not be restored."""
+        root = staging_root(self.shm_dir)
+        try:
+            if root is not None:
+                copy, staged = stage_image(folder, root)
+                return copy, staged, None
+        except ImageDamaged as exc:
+            return None, {}, f"the image in {folder} is damaged: {exc}"
+        except NoRoom as exc:
+            self.emit("engine-snapshot", status="in-place", key=self.key,
+                      reason=f"the image is restored from the store, not staged: {exc}")
+        damaged = check_sums(folder)
+        return None, {}, damaged and f"the image in {folder} is damaged: {damaged}"
 
     def refill(self, plan_file: Path) -> bool:
         """A restored lean engine: refill its weights from `plan_file` (the staged snapshot) and wake it. False

@@ -45,6 +45,7 @@ from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
 from mxlaunch.warmstart import criu, snapshot_key, zygote
 from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.warmstart.image_sums import SUMS, check_sums, write_sums
+from mxlaunch.warmstart.image_stage import ImageDamaged, NoRoom, remove_copy, stage_image, staging_root
 from mxlaunch.store.zygote_images import META, image_dir, images_root  # the layout, below the store's prune
 
 private = zygote.private_dir  # an image is restored, and dumped into, only from a folder this user alone controls
@@ -156,9 +157,12 @@ def wait_for_socket(key: str, pid: int, timeout: float) -> None:
         time.sleep(0.005)
 
 
-def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Path, timeout: float = 30.0) -> dict:
+def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Path, timeout: float = 30.0,
+                   stage_root: Optional[Path] = None) -> dict:
     """Restore the image for `key` and wait until it serves: {"pid", "restore_s", "image"}; CriuError when
-    there is no usable image or CRIU refuses (the caller spawns as always)."""
+    there is no usable image or CRIU refuses (the caller spawns as always). `stage_root`: a private folder
+    (the run folder in /dev/shm) the image is staged into and checked as it lands (warmstart/image_stage.py)
+    before CRIU reads the copy; without it, or without room there, CRIU reads the store's folder, checked first."""
     fd, why = open_image(store_root, key)
     if fd is None:
         raise CriuError(f"image refused: {why}" if why else "no image for this zygote yet")
@@ -171,14 +175,15 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
         if not zygote.private_root():
             raise CriuError(f"{zygote.zygote_root()} is not a folder of this user's alone")
         t0 = time.monotonic()
-        damaged = check_sums(by_fd) if (by_fd / SUMS).exists() else None  # an image made before sums: as it is
-        if damaged:
-            raise CriuError(f"image refused: {folder} is damaged: {damaged}")
-        _wait_pid_free(_pid_in(by_fd / META), 5.0)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        write_resume(key, log, restored=True)
-        try:  # CRIU reads the folder that was checked, through its descriptor, whatever its name holds by now
-            pid = criu.restore(binary, by_fd, work, timeout, pass_fds=(fd,))
+        copy, staged = _staged_or_checked(by_fd, folder, stage_root)
+        try:
+            _wait_pid_free(_pid_in((copy or by_fd) / META), 5.0)
+            log.parent.mkdir(parents=True, exist_ok=True)
+            write_resume(key, log, restored=True)
+            try:  # CRIU reads what was checked: the private copy, or the store's folder through its descriptor
+                pid = criu.restore(binary, copy or by_fd, work, timeout, pass_fds=() if copy else (fd,))
+            finally:
+                remove_copy(copy)  # read by CRIU: its pages are the restored zygote's memory now
             wait_for_socket(key, pid, timeout)
         except CriuError:
             _marker(key, ZYGOTE_RESUME).unlink(missing_ok=True)
@@ -186,7 +191,27 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
     finally:
         os.close(fd)
     mark_used(folder)  # `store prune` removes the least recently used first
-    return {"pid": pid, "restore_s": round(time.monotonic() - t0, 3), "image": str(folder)}
+    return {"pid": pid, "restore_s": round(time.monotonic() - t0, 3), "image": str(folder), **staged}
+
+
+def _staged_or_checked(by_fd: Path, folder: Path, stage_root: Optional[Path]) -> tuple[Optional[Path], dict]:
+    """The image staged into `stage_root` and checked as it landed (the copy, its stage's numbers), or (None,
+    {}) once the store's folder passed its sums in place (no room, no stage root, an image made before sums).
+    CriuError for a damaged image."""
+    if not (by_fd / SUMS).exists():  # an image made before sums: as it is
+        return None, {}
+    root = staging_root(stage_root)
+    try:
+        if root is not None:
+            return stage_image(by_fd, root)
+    except ImageDamaged as exc:
+        raise CriuError(f"image refused: {folder} is damaged: {exc}") from None
+    except NoRoom:
+        pass  # restored from the store, checked in place first
+    damaged = check_sums(by_fd)
+    if damaged:
+        raise CriuError(f"image refused: {folder} is damaged: {damaged}")
+    return None, {}
 
 
 class ImageMaker(threading.Thread):

@@ -21,9 +21,10 @@ if TYPE_CHECKING:  # annotations only: warmstart/ never imports the plan at run 
 
 class ZygoteStarts:
     def __init__(self, plan: LaunchPlan, opts: LaunchOptions, store_root: Path, log_dir: Path,
-                 emit: Callable[..., None]) -> None:
+                 emit: Callable[..., None], stage_root: Optional[Path] = None) -> None:
         self.plan, self.opts = plan, opts
         self.store_root, self.log_dir = Path(store_root), log_dir
+        self.stage_root = stage_root  # the run folder: a store's image is staged into it (warmstart/image_stage.py)
         self.emit = emit
         self._next: Optional[tuple] = None  # (key, entry, env): the zygote to start once ready
         self._criu_checked: Optional[tuple] = None  # (binary or None, why not): asked once per launch
@@ -120,7 +121,7 @@ class ZygoteStarts:
             return None
         try:
             return zygote_image.restore_zygote(binary, self.store_root, key, self.log_dir / "zygote.log",
-                                               self.log_dir / "criu")
+                                               self.log_dir / "criu", stage_root=self.stage_root)
         except CriuError as exc:
             self.emit("zygote-image", status="restore-failed", key=key, reason=str(exc))
             return None

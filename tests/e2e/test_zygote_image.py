@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -177,9 +179,14 @@ def test_a_zygote_image_travels_to_a_new_job_and_not_to_changed_imports(module_d
 
         second = job_env(module_dir, "202")
         assert zygote.zygote_key(ent, "1", second, str(module_dir), salt=salt) == key  # the next job's key: a hit
-        restored = zygote_image.restore_zygote(binary, store, key, module_dir / "logs2" / "zygote.log",
-                                               module_dir / "criu2")
-        assert restored["pid"] == pid
+        run = Path(tempfile.mkdtemp(prefix="mxz-run-", dir="/dev/shm"))  # the next job's run folder (0700)
+        try:  # the image staged into it, checked as it lands, and CRIU restores that copy (warmstart/image_stage.py)
+            restored = zygote_image.restore_zygote(binary, store, key, module_dir / "logs2" / "zygote.log",
+                                                   module_dir / "criu2", stage_root=run)
+            assert list(run.iterdir()) == []  # the copy is gone once CRIU has read it
+        finally:
+            shutil.rmtree(run, ignore_errors=True)
+        assert restored["pid"] == pid and restored["image_stage_s"] >= 0, restored
         child = zygote.fork_from(key, ent, second, str(module_dir))
         assert child is not None and child.wait(timeout=60) == 0
         tmp = second["TMPDIR"]
