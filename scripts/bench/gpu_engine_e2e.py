@@ -127,7 +127,34 @@ COMPILE = {"on": False}  # --compile: vLLM's default torch.compile + CUDA graphs
 # --quant METHOD (issue 40): every start of the batch serves the model quantized. fp8-online: the bf16 Llama with
 # vLLM's `--quantization fp8`; the others: a checkpoint written from it by tests/helpers/quantized_model.py
 QUANT = {"method": None, "extra": ()}
-QUANT_METHODS = {"fp8-online": ("--quantization", "fp8"), "w8a8-fp8": (), "w8a8-int8": (), "awq": (), "gptq": ()}
+QUANT_METHODS = {"fp8-online": ("--quantization", "fp8"), "w8a8-fp8": (), "w8a8-int8": (), "awq": (), "gptq": (),
+                 "block-fp8": ()}  # block-fp8: DeepSeek-V3's 128×128 block FP8 (vLLM 0.26 on Hopper: DeepGEMM's JIT)
+
+
+def quant_model(base: Path, models: Path, size: str, method: Optional[str], moe: bool) -> tuple[Path, Optional[str]]:
+    """The model a --quant/--moe batch serves, written once into `models` from the generated Llama `base`, and
+    the method name its records carry. moe: a Mixtral (tests/helpers/quantized_model.py GPU_MOE: 8 experts,
+    top 2) with the Llama's tokenizer, quantized by `method` (w8a8-fp8: compressed-tensors per-channel FP8 —
+    vLLM's CompressedTensorsW8A8Fp8MoEMethod)."""
+    if not moe and method in (None, "fp8-online"):
+        return base, method
+    sys.path.insert(0, str(REPO))
+    from tests.helpers.quantized_model import GPU_MOE, mixtral_from_llama, quantize_model  # noqa: PLC0415 — torch
+
+    def made(path: Path, write: Any) -> Path:
+        if not (path / "config.json").exists():
+            tmp = path.with_name(path.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            write(tmp)
+            tmp.rename(path)
+        return path
+
+    if moe:
+        base = made(models / f"mixtral-from-{size}", lambda out: mixtral_from_llama(base, out, **GPU_MOE))
+    if method in (None, "fp8-online"):
+        return base, f"{method or 'bf16'}-moe" if moe else method
+    quantized = made(models / f"{base.name}-{method}", lambda out: quantize_model(base, out, method))
+    return quantized, f"{method}-moe" if moe else method
 
 
 def jit_cache_dirs() -> list[Path]:
@@ -545,7 +572,11 @@ class Harness:
         rec: dict = {"name": "p2p", "strategy": "p2p"}
         try:
             rec["source_ready_s"] = src.wait_ready(src_port, self.timeout)
-            if src.wait_event("loaded", 60) is None:
+            source_loaded = src.wait_event("loaded", 60)
+            rec["source_planned"] = (src.event("plan") or {}).get("strategy")
+            rec["source_fallback"] = (src.event("fallback") or {}).get("reason")
+            rec["source_strategy"] = (source_loaded or {}).get("strategy")
+            if source_loaded is None:
                 raise RuntimeError("the source never loaded its rank")
             time.sleep(2)  # its worker publishes the source record right after loading
             evict(self.model, self.store)
@@ -599,6 +630,11 @@ def main() -> int:
                     "(logs/NN-name.answers.json), to compare starts with each other, not only with the gold")
     ap.add_argument("--quant", choices=tuple(QUANT_METHODS), help="serve the model quantized (issue 40): fp8-online "
                     "(--quantization fp8) or a pre-quantized checkpoint written from it; use a --work of its own")
+    ap.add_argument("--moe", action="store_true", help="serve a Mixtral made from the Llama's tokenizer instead (8 "
+                    "experts, top 2, ~4.1 GiB bf16: tests/helpers/quantized_model.py GPU_MOE), quantized by --quant "
+                    "(w8a8-fp8: compressed-tensors per-channel FP8 MoE); records say method '<quant>-moe'")
+    ap.add_argument("--models", type=Path, help="where the generated models live (default: --work); one folder for "
+                    "several --work folders makes the 8 GiB Llama once")
     ap.add_argument("--quant-out", type=Path, help="with --quant: add one record per start (method, engine, strategy, "
                     "verify, fallback, weight_s) to this JSON file, e.g. docs/bench-results/quantized_<date>.json")
     ap.add_argument("--flashinfer-sampler", action="store_true", help="leave VLLM_USE_FLASHINFER_SAMPLER unset (vLLM's "
@@ -608,24 +644,21 @@ def main() -> int:
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}: pick from {', '.join(SCENARIOS)}")
-    model = args.work / f"llama-{args.size}"
+    models = args.models or args.work
+    model = models / f"llama-{args.size}"
     if not (model / "config.json").exists():
-        args.work.mkdir(parents=True, exist_ok=True)
+        models.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, str(REPO / "scripts" / "kits" / "make_tiny_model.py"), "--out", str(model),
                         "--size", args.size], check=True)
-    if args.quant and args.quant != "fp8-online":
-        sys.path.insert(0, str(REPO))
-        from tests.helpers.quantized_model import quantize_model  # noqa: PLC0415 — torch, in the engine's env
-
-        quantized = args.work / f"llama-{args.size}-{args.quant}"
-        if not (quantized / "config.json").exists():
-            quantize_model(model, quantized.with_name(quantized.name + ".tmp"), args.quant).rename(quantized)
-        model = quantized
-    QUANT["method"], QUANT["extra"] = args.quant, QUANT_METHODS.get(args.quant or "", ())
+    args.work.mkdir(parents=True, exist_ok=True)
+    model, method = quant_model(model, models, args.size, args.quant, args.moe)
+    QUANT["method"], QUANT["extra"] = method, QUANT_METHODS.get(args.quant or "", ())
     COMPILE["on"] = args.compile
     ENGINE["name"], ENGINE["attention"] = args.engine, args.sglang_attention
-    if args.engine == "sglang" and {"p2p", "zygote", "default-fork", *ENGINE_OPTIONS} & set(scenarios):
-        ap.error("--engine sglang runs default, capture, staged and staged-spawn only")
+    SGLANG_EXTRA[:] = shlex.split(args.sglang_args)
+    if args.engine == "sglang" and set(scenarios) - set(SGLANG_SCENARIOS):
+        ap.error(f"--engine sglang runs {', '.join(SGLANG_SCENARIOS)} only (no lean snapshot: mxlaunch puts no SGLang "
+                 f"engine to sleep), not {', '.join(sorted(set(scenarios) - set(SGLANG_SCENARIOS)))}")
     RECORD_EACH["on"] = args.record_each
     if args.flashinfer_sampler:
         ENV.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
@@ -643,16 +676,20 @@ def main() -> int:
     for scenario in scenarios:  # the record is rewritten after every start: a run cut short keeps what it did
         rec = harness.run(scenario)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
-        if args.quant and args.quant_out:
-            add_quant_record(args.quant_out, rec, args.quant, version, doc)
+        if method and args.quant_out:
+            add_quant_record(args.quant_out, rec, method, version, doc, harness.runs)
     print_table(harness.runs)
     return 0
 
 
-def add_quant_record(path: Path, rec: dict, method: str, version: str, doc: dict) -> None:
-    """One record per start in the quantized results file (issue 40's targets), added to what it holds."""
+def add_quant_record(path: Path, rec: dict, method: str, version: str, doc: dict, runs: list[dict]) -> None:
+    """One record per start in the quantized results file (issue 40's targets), added to what it holds. A start
+    after a `default` that was not the gold's (`default,default,capture`: the engine alone with warm caches)
+    carries that start's ready_s and its own ratio to it (the target: capture ≤ 1.05×)."""
     data = json.loads(path.read_text()) if path.exists() else {"schema": 1, "gpu": doc["gpu"], "model": doc["model"],
                                                                 "records": []}
+    alone = [r.get("ready_s") for r in runs[:-1] if r.get("name") == "default" and r.get("verify") == "exact"]
+    alone_s = alone[-1] if alone and alone[-1] and rec.get("ready_s") else None
     data["records"].append({
         "method": method, "engine": ENGINE["name"], "engine_version": version, "start": rec.get("name"),
         "strategy": rec.get("strategy"), "planned": rec.get("planned"),
@@ -660,7 +697,11 @@ def add_quant_record(path: Path, rec: dict, method: str, version: str, doc: dict
         "fallback": bool(rec.get("fallback")), "fallback_reason": rec.get("fallback"),
         "weight_s": rec.get("weight_s"), "ready_s": rec.get("ready_s"), "compile": COMPILE["on"], "at": rec.get("at"),
         # online quantization: the staged/p2p restore first quantizes placeholders (not in the "loaded" line's time)
-        "placeholder_s": ((rec.get("loaded_event") or {}).get("placeholders") or {}).get("seconds")})
+        "placeholder_s": ((rec.get("loaded_event") or {}).get("placeholders") or {}).get("seconds"),
+        "engine_alone_ready_s": alone_s, "ready_vs_engine_alone": round(rec["ready_s"] / alone_s, 3) if alone_s else None,
+        # p2p: the staged source the puller pulled from, and how the bytes came
+        **({"source_strategy": rec.get("source_strategy"), "source_fallback": rec.get("source_fallback"),
+            "transport": (rec.get("loaded_event") or {}).get("transport")} if rec.get("name") == "p2p" else {})})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
 

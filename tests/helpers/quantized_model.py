@@ -15,11 +15,16 @@ The formats are written by hand, as their producers lay them out (no quantizatio
   ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` (serve with ``--kv-cache-dtype fp8``).
 - ``gptq``: AutoGPTQ, 4 bit, group 32, symmetric, no act-order: ``qweight`` int32 [in/8, out] (packed along
   the input), ``qzeros`` int32 [in/32, out/8] (stored zero - 1 = 7), ``scales`` fp16 [in/32, out], ``g_idx``.
+- ``block-fp8``: DeepSeek-V3 / Qwen3-FP8's block-wise FP8 (vLLM's "fp8" method with ``weight_block_size``):
+  ``weight`` float8_e4m3fn [out, in] and ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)], one per
+  128×128 block — the factor that dequantizes (w ≈ weight · weight_scale_inv), despite its name; dynamic
+  activations (vLLM quantizes them per token group of 128; on Hopper it takes DeepGEMM's JIT kernels).
 
 Only the decoder layers' Linears are quantized; embeddings, norms and lm_head stay as they are.
 
 ``mixtral_from_llama`` makes a tiny random Mixtral with the tiny Llama's tokenizer (hidden 128, EXPERTS
-experts ``block_sparse_moe.experts.E.w1/w2/w3``, a router ``gate``, top 2);
+experts ``block_sparse_moe.experts.E.w1/w2/w3``, a router ``gate``, top 2; hidden, intermediate, layers and
+experts can be set, e.g. GPU_MOE for the GPU harness);
 ``cached_quantized(..., moe=True)`` quantizes that instead (the router stays float, as vLLM builds it).
 """
 
@@ -36,13 +41,18 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers.tiny_model import cached_model
 
-METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8")
+METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8", "block-fp8")
 KV_SCALES = {"k": 0.03125, "v": 0.0625}  # per-tensor fp8 KV-cache scales written for "w8a8-int8-kvfp8"
 GROUP = 32
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 EXPERTS = 4
 MOE_HIDDEN = 128
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the nibble k of a packed int32 holds column AWQ_ORDER[k]
+BLOCK = 128  # block-fp8: DeepSeek-V3's 128×128 weight blocks (DeepGEMM's tile)
+# A Mixtral for the GPU harness (scripts/bench/gpu_engine_e2e.py --moe), from the 8 GiB Llama's attention shapes:
+# 8 experts, top 2, hidden 4096, expert width 1408 (11·128: the block-fp8 shape rule holds too), 12 layers —
+# ~4.1 GiB in bf16, ~2.1 GiB in fp8; fused-MoE GEMMs of [2816 × 4096] per expert, large enough to run for real.
+GPU_MOE = {"experts": 8, "top_k": 2, "hidden": 4096, "intermediate": 1408, "layers": 12}
 
 
 def _is_linear(name: str) -> bool:
@@ -79,6 +89,19 @@ def _w8(w: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
         scale = amax / torch.finfo(torch.float8_e4m3fn).max
         q = (w / scale).to(torch.float8_e4m3fn)
     return {"weight": q, "weight_scale": scale.to(torch.float32)}
+
+
+def _block_fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [out, in] → e4m3 weight and one float32 dequantization factor per BLOCK×BLOCK block (edges padded)."""
+    w = w.float()
+    out, inp = w.shape
+    rows, cols = -(-out // BLOCK), -(-inp // BLOCK)
+    padded = torch.zeros(rows * BLOCK, cols * BLOCK)
+    padded[:out, :inp] = w
+    blocks = padded.view(rows, BLOCK, cols, BLOCK)
+    scale = (blocks.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).view(rows * BLOCK, cols * BLOCK)[:out, :inp]
+    return {"weight": q.to(torch.float8_e4m3fn).contiguous(), "weight_scale_inv": scale.contiguous()}
 
 
 def _pack_cols(q: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
@@ -133,6 +156,8 @@ def _quant_config(method: str) -> dict:
                                                          "dynamic": False, "symmetric": True}}
     if method == "w8a8-fp8":
         return _ct_config("float")
+    if method == "block-fp8":  # as DeepSeek-V3's config.json has it
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
     if method == "gptq":
@@ -147,10 +172,10 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     src, out = Path(src), Path(out)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = _quant_config(method)
-    dtype = torch.bfloat16 if method.startswith("w8a8") else torch.float16
+    dtype = torch.float16 if method in ("awq", "gptq") else torch.bfloat16
     config["torch_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
     convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-int8-kvfp8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
-               "awq": _awq, "gptq": _gptq}[method]
+               "awq": _awq, "gptq": _gptq, "block-fp8": _block_fp8}[method]
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for shard in sorted(src.glob("*.safetensors")):
@@ -179,14 +204,19 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     return out
 
 
-def mixtral_from_llama(src: Path, out: Path, experts: int = EXPERTS, top_k: int = 2, seed: int = 0) -> Path:
-    """A tiny random Mixtral with the float Llama folder `src`'s tokenizer, vocabulary and heads, hidden size
-    MOE_HIDDEN (vLLM's CPU int4 MoE kernel takes only hidden % 128 == 0); byte-identical per seed."""
+def mixtral_from_llama(src: Path, out: Path, experts: int = EXPERTS, top_k: int = 2, seed: int = 0,
+                       hidden: int = MOE_HIDDEN, intermediate: int | None = None, layers: int | None = None) -> Path:
+    """A random Mixtral with the float Llama folder `src`'s tokenizer, vocabulary and heads: hidden size `hidden`
+    (MOE_HIDDEN by default: vLLM's CPU int4 MoE kernel takes only hidden % 128 == 0), each expert `intermediate`
+    wide (default: hidden), `layers` layers (default: the Llama's); byte-identical per seed and sizes."""
     src, out = Path(src), Path(out)
     gen = torch.Generator().manual_seed(seed)
     config = json.loads((src / "config.json").read_text())
-    h, inter, heads, kv, hd = MOE_HIDDEN, MOE_HIDDEN, config["num_attention_heads"], \
+    h, inter, heads, kv, hd = hidden, intermediate or hidden, config["num_attention_heads"], \
         config["num_key_value_heads"], config["head_dim"]
+    if layers:
+        config["num_hidden_layers"] = layers
+    std = 0.08 * (MOE_HIDDEN / h) ** 0.5  # the tiny model's 0.08 at hidden 128; wider layers keep their outputs' scale
     config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=h,
                   intermediate_size=inter, num_local_experts=experts, num_experts_per_tok=top_k,
                   router_aux_loss_coef=0.02, output_router_logits=False, sliding_window=None,
@@ -195,7 +225,7 @@ def mixtral_from_llama(src: Path, out: Path, experts: int = EXPERTS, top_k: int 
         config.pop(key, None)
 
     def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(shape, generator=gen) * 0.08).to(torch.bfloat16)
+        return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
 
     tensors = {"model.embed_tokens.weight": rand(config["vocab_size"], h), "lm_head.weight": rand(config["vocab_size"], h),
                "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
