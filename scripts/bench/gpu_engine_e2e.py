@@ -77,6 +77,10 @@ from bench_launch_runs import REPO, Option, _stop, free_port, read_log  # noqa: 
 API = "vllm.entrypoints.openai.api_server"
 # --engine sglang: SGLang 0.5.16's kit (docs/sglang-gpu.md) has no FA3, so its attention is FlashInfer's
 ENGINE = {"name": "vllm", "attention": "flashinfer"}
+# --sglang-args: flags appended to every SGLang start (a CPU dry run of the harness: docs/sglang-gpu.md)
+SGLANG_EXTRA: list[str] = []
+# what --engine sglang runs: SGLang has no sleep wired into mxlaunch (no lean snapshot), no zygote, no P2P here
+SGLANG_SCENARIOS = ("default", "capture", "staged", "staged-spawn", "engine-snapshot")
 # the engine core's (vLLM) or the TP-0 scheduler's (SGLang) first line: the second process is up
 CORE_MARK = {"vllm": "EngineCore", "sglang": "TP0"}
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
@@ -223,7 +227,7 @@ def engine_argv(model: Path, port: int, util: float, extra: tuple[str, ...] = ()
         graphs = () if COMPILE["on"] else ("--disable-cuda-graph",)
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--dtype", "bfloat16", *graphs,
                 "--context-length", "2048", "--mem-fraction-static", f"{util:g}", "--attention-backend", ENGINE["attention"],
-                "--sampling-backend", "pytorch", "--host", "127.0.0.1", "--port", str(port), *extra]
+                "--sampling-backend", "pytorch", "--host", "127.0.0.1", "--port", str(port), *extra, *SGLANG_EXTRA]
     eager = () if COMPILE["on"] else ("--enforce-eager",)
     return [sys.executable, "-m", API, "--model", str(model), "--dtype", "bfloat16", *eager,
             "--max-model-len", "2048", "--gpu-memory-utilization", f"{util:g}", "--host", "127.0.0.1",
@@ -481,6 +485,10 @@ class Harness:
             finally:
                 start.stop(True)
         rec["image_bytes"] = (rec.get("taken") or {}).get("bytes")
+        rec["pause_s"] = (rec.get("taken") or {}).get("pause_s")  # the serving engine's pause for the snapshot
+        restored = rec.get("restored") or {}  # CRIU's restore, then the GPU state's (and a wake, if it slept)
+        parts = [restored.get(k) for k in ("criu_restore_s", "gpu_restore_s", "wake_s") if restored.get(k) is not None]
+        rec["restore_s"] = round(sum(parts), 3) if parts else None
         for key in ("", "wiped_") if lean else ("",):
             if (rec.get(f"{key}restored") or {}).get("status") != "restored":
                 rec.setdefault("error", f"{key or 'second start '}not restored: {rec.get(f'{key}restored')}")
@@ -615,13 +623,16 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-e2e"))
     ap.add_argument("--util", type=float, default=0.7, help="--gpu-memory-utilization (p2p: half each)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds to ready, per start")
-    ap.add_argument("--snapshot-util", type=float, default=0.12, help="engine-snapshot: --gpu-memory-utilization (the "
-                    "image holds the engine's GPU memory, KV cache included)")
+    ap.add_argument("--snapshot-util", type=float, default=0.12, help="engine-snapshot: --gpu-memory-utilization, SGLang's "
+                    "--mem-fraction-static (the image holds the engine's GPU memory, KV cache included)")
     ap.add_argument("--out", type=Path, required=True, help="the JSON record (every run so far in the work folder)")
     ap.add_argument("--engine", choices=("vllm", "sglang"), default="vllm", help="sglang: SGLang's kit "
                     "(docs/sglang-gpu.md), FlashInfer attention, PyTorch sampling")
-    ap.add_argument("--sglang-attention", choices=("flashinfer", "triton"), default="flashinfer", help="SGLang's "
-                    "--attention-backend (flashinfer: a fresh node JIT-builds its kernels in the first request, ~3 min)")
+    ap.add_argument("--sglang-attention", choices=("flashinfer", "triton", "torch_native"), default="flashinfer",
+                    help="SGLang's --attention-backend (flashinfer: a fresh node JIT-builds its kernels in the first "
+                    "request, ~3 min; torch_native: the CPU dry run)")
+    ap.add_argument("--sglang-args", default="", help="flags appended to every SGLang start, e.g. for a CPU dry run "
+                    "'--device cpu --dtype float32 --max-total-tokens 2048' (docs/sglang-gpu.md)")
     ap.add_argument("--compile", action="store_true", help="vLLM's default compile and CUDA graphs (no --enforce-eager; "
                     "SGLang: CUDA graphs, no --disable-cuda-graph)")
     ap.add_argument("--fresh-node", action="store_true", help="remove this machine's JIT kernel caches before every "
