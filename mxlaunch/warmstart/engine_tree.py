@@ -86,6 +86,17 @@ def shm_files(pids: Sequence[int]) -> list[str]:
     return out
 
 
+def process_title(pid: int, limit: int = 80) -> str:
+    """The process's command line as `ps` shows it (SGLang retitles its children `sglang::scheduler_TP0`,
+    `sglang::detokenizer`): which of an engine's processes a refusal is about. "" when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    title = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    return title if len(title) <= limit else title[:limit - 1] + "…"
+
+
 def output_pipes(pid: int) -> list[str]:
     return sorted({t for fd in (1, 2) if (t := _readlink(f"/proc/{pid}/fd/{fd}")) and t.startswith("pipe:")})
 

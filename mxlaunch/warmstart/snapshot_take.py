@@ -23,7 +23,7 @@ from mxlaunch.warmstart import criu, held_files, snapshot_files
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpoint
 from mxlaunch.warmstart.engine_snapshot import DUMP_FLAGS, META, SHM, NotAsked, SnapshotError
 from mxlaunch.warmstart.engine_tree import (device_files, engine_action, mapped_files, open_files, output_pipes,
-                                            release_nvml, shm_files)
+                                            process_title, release_nvml, shm_files)
 from mxlaunch.warmstart.snapshot_files import process_tree
 from mxlaunch.warmstart.snapshot_key import RECORD
 
@@ -69,8 +69,11 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
             held = device_files(pids)
             if held:
                 pid, files = next(iter(held.items()))
-                raise SnapshotError(f"engine process {pid} still holds {', '.join(files)} after the CUDA checkpoint: "
-                                    "CRIU cannot dump it")
+                # which process, and whether the driver checkpointed it: a process the driver knows no CUDA state
+                # of holds NVML's files (no mxlaunch handler released them) or a cuInit the driver cannot checkpoint
+                what = process_title(pid) + ("" if pid in gpu else "; the driver reports no CUDA state for it")
+                raise SnapshotError(f"engine process {pid} ({what}) still holds {', '.join(files)} after the CUDA "
+                                    "checkpoint: CRIU cannot dump it")
             meta = {"root": root_pid, "pids": pids, "gpu_pids": gpu, "pipes": output_pipes(root_pid),
                     "shm_files": shm_files(pids), "kernel": os.uname().release, "slept": sleep, "marks": str(marks),
                     "lean": bool(lean),

@@ -130,6 +130,36 @@ def test_the_tree_lists_descendants_and_only_processes_with_a_handler_get_the_si
             os.kill(child, signal.SIGKILL)
 
 
+class _NoCudaState:
+    """The driver's checkpoint API as it answers for a process it knows no CUDA state of."""
+
+    def with_cuda(self, pids: list[int]) -> list[int]:
+        return []
+
+    def run(self, names: tuple[str, ...], pids: list[int]) -> float:
+        raise AssertionError("nothing to checkpoint")
+
+
+def test_a_dump_refused_for_a_gpu_file_names_the_process_and_says_the_driver_checkpointed_none_of_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's detokenizer (retitled `sglang::detokenizer`) imports torch and has no mxlaunch handler: on a GPU
+    it may hold /dev/nvidiactl that no checkpoint releases. The refusal must say which process, as ps shows it,
+    and that the driver reported no CUDA state for it (not a context the checkpoint missed)."""
+    held = subprocess.Popen(["bash", "-c", "exec -a sglang::detokenizer sleep 60"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not engine_tree.process_title(held.pid).startswith("sglang::") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        monkeypatch.setattr(snapshot_take, "device_files", lambda pids: {held.pid: ["/dev/nvidiactl"]})
+        with pytest.raises(es.SnapshotError, match=rf"engine process {held.pid} \(sglang::detokenizer 60; the driver "
+                                                   r"reports no CUDA state for it\) still holds /dev/nvidiactl"):
+            snapshot_take.take("criu", held.pid, tmp_path / "snap", tmp_path, _NoCudaState())  # type: ignore[arg-type]
+    finally:
+        held.kill()
+        held.wait()
+    assert engine_tree.process_title(held.pid) == ""  # gone: nothing to name
+
+
 def _pending(pid: int) -> int:
     """The signals queued for `pid` and not yet delivered (its own and its thread group's)."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
