@@ -50,6 +50,17 @@ mxlaunch's kernel cache (captured into the store by `capture`) can bring the com
 
     source /tmp/kit/device_env.sh && python3 scripts/bench/gpu_engine_e2e.py --compile --fresh-node \
         --scenarios default,capture,staged,staged --work /tmp/gpu-e2e-compile --out $OUT/gpu_compile.json
+
+Quantized (issue 40, docs/quantized.md): `--quant fp8-online|w8a8-fp8|w8a8-int8|awq|gptq|block-fp8` serves the
+Llama quantized (block-fp8: DeepSeek-V3's 128×128 block FP8, DeepGEMM on Hopper), `--moe` a Mixtral made from it
+(8 experts, top 2; `--moe --quant w8a8-fp8`: compressed-tensors FP8 MoE), `--quant-out` adds one record per start
+(method, strategy, verify, fallback, weight_s, the kernels vLLM chose; p2p: the source's strategy and the
+transport; after an exact second `default`, the ratio of ready to the engine alone). `--models` keeps the
+generated models in one folder for every `--work`:
+
+    source /tmp/kit/device_env.sh && python3 scripts/bench/gpu_engine_e2e.py --quant block-fp8 \
+        --scenarios default,default,capture --models /tmp/gpu-models --work /tmp/gpu-e2e-bfp8 \
+        --out $OUT/gpu_bfp8.json --quant-out $OUT/quantized.json
 """
 
 from __future__ import annotations
@@ -693,6 +704,21 @@ def main() -> int:
     return 0
 
 
+# vLLM's own lines naming the kernels it chose (0.26): "Selected CutlassFP8ScaledMMLinearKernel for Fp8LinearMethod",
+# "Using TRITON Fp8 MoE backend out of potential backends: [...]" (block-fp8's linear: a DeepGEMM kernel class)
+KERNEL_LINES = (r"Selected (\w+) for (\w+)", r"Using (\w+) Fp8 MoE backend", r"Using (\w+) for \w+ GEMM")
+
+
+def kernels_of(log: Optional[str]) -> list[str]:
+    """The kernels the engine said it chose for a start's quantized layers (its log), once each, in order."""
+    try:
+        text = Path(log).read_text(errors="replace") if log else ""
+    except OSError:
+        return []
+    found = [" ".join(m.groups()) for pattern in KERNEL_LINES for m in re.finditer(pattern, text)]
+    return list(dict.fromkeys(found))
+
+
 def add_quant_record(path: Path, rec: dict, method: str, version: str, doc: dict, runs: list[dict]) -> None:
     """One record per start in the quantized results file (issue 40's targets), added to what it holds. A start
     after a `default` that was not the gold's (`default,default,capture`: the engine alone with warm caches)
@@ -712,7 +738,8 @@ def add_quant_record(path: Path, rec: dict, method: str, version: str, doc: dict
         "engine_alone_ready_s": alone_s, "ready_vs_engine_alone": round(rec["ready_s"] / alone_s, 3) if alone_s else None,
         # p2p: the staged source the puller pulled from, and how the bytes came
         **({"source_strategy": rec.get("source_strategy"), "source_fallback": rec.get("source_fallback"),
-            "transport": (rec.get("loaded_event") or {}).get("transport")} if rec.get("name") == "p2p" else {})})
+            "transport": (rec.get("loaded_event") or {}).get("transport")} if rec.get("name") == "p2p" else {}),
+        "kernels": kernels_of(rec.get("log"))})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
 

@@ -64,6 +64,18 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cached_model(tmp_path_factory.mktemp("models"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_world() -> Iterator[None]:
+    """A world this module made is taken down after it: another module (test_quantized_online.py) makes its own."""
+    from vllm.distributed import parallel_state
+
+    made = not parallel_state.model_parallel_is_initialized()
+    yield
+    if made and parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+
+
 @contextmanager
 def vllm_model(path: Path) -> Iterator[tuple[object, torch.nn.Module]]:
     """vLLM's config for `path` (its own parser) and the model vLLM builds from it, on the CPU, in a world of one."""
