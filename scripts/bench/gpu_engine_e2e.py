@@ -579,7 +579,8 @@ class Harness:
         return rec
 
     def _p2p(self) -> dict:
-        why = importable("nixl_cu13") and importable("nixl")
+        # any of the modules the launcher looks for (launch/p2p.py _NIXL_MODULES): the CUDA 12 wheel is nixl_cu12
+        why = importable("nixl_cu13") and importable("nixl") and importable("nixl_cu12")
         if why:
             return {"name": "p2p", "strategy": "p2p", "skipped": f"NIXL not installed: {why}"}
         half = round(self.util / 2, 3)
@@ -607,6 +608,8 @@ class Harness:
             dst.wait_event("loaded", 30)
             rec["verify"] = verify(dst_port, self.gold, record=False)
             rec["source_verify"] = verify(src_port, self.gold, record=False)
+        except RuntimeError as exc:  # the record keeps what was seen: the source's side, the puller's plan and log
+            rec["error"] = f"{'the puller' if dst is not None else 'the source'}: {exc}"
         finally:
             if dst is not None:
                 dst.stop(True)
@@ -691,7 +694,7 @@ def main() -> int:
 
     version = importlib.import_module(ENGINE["name"]).__version__
     doc = {"schema": 1, "engine": ENGINE["name"], "engine_version": version, "gpu": gpu_name(),
-           "date": dt.date.today().isoformat(), "model": {"size": args.size,
+           "date": dt.date.today().isoformat(), "model": {"size": args.size, "name": model.name,
            "bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))},
            "env": ENV, "command": shown_argv([sys.executable, *sys.argv]), "runs": harness.runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -729,6 +732,7 @@ def add_quant_record(path: Path, rec: dict, method: str, version: str, doc: dict
     alone_s = alone[-1] if alone and alone[-1] and rec.get("ready_s") else None
     data["records"].append({
         "method": method, "engine": ENGINE["name"], "engine_version": version, "start": rec.get("name"),
+        "model": doc["model"].get("name"),
         "strategy": rec.get("strategy"), "planned": rec.get("planned"),
         "verify": rec.get("verify") or rec.get("error") or rec.get("skipped"),
         "fallback": bool(rec.get("fallback")), "fallback_reason": rec.get("fallback"),
