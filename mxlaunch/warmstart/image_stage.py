@@ -50,7 +50,10 @@ def stage_image(folder: Path, dest_root: Path, readers: int = IMAGE_READERS) -> 
         extra, lost = sorted(set(have) - set(sums or {})), sorted(set(sums or {}) - set(have))
         raise ImageDamaged(f"its files differ from {SUMS}: {len(lost)} missing {lost[:3]}, {len(extra)} unknown {extra[:3]}")
     items = [CopyItem(src=path, rel=rel, size=path.stat().st_size) for rel, path in sorted(have.items())]
-    dest = Path(tempfile.mkdtemp(prefix="image-", dir=dest_root))  # 0700, a new name: nobody else's file in it
+    try:
+        dest = Path(tempfile.mkdtemp(prefix="image-", dir=dest_root))  # 0700, a new name: nobody else's file in it
+    except OSError as exc:
+        raise NoRoom(f"no folder for the copy in {dest_root}: {exc.strerror or exc}") from None
     try:
         job = StageJob(items, dest, readers=max(1, min(readers, len(items))), expected=sums, huge_pages=False)
         result = job.start().wait()
