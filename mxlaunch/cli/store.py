@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -33,11 +34,16 @@ def store_list(
     from mxlaunch.staging.capacity import format_bytes
     from mxlaunch.store.opener import open_store
 
+    from mxlaunch.store.prune import warm_images
+
     store = open_store(artifact_path)
     entries = store.list()
     where = getattr(store, "url", store.root)  # an S3 store (store/s3_store.py) by its URL
+    images = [] if getattr(store, "remote", False) else warm_images(store)  # an S3 store keeps none (docs/launch.md)
     if as_json:
-        print_json({"root": str(where), "snapshots": [e.to_dict() for e in entries]})
+        print_json({"root": str(where), "snapshots": [e.to_dict() for e in entries],
+                    "images": [{k: v for k, v in i.to_dict().items() if k in ("kind", "name", "path", "bytes", "last_used")}
+                               for i in images]})
         return
     # Readable at 80 columns: no borders, one space between columns, the model by name (the path is in
     # --json), the date without the time; only the model may wrap.
@@ -59,6 +65,15 @@ def store_list(
     for e in entries:
         if e.status == "refused":
             out.print(f"{e.source_id}: {escape(e.reason)}", highlight=False, soft_wrap=True)
+    if images:  # warm start-up state of this user's (launch --zygote, --engine-snapshot): what `store prune` ages too
+        shown = Table(title="your zygote images and engine snapshots", box=None, pad_edge=False, padding=(0, 1, 0, 0),
+                      title_justify="left", header_style="bold underline")
+        for col in ("kind", "key", "size", "last used"):
+            shown.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
+        for i in images:
+            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(i.last_used)) if i.last_used else "-"
+            shown.add_row(i.kind, i.name, format_bytes(i.bytes), used)
+        out.print(shown)
 
 
 @store_app.command("verify")

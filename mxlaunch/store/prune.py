@@ -172,12 +172,19 @@ def _in_use(store: Store, caches: KernelCacheStore) -> list[Item]:
     for folder in _children(caches.root):
         if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
             items.append(Item("kernel-cache", folder.name, folder, _du(folder), "", last_used(folder, KEY_JSON)))
-    images = zygote_images.images_root(store.root)  # this user's: others' are 0700 and theirs to prune
+    return items + warm_images(store)
+
+
+def warm_images(store: Store) -> list[Item]:
+    """This user's zygote images and lean engine snapshots in the store, each with its size and last use (`store
+    list` shows them; age and size may remove them). Others' are in their own 0700 folders: theirs to see."""
+    items = []
+    images = zygote_images.images_root(store.root)
     for folder in _children(images) if private_dir(images) else []:
         if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
             items.append(Item("zygote-image", folder.name, folder, _du(folder), "",
                               last_used(folder, zygote_images.META)))
-    engines = store.root / ENGINE_SNAPSHOTS / str(os.getuid())  # lean engine snapshots: this user's, like images
+    engines = store.root / ENGINE_SNAPSHOTS / str(os.getuid())
     for folder in _children(engines) if private_dir(engines) else []:
         if valid_id(folder.name) and folder.is_dir() and not folder.is_symlink():
             items.append(Item("engine-snapshot", folder.name, folder, _du(folder), "", last_used(folder, "meta.json")))

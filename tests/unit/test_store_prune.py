@@ -219,3 +219,32 @@ def test_lean_engine_snapshots_in_the_store_are_pruned_by_use_and_never_listed_a
     assert {(i.kind, i.name) for i in report.removed} == {("engine-snapshot", "c" * 20)}
     assert not (root / ("c" * 20)).exists() and (root / ("d" * 20) / "meta.json").exists()
     assert (root / "key-salt").exists()  # the salt that makes every node's keys the same stays
+
+
+def test_store_list_shows_this_users_images_and_snapshots_apart_from_the_weights(tmp_path: Path) -> None:
+    """A user whose store grows by GBs of zygote images and lean snapshots sees them in `store list` (kind, key,
+    size, last use), apart from the weight snapshots; a folder others could enter is not listed as theirs."""
+    from mxlaunch.store import zygote_images
+    from mxlaunch.store.core import ENGINE_SNAPSHOTS
+    from tests.helpers.cli import run_cli
+
+    images = zygote_images.images_root(tmp_path)
+    images.mkdir(parents=True, mode=0o700)
+    (images / ("a" * 20)).mkdir()
+    (images / ("a" * 20) / zygote_images.META).write_text(json.dumps({"pid": 1}))
+    (images / ("a" * 20) / "pages-1.img").write_bytes(b"x" * 8192)
+    lean = tmp_path / ENGINE_SNAPSHOTS / str(os.getuid())
+    lean.mkdir(parents=True, mode=0o700)
+    (lean / ("c" * 20)).mkdir()
+    (lean / ("c" * 20) / "meta.json").write_text(json.dumps({"lean": True}))
+    listed = run_cli("store", "list", "--artifact-path", str(tmp_path), "--json")
+    assert listed.returncode == 0, listed.stderr
+    doc = json.loads(listed.stdout)
+    assert doc["snapshots"] == []
+    assert {(i["kind"], i["name"]) for i in doc["images"]} == {("zygote-image", "a" * 20), ("engine-snapshot", "c" * 20)}
+    assert [i["bytes"] for i in doc["images"] if i["kind"] == "zygote-image"][0] >= 8192
+    shown = run_cli("store", "list", "--artifact-path", str(tmp_path))
+    assert "your zygote images and engine snapshots" in shown.stdout and "a" * 20 in shown.stdout, shown.stdout
+    os.chmod(images, 0o755)  # others may enter: not a folder of this user's alone, nothing in it is theirs
+    doc = json.loads(run_cli("store", "list", "--artifact-path", str(tmp_path), "--json").stdout)
+    assert [i["kind"] for i in doc["images"]] == ["engine-snapshot"]
