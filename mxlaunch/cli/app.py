@@ -20,6 +20,7 @@ from mxlaunch.cli.launch import launch
 from mxlaunch.cli.cache import cache_app
 from mxlaunch.cli.peers import peers as peers_command
 from mxlaunch.cli.zygotes import zygotes as zygotes_command
+from mxlaunch.cli.kept import kept as kept_command
 from mxlaunch.cli.pull import pull as pull_command
 from mxlaunch.cli.store import store_app
 from mxlaunch.errors import EXIT_USAGE, MxlaunchError
@@ -351,6 +352,7 @@ app.add_typer(cache_app, name="cache")  # JIT kernel caches (mxlaunch/cli/cache.
 
 app.command("peers")(peers_command)
 app.command("zygotes")(zygotes_command)
+app.command("kept")(kept_command)
 app.command("pull")(pull_command)
 
 # ---- launch (mxlaunch/cli/launch.py) ----

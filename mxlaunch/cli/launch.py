@@ -10,6 +10,7 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
+from mxlaunch import settings
 from mxlaunch.cli.common import artifact_path_option, err, json_option, out, plain_fields, print_json
 from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
 from mxlaunch.engines.registry import ENGINES
@@ -47,6 +48,11 @@ def launch(
                                          "checkpoint + CRIU 4.2+) instead of starting the engine; without one, take it "
                                          "once the engine serves (the engine pauses for it). Node-local, in "
                                          "MXLAUNCH_ENGINE_SNAPSHOTS; it holds the engine's GPU memory: size the KV cache."),
+    keep_staged: bool = typer.Option(False, "--keep-staged", help="Keep the staged snapshot in /dev/shm after loading "
+                                     "(hard links: no copy) so that the next launch of the same snapshot on this node "
+                                     "reads nothing from the store; it holds that RAM until `mxlaunch kept --drop`, or "
+                                     "until a stage needs the room [env MXLAUNCH_KEEP_STAGED=1].",
+                                     envvar=settings.KEEP_STAGED),
     no_download: bool = typer.Option(False, "--no-download", help="Leave a hub id that is not in the hub cache, or an "
                                      "s3:// model, to the engine (by default mxlaunch downloads it once per artifact store first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and run nothing."),
@@ -63,7 +69,7 @@ def launch(
                          registry=registry, capture_id=capture_id, zygote=zygote,
                          # a forked engine core keeps the API server's CUDA device files, which no checkpoint releases
                          engine_fork=not no_engine_fork and not engine_snapshot,
-                         zygote_image=not no_zygote_image, engine_snapshot=engine_snapshot)
+                         zygote_image=not no_zygote_image, engine_snapshot=engine_snapshot, keep_staged=keep_staged)
 
     known: frozenset[str] = secret_values(command or (), os.environ, [registry])  # what no output may show
 

@@ -31,6 +31,7 @@ from mxlaunch.engines.registry import ENGINES
 from mxlaunch.errors import UsageError
 from mxlaunch.fileutil import pid_alive, write_json_atomic
 from mxlaunch.safety.ownership import foreign, open_own, own_fallbacks, own_root
+from mxlaunch.staging.kept import KEPT
 
 SHM_ROOT = Path("/dev/shm")
 SEGMENTS = "segments.json"  # in a run folder: {"segments": [{"name": ..., "ino": ...}, ...]}
@@ -255,6 +256,8 @@ def reap_stale_runs(root: Path, shm_root: Optional[Path] = None) -> list[tuple[P
         return removed
     shm_root = shm_root or root.parent
     for run in sorted(root.iterdir()):
+        if run.name == KEPT:  # staged snapshots kept between launches (staging/kept.py): no run folder
+            continue
         try:
             st = os.lstat(run)
         except OSError:

@@ -58,6 +58,7 @@ class LaunchOptions:
     zygote: bool = False  # restarts forked from a warm interpreter (--zygote)
     zygote_image: bool = True  # with --zygote and a usable CRIU: dump the zygote, restore it on first starts
     engine_snapshot: bool = False  # restore the command's engine snapshot, else take one once ready (--engine-snapshot)
+    keep_staged: bool = False  # keep the staged files in /dev/shm for the next launch on this node (--keep-staged)
 
 
 @dataclass

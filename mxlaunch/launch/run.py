@@ -89,6 +89,7 @@ class Launcher(Staging, Markers, Stopping):
         self.loaded: set[int] = set()
         self.stage_result = None
         self.stage_error: Optional[str] = None
+        self.kept_bytes = 0  # --keep-staged: bytes the last launch kept in /dev/shm, linked instead of read
         self._profile_lock = threading.Lock()
         self._shm_before: set[str] = set()
         kc = store or open_store(opts.artifact_path)  # JIT kernel caches: restored before the engine, captured after ready

@@ -33,6 +33,7 @@ class Staging:
     stage_job: Any  # staging/reader.py StageJob or the S3 store's, once started
     stage_result: Any
     stage_error: Optional[str]
+    kept_bytes: int  # --keep-staged: linked from what the last launch kept (staging/kept.py)
     loaded: set[int]  # workers whose loaded (or fallback) marker was seen
     emit: Callable[..., None]
     echo: Callable[[str], None]
@@ -52,6 +53,10 @@ class Staging:
             items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
             expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
+        if self.opts.keep_staged:  # what the last launch of this source id on this node kept (staging/kept.py)
+            items = self._reuse_kept(items, expected, reserve)
+            if not items:
+                return
         store = self.store or open_store(self.opts.artifact_path)
         if getattr(store, "remote", False):  # an S3 store: parallel ranged GETs into /dev/shm (staging/s3_stage.py)
             job = store.stage_job(items, self.shm_dir / "stage", expected=expected, reserve_bytes=reserve).start()
@@ -71,6 +76,50 @@ class Staging:
         self.stage_job = job
         self._watch_stage(job)
 
+    def _reuse_kept(self, items: list, expected: dict, reserve: int) -> list:
+        """Link the kept files into the stage folder; the items still to read. With none left the stage is
+        over at once (the `staged` event says so); otherwise room is made for the rest by dropping the least
+        recently used other entries."""
+        from mxlaunch.staging import kept
+        from mxlaunch.staging.capacity import capacity_of
+
+        reused = kept.reuse(self.shm_dir.parent, self.plan.source_id, expected, self.shm_dir / "stage")
+        self.kept_bytes = reused.bytes
+        left = [i for i in items if i.rel not in set(reused.rels)]
+        if not left:
+            self.emit("staged", bytes=0, seconds=0.0, gib_per_s=0.0, o_direct=True, kept_bytes=reused.bytes,
+                      message="every file was kept in /dev/shm by the last launch of this snapshot: nothing read")
+            line = staged_line(reused.bytes, 0.0)
+            self.echo(line)
+            self._feed_profile(line)
+            return []
+        need = sum(i.size for i in left) + reserve - capacity_of(self.shm_dir).usable
+        if need > 0:
+            dropped = kept.evict(self.shm_dir.parent, need, keep_id=self.plan.source_id)
+            if dropped:
+                self.emit("kept", status="evicted", source_ids=dropped,
+                          message=f"dropped {len(dropped)} kept snapshot(s) from /dev/shm to make room for this stage")
+        return left
+
+    def _keep_rank(self, snapshot_rank: int) -> None:
+        """`--keep-staged`: a rank's staged files (each checked as it landed) stay for the next launch."""
+        from mxlaunch.staging import kept
+
+        prefix = f"{snapshot_rank}/"
+        expected = {}
+        for f in self.plan.stage_files:
+            rank, inner = _rank_rel(f.path)
+            if f"{rank}/{inner}".startswith(prefix):
+                expected[f"{rank}/{inner}"] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
+        try:
+            total = kept.keep(self.shm_dir.parent, self.plan.source_id, self.shm_dir / "stage", expected)
+        except (MxlaunchError, OSError) as exc:
+            self.emit("kept", status="failed", reason=getattr(exc, "message", None) or str(exc))
+            return
+        self.emit("kept", status="kept", rank=snapshot_rank, bytes=total,
+                  message="the staged files stay in /dev/shm for the next launch of this snapshot on this node "
+                          "(mxlaunch kept --drop frees them)")
+
     def _watch_stage(self, job: Any) -> None:
         """Report the stage's end; a failure sends the engine to its default loader (the abort marker)."""
 
@@ -79,7 +128,8 @@ class Staging:
                 result = job.wait()
                 self.stage_result = result
                 self.emit("staged", bytes=result.bytes, seconds=round(result.seconds, 3),
-                          gib_per_s=round(result.gib_per_s, 3), o_direct=result.o_direct)
+                          gib_per_s=round(result.gib_per_s, 3), o_direct=result.o_direct,
+                          **({"kept_bytes": self.kept_bytes} if self.kept_bytes else {}))
                 line = staged_line(result.bytes, result.seconds)
                 self.echo(line)
                 self._feed_profile(line)
@@ -107,4 +157,6 @@ class Staging:
         snapshot_rank = next((w["snapshot_rank"] for w in self.plan.local_ranks if w["rank"] == rank), rank)
         sharing = {w["rank"] for w in self.plan.local_ranks if w["snapshot_rank"] == snapshot_rank}
         if sharing <= self.loaded:
+            if self.opts.keep_staged and self.stage_error is None and self.plan.strategy == "staged":
+                self._keep_rank(snapshot_rank)
             shutil.rmtree(self.shm_dir / "stage" / str(snapshot_rank), ignore_errors=True)

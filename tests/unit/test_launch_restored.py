@@ -135,21 +135,25 @@ def test_a_dumpable_engine_does_not_inherit_the_launchers_stdin() -> None:
     assert plain.communicate(timeout=60)[0].decode().startswith("pipe:")  # a usual start keeps the launcher's
 
 
-def staged_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Launcher, list[tuple[str, dict]]]:
-    """A launcher whose plan is `staged`: the store holds a published snapshot of the model."""
+def staged_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                    fresh: bool = True) -> tuple[Launcher, list[tuple[str, dict]]]:
+    """A launcher whose plan is `staged`: the store holds a published snapshot of the model (`fresh`: made
+    now; else the one an earlier call made)."""
     from mxlaunch.launch import cleanup
     from mxlaunch.store.core import SnapshotMeta
 
     monkeypatch.setattr(cleanup, "SHM_ROOT", tmp_path / "shm")
     monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "kc"))
     store = Store(tmp_path / "store")
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint(tmp_path / "model"))]
+    model = tmp_path / "model"
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint(model) if fresh else model)]
     opts = LaunchOptions(artifact_path=store.root, run_dir=tmp_path / "logs", ready_timeout=60)
-    sid = make_plan(argv, opts, store).source_id
-    with store.begin_capture(sid, SnapshotMeta(engine="vllm", engine_version="0.32.0"), nranks=1) as writer:
-        (writer.rank_dir(0) / "part-00000.safetensors").write_bytes(b"x" * 4096)
-        writer.add_rank_dir(0)
-        assert writer.mark_node_done()
+    if fresh:
+        sid = make_plan(argv, opts, store).source_id
+        with store.begin_capture(sid, SnapshotMeta(engine="vllm", engine_version="0.32.0"), nranks=1) as writer:
+            (writer.rank_dir(0) / "part-00000.safetensors").write_bytes(b"x" * 4096)
+            writer.add_rank_dir(0)
+            assert writer.mark_node_done()
     plan = make_plan(argv, opts, store)
     assert plan.strategy == "staged", plan.reason
     events: list[tuple[str, dict]] = []
