@@ -72,10 +72,10 @@ def reuse(user_root: Path, source_id: str, expected: Mapping[str, Mapping], dest
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022 or st.st_size != int(want["bytes"]):
             continue
         target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
             os.link(src, target)
-        except OSError:
+        except OSError:  # not linked: the stage reads it
             continue
         rels.append(rel)
         total += st.st_size
