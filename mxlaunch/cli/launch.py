@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.markup import escape
@@ -16,10 +16,26 @@ from mxlaunch.contract import LAUNCH_STRATEGIES as STRATEGIES
 from mxlaunch.engines.registry import ENGINES
 from mxlaunch.safety.redact import redact, redact_argv, redact_env, redact_text, secret_values
 
+if TYPE_CHECKING:
+    from mxlaunch.launch.decide import LaunchPlan
+
 CONTEXT = {"allow_interspersed_args": False, "ignore_unknown_options": True}  # CMD's own flags pass through
 _SNAPSHOT_FORMAT_HELP = "raw (mxlaunch's: tensors before post-processing; every engine)" + "".join(
     f" | {' | '.join(e.snapshot_formats)} ({e.display}'s stock formats; riskier, see docs/)"
     for e in ENGINES.values() if e.snapshot_formats) + "."
+
+
+def _kept_bytes(plan: "LaunchPlan") -> int:
+    """--keep-staged in a dry run: the bytes of this plan's stage that the last launch kept (staging/kept.py)."""
+    from mxlaunch.launch.cleanup import user_roots
+    from mxlaunch.launch.decide import _rank_rel
+    from mxlaunch.staging import kept
+
+    expected = {}
+    for f in plan.stage_files:
+        rank, inner = _rank_rel(f.path)
+        expected[f"{rank}/{inner}"] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
+    return max((kept.available(root, plan.source_id, expected) for root in user_roots()), default=0)
 
 
 def launch(
@@ -100,8 +116,9 @@ def launch(
     if plan.slurm and plan.slurm["message"] and not as_json:  # what Slurm changed, in one line (JSON: the plan's "slurm")
         err.print(f"[bold cyan]mxlaunch[/] slurm: {escape(redact_text(plan.slurm['message'], known))}", highlight=False)
     if dry_run:
+        kept_bytes = _kept_bytes(plan) if keep_staged else None
         if as_json:
-            print_json(redact(plan.to_json(), known))
+            print_json(redact({**plan.to_json(), **({"kept_bytes": kept_bytes} if kept_bytes is not None else {})}, known))
         else:
             show = lambda text: escape(redact_text(str(text), known))  # noqa: E731 — the dry run's every free text
             out.print(f"strategy [bold]{plan.strategy}[/]: {show(plan.reason)}")
@@ -131,6 +148,9 @@ def launch(
                 out.print(f"capture via [bold]{plan.capture_via}[/]: {show(plan.capture_via_reason)}", highlight=False)
             if plan.stage_files:
                 out.print(f"would stage {len(plan.stage_files)} files, {plan.stage_bytes / (1 << 30):.2f} GiB")
+            if kept_bytes is not None and plan.stage_files:
+                out.print(f"kept in /dev/shm by the last launch: {kept_bytes / (1 << 30):.2f} GiB of it would be linked, "
+                          "not read (--keep-staged)")
         return
     plan.refuse_unstartable()
     if capture_only and plan.strategy != "capture":

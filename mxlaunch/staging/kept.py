@@ -61,16 +61,9 @@ def reuse(user_root: Path, source_id: str, expected: Mapping[str, Mapping], dest
         return Reused([], 0)
     rels, total = [], 0
     for rel, want in sorted(expected.items()):
-        have = recorded.get(rel) if isinstance(recorded, dict) else None
-        if not have or have.get("xxh3_128") != want.get("xxh3_128") or int(have.get("bytes", -1)) != int(want["bytes"]):
+        if not _usable(entry, recorded, rel, want):
             continue
         src = entry / rel
-        try:
-            st = os.lstat(src)
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022 or st.st_size != int(want["bytes"]):
-            continue
         target = dest / rel
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -78,10 +71,35 @@ def reuse(user_root: Path, source_id: str, expected: Mapping[str, Mapping], dest
         except OSError:  # not linked: the stage reads it
             continue
         rels.append(rel)
-        total += st.st_size
+        total += int(want["bytes"])
     if rels:
         (entry / USED).touch()
     return Reused(rels, total)
+
+
+def _usable(entry: Path, recorded: object, rel: str, want: Mapping) -> bool:
+    """Whether the kept `rel` is what the plan asks for (name, size, checksum) and a file of this user's alone."""
+    have = recorded.get(rel) if isinstance(recorded, dict) else None
+    if not have or have.get("xxh3_128") != want.get("xxh3_128") or int(have.get("bytes", -1)) != int(want["bytes"]):
+        return False
+    try:
+        st = os.lstat(entry / rel)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022 \
+        and st.st_size == int(want["bytes"])
+
+
+def available(user_root: Path, source_id: str, expected: Mapping[str, Mapping]) -> int:
+    """The bytes `reuse` would link now (a dry run's answer), without linking anything."""
+    entry = kept_root(user_root) / source_id
+    if not (private_dir(kept_root(user_root)) and private_dir(entry)):
+        return 0
+    try:
+        recorded = json.loads((entry / FILES).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    return sum(int(want["bytes"]) for rel, want in expected.items() if _usable(entry, recorded, rel, want))
 
 
 def keep(user_root: Path, source_id: str, stage_dir: Path, expected: Mapping[str, Mapping]) -> int:
@@ -162,4 +180,5 @@ def age_s(entry: Entry, now: Optional[float] = None) -> float:
     return max(0.0, (now or time.time()) - entry.last_used)
 
 
-__all__ = ["Entry", "FILES", "KEPT", "Reused", "age_s", "drop", "entries", "evict", "keep", "kept_root", "reuse"]
+__all__ = ["Entry", "FILES", "KEPT", "Reused", "age_s", "available", "drop", "entries", "evict", "keep", "kept_root",
+           "reuse"]

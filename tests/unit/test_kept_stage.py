@@ -157,3 +157,30 @@ def test_mxlaunch_kept_lists_and_drops_them(tmp_path: Path, monkeypatch: pytest.
     assert "sid1" in shown.output and "kept" in shown.output
     dropped = CliRunner().invoke(app, ["kept", "--drop", "--json"])
     assert json.loads(dropped.output)["dropped"] == ["sid1"] and kept.entries(root) == []
+
+
+def test_a_dry_run_says_how_much_of_the_stage_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`launch --dry-run --keep-staged` answers before anything runs: the bytes the next start would link."""
+    from typer.testing import CliRunner
+
+    from mxlaunch.cli.app import app
+    from mxlaunch.launch import cleanup
+    from tests.unit.test_launch_restored import staged_launcher
+
+    runner, _ = staged_launcher(tmp_path, monkeypatch)  # a store with a published snapshot of 4096 bytes
+    monkeypatch.setattr(cleanup, "SHM_ROOT", tmp_path / "shm2")
+    (tmp_path / "shm2").mkdir()
+    root = tmp_path / "shm2" / cleanup.shm_user_name()
+    root.mkdir(mode=0o700)
+    [f] = runner.plan.stage_files
+    rank_rel = "0/part-00000.safetensors"
+    expected = {rank_rel: {"bytes": f.bytes, "xxh3_128": f.xxh3_128}}
+    (root / "run1" / "stage" / "0").mkdir(parents=True)
+    (root / "run1" / "stage" / rank_rel).write_bytes(b"x" * 4096)
+    argv = ["launch", "--dry-run", "--json", "--keep-staged", "--artifact-path", str(runner.opts.artifact_path), "--",
+            *runner.plan.spec.argv]
+    before = json.loads(CliRunner().invoke(app, argv).output)
+    assert before["strategy"] == "staged" and before["kept_bytes"] == 0
+    kept.keep(root, runner.plan.source_id, root / "run1" / "stage", expected)
+    after = json.loads(CliRunner().invoke(app, argv).output)
+    assert after["kept_bytes"] == 4096, after
