@@ -52,12 +52,8 @@ def kept_root(user_root: Path) -> Path:
 def reuse(user_root: Path, source_id: str, expected: Mapping[str, Mapping], dest: Path) -> Reused:
     """Link the kept files of `source_id` that match `expected` (rel → bytes, xxh3_128: the plan's) into
     `dest/<rel>`; what was linked. Nothing kept, or a folder that is not this user's alone: nothing."""
-    entry = kept_root(user_root) / source_id
-    if not (private_dir(kept_root(user_root)) and private_dir(entry)):
-        return Reused([], 0)
-    try:
-        recorded = json.loads((entry / FILES).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    entry, recorded = _entry(user_root, source_id)
+    if not recorded:
         return Reused([], 0)
     rels, total = [], 0
     for rel, want in sorted(expected.items()):
@@ -77,9 +73,30 @@ def reuse(user_root: Path, source_id: str, expected: Mapping[str, Mapping], dest
     return Reused(rels, total)
 
 
-def _usable(entry: Path, recorded: object, rel: str, want: Mapping) -> bool:
+def _entry(user_root: Path, source_id: str) -> tuple[Path, dict]:
+    """The kept entry of `source_id` and its files.json ({} when there is none, or its folders are not this
+    user's alone)."""
+    entry = kept_root(user_root) / source_id
+    if not (private_dir(kept_root(user_root)) and private_dir(entry)):
+        return entry, {}
+    try:
+        recorded = json.loads((entry / FILES).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return entry, {}
+    return entry, recorded if isinstance(recorded, dict) else {}
+
+
+def _inside(rel: str) -> bool:
+    """A plan's relative name that stays inside the folder it is joined to."""
+    parts = Path(rel).parts
+    return bool(parts) and not Path(rel).is_absolute() and ".." not in parts
+
+
+def _usable(entry: Path, recorded: dict, rel: str, want: Mapping) -> bool:
     """Whether the kept `rel` is what the plan asks for (name, size, checksum) and a file of this user's alone."""
-    have = recorded.get(rel) if isinstance(recorded, dict) else None
+    if not _inside(rel):
+        return False
+    have = recorded.get(rel)
     if not have or have.get("xxh3_128") != want.get("xxh3_128") or int(have.get("bytes", -1)) != int(want["bytes"]):
         return False
     try:
@@ -92,13 +109,7 @@ def _usable(entry: Path, recorded: object, rel: str, want: Mapping) -> bool:
 
 def available(user_root: Path, source_id: str, expected: Mapping[str, Mapping]) -> int:
     """The bytes `reuse` would link now (a dry run's answer), without linking anything."""
-    entry = kept_root(user_root) / source_id
-    if not (private_dir(kept_root(user_root)) and private_dir(entry)):
-        return 0
-    try:
-        recorded = json.loads((entry / FILES).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return 0
+    entry, recorded = _entry(user_root, source_id)
     return sum(int(want["bytes"]) for rel, want in expected.items() if _usable(entry, recorded, rel, want))
 
 
@@ -113,7 +124,7 @@ def keep(user_root: Path, source_id: str, stage_dir: Path, expected: Mapping[str
     recorded = recorded if isinstance(recorded, dict) else {}
     for rel, want in sorted(expected.items()):
         src, target = stage_dir / rel, entry / rel
-        if rel in recorded and target.exists():
+        if not _inside(rel) or (rel in recorded and target.exists()):
             continue
         try:
             st = os.lstat(src)

@@ -62,6 +62,11 @@ def test_only_what_the_plan_asks_for_is_reused(tmp_path: Path) -> None:
     got = kept.reuse(root, "sid", other, root / "run2" / "stage")
     assert got.rels == ["0/c"] and got.bytes == 100
     assert kept.reuse(root, "another-sid", expected, root / "run3" / "stage").rels == []
+    (root / "outside").write_bytes(b"o" * 100)  # a name that climbs out of the kept folder is never followed
+    climbing = {"../../outside": {"bytes": 100, "xxh3_128": xxhash.xxh3_128(b"o" * 100).hexdigest()}}
+    recorded = json.loads((kept.kept_root(root) / "sid" / kept.FILES).read_text())
+    (kept.kept_root(root) / "sid" / kept.FILES).write_text(json.dumps({**recorded, **climbing}))
+    assert kept.reuse(root, "sid", climbing, root / "run4" / "stage" / "deep" / "er").rels == []
 
 
 def test_a_kept_folder_others_can_enter_is_not_believed(tmp_path: Path) -> None:
