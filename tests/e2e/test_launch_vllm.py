@@ -7,6 +7,7 @@ fetches nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,7 +23,7 @@ import pytest
 from mxlaunch.coord.peers import open_registry
 from mxlaunch.warmstart import criu
 from mxlaunch.store.core import MANIFEST, Store
-from tests.helpers.cli import compare_gold
+from tests.helpers.cli import compare_gold, run_cli
 from tests.helpers.hub_server import HubServer
 from tests.helpers.launcher import LaunchProcess
 from tests.helpers.p2p_e2e import an_outsiders_write_is_caught, pull_exactly
@@ -132,7 +133,7 @@ def test_restore_run_is_staged_and_exact_then_serves_a_p2p_pull_and_an_outsiders
     numbers anyway. Stopping the launchers removes their records and run folders."""
     assert zygotes, "the capture run started no zygote"
     wait_for(lambda: Path(zygotes[0]["socket"]).exists(), READY_S, "the zygote's socket (it publishes once imported)")
-    launch = hub_launch(hub, store_root, launch_args=("--zygote",))
+    launch = hub_launch(hub, store_root, launch_args=("--zygote", "--keep-staged"))
     try:
         plan = launch.wait_event("plan", 120)
         assert plan["strategy"] == "staged", plan
@@ -147,6 +148,7 @@ def test_restore_run_is_staged_and_exact_then_serves_a_p2p_pull_and_an_outsiders
         launch.wait_event("ready", READY_S)
         assert any("mxlaunch: rank 0 loaded" in line for line in launch.stderr_lines)
         assert not (Path(plan["run_dir"]) / "stage" / "0").exists()  # freed once loaded
+        assert launch.wait_event("kept", 30)["bytes"] == staged["bytes"]  # --keep-staged: linked for the next launch
         compare(launch.url, gold_file)
         engine = psutil.Process(forked["pid"])
         procs = [engine, *engine.children(recursive=True)]
@@ -192,6 +194,27 @@ def test_restore_run_is_staged_and_exact_then_serves_a_p2p_pull_and_an_outsiders
                   for m in [re.search(r"distributed_init_method=file://(\S+)", line)] if m}
     assert rendezvous and not any(Path(p).exists() for p in rendezvous), rendezvous
     assert hub[0].weight_gets() == 1  # none of these launches nor their engines fetched the weights again
+
+
+def test_a_restart_with_keep_staged_links_what_the_last_launch_kept_and_reads_nothing(
+        hub: tuple, gold_file: Path, store_root: Path) -> None:
+    """`--keep-staged`: the restore run above kept its staged files in /dev/shm (hard links); this restart of
+    the same snapshot links them into its stage folder instead of reading the store, and serves exactly;
+    `mxlaunch kept --drop` then frees them."""
+    launch = hub_launch(hub, store_root, launch_args=("--keep-staged", "--no-p2p"))
+    try:
+        plan = launch.wait_event("plan", 120)
+        assert plan["strategy"] == "staged", plan
+        staged = launch.wait_event("staged", READY_S)
+        assert staged["bytes"] == 0 and staged["kept_bytes"] > 0, staged  # nothing read from the store
+        launch.wait_event("ready", READY_S)
+        compare(launch.url, gold_file)
+    finally:
+        launch.stop()
+    listed = json.loads(run_cli("kept", "--json").stdout)["kept"]
+    assert [k["bytes"] for k in listed if k["source_id"] == plan["source_id"]] == [staged["kept_bytes"]], listed
+    assert run_cli("kept", "--drop").returncode == 0
+    assert not [k for k in json.loads(run_cli("kept", "--json").stdout)["kept"] if k["source_id"] == plan["source_id"]]
 
 
 @pytest.mark.full  # the refusal is the store's check (unit: test_store.py); live in make test-full
