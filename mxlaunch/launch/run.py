@@ -195,7 +195,8 @@ class Launcher(Staging, Markers, Stopping):
             if staged_first:
                 self._prepare()
                 self._start_stage_or_fall_back()
-            restored = self.snapshots.try_restore(self.plan.strategy)
+            # none when stopping already, or when the stage a lean restore would refill from could not start
+            restored = None if self.signals or self.stage_error else self.snapshots.try_restore(self.plan.strategy)
             if restored is not None and restored.meta.get("lean"):  # its weights come from the stage (lean_snapshot.py)
                 self.plan.reason = "restored this command's lean engine snapshot: no engine start; its weights " \
                                    "refilled from the staged snapshot"
@@ -215,7 +216,9 @@ class Launcher(Staging, Markers, Stopping):
                       capture_via=self.plan.capture_via, capture_via_reason=self.plan.capture_via_reason,
                       engine_start=self.plan.engine_start.to_json() if self.plan.engine_start else None)
             self.segments = SegmentRecord(self.shm_dir, self._shm_before)
-            if self.signals:  # stopped before the engine started
+            if self.signals:  # stopped before the engine started (a restored one was not ours to serve yet)
+                if restored is not None:
+                    restored.kill_tree()
                 return 128 + self.signals[0]
             env = {**self._env(), **self.snapshots.env(), **(self.kernel.restore() if restored is None else self.kernel.skip(
                 "the engine was restored from its snapshot: it compiles nothing in this run, so no kernel cache is "

@@ -54,9 +54,10 @@ class Staging:
             expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
         if self.opts.keep_staged:  # what the last launch of this source id on this node kept (staging/kept.py)
-            items = self._reuse_kept(items, expected, reserve)
-            if not items:
-                return
+            items = self._reuse_kept(items, expected)
+        self._make_room(sum(i.size for i in items) + reserve)  # kept snapshots give way to any launch's stage
+        if not items:
+            return
         store = self.store or open_store(self.opts.artifact_path)
         if getattr(store, "remote", False):  # an S3 store: parallel ranged GETs into /dev/shm (staging/s3_stage.py)
             job = store.stage_job(items, self.shm_dir / "stage", expected=expected, reserve_bytes=reserve).start()
@@ -76,12 +77,10 @@ class Staging:
         self.stage_job = job
         self._watch_stage(job)
 
-    def _reuse_kept(self, items: list, expected: dict, reserve: int) -> list:
+    def _reuse_kept(self, items: list, expected: dict) -> list:
         """Link the kept files into the stage folder; the items still to read. With none left the stage is
-        over at once (the `staged` event says so); otherwise room is made for the rest by dropping the least
-        recently used other entries."""
+        over at once (the `staged` event says so)."""
         from mxlaunch.staging import kept
-        from mxlaunch.staging.capacity import capacity_of
 
         reused = kept.reuse(self.shm_dir.parent, self.plan.source_id, expected, self.shm_dir / "stage")
         self.kept_bytes = reused.bytes
@@ -93,13 +92,21 @@ class Staging:
             self.echo(line)
             self._feed_profile(line)
             return []
-        need = sum(i.size for i in left) + reserve - capacity_of(self.shm_dir).usable
-        if need > 0:
-            dropped = kept.evict(self.shm_dir.parent, need, keep_id=self.plan.source_id)
-            if dropped:
-                self.emit("kept", status="evicted", source_ids=dropped,
-                          message=f"dropped {len(dropped)} kept snapshot(s) from /dev/shm to make room for this stage")
         return left
+
+    def _make_room(self, nbytes: int) -> None:
+        """Snapshots kept by earlier launches (`--keep-staged`, staging/kept.py) are dropped, least recently used
+        first, when this launch's stage (and what a CPU engine holds besides) would not fit beside them."""
+        from mxlaunch.staging import kept
+        from mxlaunch.staging.capacity import capacity_of
+
+        if not kept.entries(self.shm_dir.parent):
+            return
+        need = nbytes - capacity_of(self.shm_dir).usable
+        dropped = kept.evict(self.shm_dir.parent, need, keep_id=self.plan.source_id) if need > 0 else []
+        if dropped:
+            self.emit("kept", status="evicted", source_ids=dropped,
+                      message=f"dropped {len(dropped)} kept snapshot(s) from /dev/shm to make room for this stage")
 
     def _keep_rank(self, snapshot_rank: int) -> None:
         """`--keep-staged`: a rank's staged files (each checked as it landed) stay for the next launch."""

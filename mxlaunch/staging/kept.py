@@ -20,6 +20,7 @@ the room; `mxlaunch kept --drop` drops them all.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from mxlaunch.safety.ownership import own_dir, private_dir
 
 KEPT = "kept"  # the name in the user root: never a run folder (launch/cleanup.py reaps run folders)
 FILES = "files.json"
+LOCK = ".lock"
 USED = ".last-used"
 
 
@@ -69,7 +71,10 @@ def reuse(user_root: Path, source_id: str, expected: Mapping[str, Mapping], dest
         rels.append(rel)
         total += int(want["bytes"])
     if rels:
-        (entry / USED).touch()
+        try:
+            (entry / USED).touch()
+        except OSError:  # evicted by another launch meanwhile: the links made stand on their own
+            pass
     return Reused(rels, total)
 
 
@@ -97,7 +102,7 @@ def _usable(entry: Path, recorded: dict, rel: str, want: Mapping) -> bool:
     if not _inside(rel):
         return False
     have = recorded.get(rel)
-    if not have or have.get("xxh3_128") != want.get("xxh3_128") or int(have.get("bytes", -1)) != int(want["bytes"]):
+    if not isinstance(have, dict) or have.get("xxh3_128") != want.get("xxh3_128") or int(have.get("bytes", -1)) != int(want["bytes"]):
         return False
     try:
         st = os.lstat(entry / rel)
@@ -117,28 +122,31 @@ def keep(user_root: Path, source_id: str, stage_dir: Path, expected: Mapping[str
     """Keep the files a launch staged into `stage_dir` (each checked as it landed) for the next launch of
     `source_id`: hard links under the kept folder, files.json written last. The bytes now kept."""
     entry = own_dir(own_dir(kept_root(user_root)) / source_id)
+    lock = os.open(entry / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        recorded = json.loads((entry / FILES).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        recorded = {}
-    recorded = recorded if isinstance(recorded, dict) else {}
-    for rel, want in sorted(expected.items()):
-        src, target = stage_dir / rel, entry / rel
-        if not _inside(rel) or (rel in recorded and target.exists()):
-            continue
-        try:
-            st = os.lstat(src)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != int(want["bytes"]):
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two launches of one snapshot on the node: one files.json each in turn
+        _, recorded = _entry(user_root, source_id)
+        for rel, want in sorted(expected.items()):
+            src, target = stage_dir / rel, entry / rel
+            mine = {"bytes": int(want["bytes"]), "xxh3_128": want.get("xxh3_128")}
+            if not _inside(rel) or (recorded.get(rel) == mine and target.exists()):
                 continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.unlink(missing_ok=True)
-            os.link(src, target)
-        except OSError:
-            continue
-        recorded[rel] = {"bytes": int(want["bytes"]), "xxh3_128": want.get("xxh3_128")}
-    write_json_atomic(entry / FILES, recorded, private=True)
-    (entry / USED).touch()
-    return sum(int(v["bytes"]) for v in recorded.values())
+            try:
+                st = os.lstat(src)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != mine["bytes"]:
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.unlink(missing_ok=True)
+                os.link(src, target)
+                os.chmod(target, 0o400)  # read-only, this user's alone whatever the umask (reuse checks it)
+            except OSError:
+                continue
+            recorded[rel] = mine
+        write_json_atomic(entry / FILES, recorded, private=True)
+        (entry / USED).touch()
+    finally:
+        os.close(lock)
+    return sum(int(v["bytes"]) for v in recorded.values() if isinstance(v, dict))
 
 
 @dataclass
@@ -161,8 +169,8 @@ def entries(user_root: Path) -> list[Entry]:
             used = os.stat(entry / USED).st_mtime if (entry / USED).exists() else os.stat(entry).st_mtime
         except (OSError, ValueError):
             recorded, used = {}, 0.0
-        found.append(Entry(entry.name, sum(int(v.get("bytes", 0)) for v in recorded.values()) if isinstance(recorded, dict) else 0,
-                           len(recorded) if isinstance(recorded, dict) else 0, used))
+        files = [v for v in recorded.values() if isinstance(v, dict)] if isinstance(recorded, dict) else []
+        found.append(Entry(entry.name, sum(int(v.get("bytes", 0)) for v in files), len(files), used))
     return sorted(found, key=lambda e: e.last_used)
 
 

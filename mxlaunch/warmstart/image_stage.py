@@ -13,8 +13,11 @@ in place); a file that differs from its sum, or one missing or unknown, refuses 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -46,31 +49,47 @@ def stage_image(folder: Path, dest_root: Path, readers: int = IMAGE_READERS) -> 
     except (OSError, ValueError) as exc:
         raise ImageDamaged(f"its {SUMS} cannot be read: {exc}") from None
     have = {str(p.relative_to(folder)): p for p in image_files(folder)}
-    if not isinstance(sums, dict) or set(have) != set(sums):
-        extra, lost = sorted(set(have) - set(sums or {})), sorted(set(sums or {}) - set(have))
+    if not isinstance(sums, dict) or not all(isinstance(v, dict) and v.get("xxh3_128") and isinstance(v.get("bytes"), int)
+                                             for v in sums.values()):
+        raise ImageDamaged(f"its {SUMS} does not give every file its size and checksum")
+    if set(have) != set(sums):
+        extra, lost = sorted(set(have) - set(sums)), sorted(set(sums) - set(have))
         raise ImageDamaged(f"its files differ from {SUMS}: {len(lost)} missing {lost[:3]}, {len(extra)} unknown {extra[:3]}")
     items = [CopyItem(src=path, rel=rel, size=path.stat().st_size) for rel, path in sorted(have.items())]
     try:
         dest = Path(tempfile.mkdtemp(prefix="image-", dir=dest_root))  # 0700, a new name: nobody else's file in it
     except OSError as exc:
         raise NoRoom(f"no folder for the copy in {dest_root}: {exc.strerror or exc}") from None
+    job = None
     try:
         job = StageJob(items, dest, readers=max(1, min(readers, len(items))), expected=sums, huge_pages=False)
         result = job.start().wait()
-    except UsageError as exc:  # the stage's preflight: not enough room in dest_root
+        for rel, src in have.items():  # the copy as the image is: the restore puts files back with their mode
+            st = src.stat()            # (CRIU checks it), whatever the umask gave the copy
+            os.chmod(dest / rel, stat.S_IMODE(st.st_mode))
+            os.utime(dest / rel, ns=(st.st_atime_ns, st.st_mtime_ns))
+    except BaseException as exc:
+        if job is not None:  # no reader may still write into the folder that goes now (an interrupt, say)
+            job.cancel()
+            job.finished(10.0)
         remove_copy(dest)
-        raise NoRoom(exc.one_line()) from None
-    except CheckFailed as exc:  # a file that is not what was published (sizes, then each file's xxh3-128)
-        remove_copy(dest)
-        raise ImageDamaged(exc.one_line()) from None
-    except OSError as exc:  # a read that failed (the store went away, an I/O error): not an image to trust
-        remove_copy(dest)
-        raise ImageDamaged(f"reading it failed: {exc.strerror or exc}") from None
-    except BaseException:
-        remove_copy(dest)
+        if isinstance(exc, (UsageError, CheckFailed, OSError)):
+            raise _why(exc) from None
         raise
     return dest, {"image_stage_s": round(result.seconds, 3), "image_gib_per_s": round(result.gib_per_s, 3),
                   "o_direct": result.o_direct}
+
+
+def _why(exc: BaseException) -> Exception:
+    """A failed copy as what the caller does about it: NoRoom (restore in place) or ImageDamaged (no restore)."""
+    if isinstance(exc, UsageError):  # the stage's preflight: not enough room in dest_root
+        return NoRoom(exc.one_line())
+    cause = exc.__cause__ if isinstance(exc, CheckFailed) else exc
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+        return NoRoom(f"the copy ran out of room: {cause.strerror}")  # the weights' stage took it meanwhile
+    if isinstance(exc, CheckFailed):  # a file that is not what was published (sizes, then each file's xxh3-128)
+        return ImageDamaged(exc.one_line())
+    return ImageDamaged(f"reading it failed: {getattr(exc, 'strerror', None) or exc}")  # the store went away, I/O
 
 
 def remove_copy(dest: Optional[Path]) -> None:

@@ -175,15 +175,19 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
         if not zygote.private_root():
             raise CriuError(f"{zygote.zygote_root()} is not a folder of this user's alone")
         t0 = time.monotonic()
+        _wait_pid_free(_pid_in(by_fd / META), 5.0)  # before a byte is copied: a pid in use refuses the image
         copy, staged = _staged_or_checked(by_fd, folder, stage_root)
         try:
-            _wait_pid_free(_pid_in((copy or by_fd) / META), 5.0)
             log.parent.mkdir(parents=True, exist_ok=True)
             write_resume(key, log, restored=True)
-            try:  # CRIU reads what was checked: the private copy, or the store's folder through its descriptor
-                pid = criu.restore(binary, copy or by_fd, work, timeout, pass_fds=() if copy else (fd,))
-            finally:
-                remove_copy(copy)  # read by CRIU: its pages are the restored zygote's memory now
+            # CRIU reads what was checked: the private copy, or the store's folder through its descriptor
+            pid = criu.restore(binary, copy or by_fd, work, timeout, pass_fds=() if copy else (fd,))
+        except BaseException:
+            _marker(key, ZYGOTE_RESUME).unlink(missing_ok=True)
+            raise
+        finally:
+            remove_copy(copy)  # read by CRIU (its pages are the restored zygote's memory now), or not needed
+        try:
             wait_for_socket(key, pid, timeout)
         except CriuError:
             _marker(key, ZYGOTE_RESUME).unlink(missing_ok=True)

@@ -46,11 +46,18 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 def test_the_copy_is_the_image_and_says_how_fast_it_came(tmp_path: Path) -> None:
     image, root = _image(tmp_path / "store" / "k1"), _private(tmp_path / "run")
-    copy, info = stage_image(image, root)
+    os.chmod(image / "core-7.img", 0o600)  # a semaphore's link-remap, say; a stage under umask 002 would make 0664
+    old = os.umask(0o002)
+    try:
+        copy, info = stage_image(image, root)
+    finally:
+        os.umask(old)
     want = {k: v for k, v in _files(image).items() if k != SUMS}
     assert copy.parent == root and _files(copy) == want
     assert info["image_stage_s"] >= 0 and "image_gib_per_s" in info
     assert os.stat(copy).st_mode & 0o077 == 0  # a folder of this user's alone: nobody changes it before CRIU reads
+    for rel in want:  # each file with the image's mode (put back with it; CRIU checks it), whatever the umask
+        assert os.stat(copy / rel).st_mode == os.stat(image / rel).st_mode, rel
     image_stage.remove_copy(copy)
     assert list(root.iterdir()) == []
 
@@ -168,3 +175,25 @@ def test_a_lean_snapshot_from_the_store_is_restored_from_its_checked_copy(tmp_pa
         f.write(b"X")
     assert snaps.try_restore("staged") is None and len(seen) == 1
     assert events[-1][1]["status"] == "skipped" and "core-7.img: checksum" in events[-1][1]["reason"], events[-1]
+
+
+def test_an_image_whose_pid_is_held_is_refused_before_a_byte_is_copied(module_dir: Path,  # noqa: F811
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    zygote.zygote_root().mkdir(mode=0o700, exist_ok=True)
+    store = module_dir / "store"
+    root = zygote_image.images_root(store)
+    root.mkdir(parents=True, mode=0o700)
+    _image(root / "k2", pid=os.getpid(), nested=False)  # this process holds the pid the image must get back
+    run = _private(module_dir / "run2")
+    copied: list[Path] = []
+    real = image_stage.stage_image
+
+    def watched(*a: Any, **k: Any) -> Any:
+        got = real(*a, **k)
+        copied.append(got[0])
+        return got
+
+    monkeypatch.setattr(zygote_image, "stage_image", watched)
+    with pytest.raises(CriuError, match="belongs to a running process"):
+        zygote_image.restore_zygote("/bin/false", store, "k2", module_dir / "log", module_dir / "work", stage_root=run)
+    assert copied == [] and list(run.iterdir()) == []

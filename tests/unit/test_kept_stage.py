@@ -189,3 +189,29 @@ def test_a_dry_run_says_how_much_of_the_stage_is_kept(tmp_path: Path, monkeypatc
     kept.keep(root, runner.plan.source_id, root / "run1" / "stage", expected)
     after = json.loads(CliRunner().invoke(app, argv).output)
     assert after["kept_bytes"] == 4096, after
+
+
+def test_any_launch_whose_stage_lacks_room_drops_other_kept_snapshots(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch without --keep-staged still gets the room: kept snapshots of other models give way (least
+    recently used first) instead of sending its engine to the slow default loader."""
+    from mxlaunch.launch import process
+    from mxlaunch.staging import capacity
+    from tests.unit.test_launch_restored import staged_launcher
+
+    runner, events = staged_launcher(tmp_path, monkeypatch)
+    root = runner.shm_dir.parent
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    expected = _stage(root / "old-run" / "stage", {"0/a": b"a" * 8192})
+    kept.keep(root, "another-model", root / "old-run" / "stage", expected)
+    real = capacity.capacity_of
+    monkeypatch.setattr(capacity, "capacity_of", lambda dest: type("Cap", (), {"usable": 1000})()
+                        if kept.entries(root) else real(dest))  # no room while the other model is kept
+    monkeypatch.setattr(process, "start", lambda argv, env, dumpable=False: subprocess.Popen(
+        [sys.executable, "-c", STAND_IN], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True))
+    assert runner.run() == 0, events
+    assert kept.entries(root) == []
+    [evicted] = [f for e, f in events if e == "kept"]
+    assert evicted["status"] == "evicted" and evicted["source_ids"] == ["another-model"], evicted
+    assert [f["bytes"] for e, f in events if e == "staged"] == [4096]  # then staged as usual

@@ -233,3 +233,50 @@ def test_lean_ahead_reads_the_snapshot_its_restore_would_use(tmp_path: Path) -> 
     assert snaps.lean_ahead("staged") and not snaps.lean_ahead("capture")
     os.chmod(root, 0o755)  # a folder others can enter is not trusted to hold an image
     assert not snaps.lean_ahead("staged")
+
+
+def test_no_lean_restore_when_its_stage_could_not_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refill would wait for files that never land (minutes): the engine starts as usual at once."""
+    from mxlaunch.launch import process
+
+    runner, events = staged_launcher(tmp_path, monkeypatch)
+    monkeypatch.setattr(runner.snapshots, "lean_ahead", lambda strategy: True)
+    asked: list[str] = []
+    monkeypatch.setattr(runner.snapshots, "try_restore", lambda strategy: asked.append(strategy))
+
+    def no_stage() -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runner, "_start_stage", no_stage)
+    started: list[list[str]] = []
+    monkeypatch.setattr(process, "start", lambda argv, env, dumpable=False: started.append(argv) or subprocess.Popen(
+        [sys.executable, "-c", "pass"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True))
+    runner.run()
+    assert asked == [] and len(started) == 1, (asked, started)
+    assert any(e == "fallback" and "No space left" in f["reason"] for e, f in events), events
+
+
+class Killable(Restored):
+    def kill_tree(self) -> None:
+        self.kill()
+        self.wait(timeout=30)
+
+
+def test_a_stop_during_the_restore_stops_the_restored_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM arriving while CRIU restores: the launcher exits 128+15 and the engine it restored goes too."""
+    import signal as sig
+
+    runner, _ = staged_launcher(tmp_path, monkeypatch)
+    procs: list[Killable] = []
+
+    def restored(strategy: str) -> Killable:
+        procs.append(Killable([sys.executable, "-c", "import time; time.sleep(120)"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+        procs[-1].meta = {"lean": False}
+        runner.signals.append(sig.SIGTERM)  # what the relay records when the signal comes
+        return procs[-1]
+
+    monkeypatch.setattr(runner.snapshots, "try_restore", restored)
+    assert runner.run() == 128 + sig.SIGTERM
+    assert procs and procs[0].poll() is not None  # not left serving without a launcher
