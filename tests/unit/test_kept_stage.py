@@ -215,3 +215,18 @@ def test_any_launch_whose_stage_lacks_room_drops_other_kept_snapshots(tmp_path: 
     [evicted] = [f for e, f in events if e == "kept"]
     assert evicted["status"] == "evicted" and evicted["source_ids"] == ["another-model"], evicted
     assert [f["bytes"] for e, f in events if e == "staged"] == [4096]  # then staged as usual
+
+
+def test_files_staged_under_a_group_umask_are_kept_and_reused(tmp_path: Path) -> None:
+    """A stage under umask 002 (shared-group clusters) writes 0664 files; kept as they are, reuse (which
+    refuses a file others can write) would never link them while they held their RAM."""
+    root = _root(tmp_path)
+    old = os.umask(0o002)
+    try:
+        expected = _stage(root / "run1" / "stage", {"0/a": b"a" * 100})
+        os.chmod(root / "run1" / "stage" / "0" / "a", 0o664)
+    finally:
+        os.umask(old)
+    kept.keep(root, "sid", root / "run1" / "stage", expected)
+    assert kept.available(root, "sid", expected) == 100
+    assert kept.reuse(root, "sid", expected, root / "run2" / "stage").rels == ["0/a"]
