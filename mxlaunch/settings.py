@@ -103,6 +103,8 @@ VARIABLES: dict[str, str] = {
           "`.criu4-kit/run.sh` (scripts/kits/build_criu_kit.sh; default: `criu` on PATH)",
     SNAPSHOT_DIR: "set by the engine-snapshot path for the engine: where each engine process reports, on SIGUSR2, that "
                   "it released NVML for a CRIU dump (never set it by hand)",
+    KEEP_STAGED: "1: `launch --keep-staged` — the staged files stay in /dev/shm (hard links) for the next launch of the "
+                 "same snapshot on this node (`mxlaunch kept` lists and drops them)",
     ENGINE_SNAPSHOTS: "where `launch --engine-snapshot` keeps its snapshots (node-local; they hold the engine's memory, "
                       "GPU memory included; default ~/.cache/mxlaunch/engine-snapshots; its <uid> folder must be "
                       "this user's alone, below folders nobody else can write unless sticky)",
