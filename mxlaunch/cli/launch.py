@@ -28,13 +28,9 @@ _SNAPSHOT_FORMAT_HELP = "raw (mxlaunch's: tensors before post-processing; every 
 def _kept_bytes(plan: "LaunchPlan") -> int:
     """--keep-staged in a dry run: the bytes of this plan's stage that the last launch kept (staging/kept.py)."""
     from mxlaunch.launch.cleanup import user_roots
-    from mxlaunch.launch.decide import _rank_rel
     from mxlaunch.staging import kept
 
-    expected = {}
-    for f in plan.stage_files:
-        rank, inner = _rank_rel(f.path)
-        expected[f"{rank}/{inner}"] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
+    expected = plan.stage_expected()
     return max((kept.available(root, plan.source_id, expected) for root in user_roots()), default=0)
 
 

@@ -96,6 +96,17 @@ class LaunchPlan:
     def stage_bytes(self) -> int:
         return sum(f.bytes for f in self.stage_files)
 
+    def stage_expected(self, prefix: str = "") -> dict[str, dict]:
+        """Each staged file's "<rank>/<path in rank>" -> its bytes and checksum: what the stage checks as a file
+        lands and what a kept file must match (staging/kept.py). `prefix` ("3/") keeps one rank's files."""
+        expected = {}
+        for f in self.stage_files:
+            rank, inner = _rank_rel(f.path)
+            rel = f"{rank}/{inner}"
+            if rel.startswith(prefix):
+                expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
+        return expected
+
     def to_json(self) -> dict:
         """The plan as --json prints it: secrets redacted (mxlaunch/safety/redact.py; the engine gets the real argv)."""
         from mxlaunch.safety.redact import redact

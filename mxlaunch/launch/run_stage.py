@@ -46,12 +46,11 @@ class Staging:
         from mxlaunch.staging.reader import StageJob
         from mxlaunch.staging.sources import CopyItem
 
-        items, expected = [], {}
+        items = []
         for f in self.plan.stage_files:
             rank, inner = _rank_rel(f.path)
-            rel = f"{rank}/{inner}"
-            items.append(CopyItem(src=Path(f.path), rel=rel, size=f.bytes))
-            expected[rel] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
+            items.append(CopyItem(src=Path(f.path), rel=f"{rank}/{inner}", size=f.bytes))
+        expected = self.plan.stage_expected()
         reserve = self.plan.stage_bytes if self.plan.device_type == "cpu" else 0  # CPU engines hold the weights in RAM too
         if self.opts.keep_staged:  # what the last launch of this source id on this node kept (staging/kept.py)
             items = self._reuse_kept(items, expected)
@@ -112,12 +111,7 @@ class Staging:
         """`--keep-staged`: a rank's staged files (each checked as it landed) stay for the next launch."""
         from mxlaunch.staging import kept
 
-        prefix = f"{snapshot_rank}/"
-        expected = {}
-        for f in self.plan.stage_files:
-            rank, inner = _rank_rel(f.path)
-            if f"{rank}/{inner}".startswith(prefix):
-                expected[f"{rank}/{inner}"] = {"bytes": f.bytes, "xxh3_128": f.xxh3_128}
+        expected = self.plan.stage_expected(prefix=f"{snapshot_rank}/")
         try:
             total = kept.keep(self.shm_dir.parent, self.plan.source_id, self.shm_dir / "stage", expected)
         except (MxlaunchError, OSError) as exc:
