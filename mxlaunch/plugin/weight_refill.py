@@ -104,7 +104,7 @@ def refill(model: Any, plan_path: str, rank: int) -> dict:
     """Copy rank `rank`'s files named by the plan at `plan_path` into `model`'s tensors; what was copied.
     Raises RefillError (the model's weights are then unusable: the caller stops the engine)."""
     from mxlaunch.plugin.loader import RestoreError, module_tensors, restore_tensors
-    from mxlaunch.plugin.rank_markers import safe_marker
+    from mxlaunch.plugin.rank_markers import aborted, safe_marker
 
     plan = load_plan(plan_path)
     if plan is None:
@@ -115,7 +115,7 @@ def refill(model: Any, plan_path: str, rank: int) -> dict:
     started = time.perf_counter()
     try:
         result = restore_tensors(module_tensors(model), [(f.path, f.bytes) for f in files],
-                                 wait_timeout_s=plan.wait_timeout_s)
+                                 wait_timeout_s=plan.wait_timeout_s, cancelled=lambda: aborted(plan))
     except RestoreError as exc:
         raise RefillError(f"rank {rank}: refilling the weights failed: {exc}") from exc
     before = _taken.get(rank)

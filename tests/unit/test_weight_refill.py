@@ -61,6 +61,26 @@ def test_a_model_whose_layout_differs_from_the_files_is_refused(tmp_path: Path) 
         refill(Tiny(8), str(plan), rank=3)
 
 
+def test_a_refill_stops_waiting_once_the_launcher_aborts_the_stage(tmp_path: Path) -> None:
+    """A stage that failed writes markers/abort.json: the refill gives up then, not after wait_timeout_s."""
+    import time
+
+    from mxlaunch.contract import ABORT
+
+    plan_path = _captured(tmp_path, Tiny())
+    missing = tmp_path / "run-store" / "stage" / "0" / "never.safetensors"
+    plan = Plan(strategy="staged", source_id="sid", run_dir=str(plan_path.parent),
+                ranks={"0": [RankFile(path=str(missing), bytes=64)]}, wait_timeout_s=120)
+    write_json_atomic(plan_path, plan.to_dict(), private=True)
+    markers = tmp_path / "run-store" / "markers"
+    markers.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(markers / ABORT, {"reason": "the stage failed"}, private=True)
+    began = time.monotonic()
+    with pytest.raises(RefillError, match="refilling the weights failed"):
+        refill(Tiny(), str(plan_path), rank=0)
+    assert time.monotonic() - began < 60  # the 120 s wait was cut short by the abort marker
+
+
 def test_vllm_calls_the_extension_by_its_method_name_on_the_worker(tmp_path: Path) -> None:
     """vLLM mixes the class into its worker and runs `getattr(worker, METHOD)(plan)` (a name: nothing pickled)."""
     torch.manual_seed(1)
