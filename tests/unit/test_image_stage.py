@@ -121,12 +121,18 @@ def _criu_reads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return seen
 
 
-def test_a_zygote_image_is_restored_from_its_checked_copy(module_dir: Path,  # noqa: F811
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def _zygote_store(module_dir: Path) -> tuple[Path, Path]:
+    """A store with this user's zygote-image folder (and the zygote root the restore needs): (store, images)."""
     zygote.zygote_root().mkdir(mode=0o700, exist_ok=True)
     store = module_dir / "store"
     root = zygote_image.images_root(store)
-    root.mkdir(parents=True, mode=0o700)
+    root.mkdir(parents=True, mode=0o700, exist_ok=True)
+    return store, root
+
+
+def test_a_zygote_image_is_restored_from_its_checked_copy(module_dir: Path,  # noqa: F811
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    store, root = _zygote_store(module_dir)
     image = _image(root / "k1", nested=False)
     run = _private(module_dir / "run")
     seen = _criu_reads(monkeypatch)
@@ -179,10 +185,7 @@ def test_a_lean_snapshot_from_the_store_is_restored_from_its_checked_copy(tmp_pa
 
 def test_an_image_whose_pid_is_held_is_refused_before_a_byte_is_copied(module_dir: Path,  # noqa: F811
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    zygote.zygote_root().mkdir(mode=0o700, exist_ok=True)
-    store = module_dir / "store"
-    root = zygote_image.images_root(store)
-    root.mkdir(parents=True, mode=0o700)
+    store, root = _zygote_store(module_dir)
     _image(root / "k2", pid=os.getpid(), nested=False)  # this process holds the pid the image must get back
     run = _private(module_dir / "run2")
     copied: list[Path] = []
