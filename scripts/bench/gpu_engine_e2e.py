@@ -409,7 +409,10 @@ class Harness:
                 rec["published"] = start.wait_event("published", 300) is not None
             elif launcher:
                 start.wait_event("loaded", 30)
-            record = scenario == "default" and not self.gold.exists()
+            # the gold: the engine alone's answers; a batch without `default` takes the capture's (marked gold_from)
+            record = scenario in ("default", "capture") and not self.gold.exists()
+            if record and scenario == "capture":
+                rec["gold_from"] = "this capture (no default in the batch)"
             rec["verify"] = verify(port, self.gold, record)
             if RECORD_EACH["on"] and not record:  # this start's own answers, to compare starts pairwise later
                 own = log.with_suffix(".answers.json")
@@ -444,6 +447,7 @@ class Harness:
             rec["engine_start"] = plan.get("engine_start")
             rec["zygote"] = (start.event("zygote") or {}).get("status")
             rec["loaded_event"] = start.event("loaded")  # p2p: the pull's phases (transfer, verify, ...)
+            rec["kept_bytes"] = (start.event("staged") or {}).get("kept_bytes")  # --keep-staged: linked, not read
             fallback = start.event("fallback")
             if fallback:
                 rec["fallback"] = fallback.get("reason")
@@ -489,6 +493,7 @@ class Harness:
                     start.wait_event("ready", 60)  # the launcher's own events (it sees /health a poll later)
                     rec[f"{key}launcher_ready"] = start.event("ready")
                     rec[f"{key}restored"] = start.event("engine-snapshot")
+                    rec[f"{key}staged"] = start.event("staged")  # kept_bytes: linked from the last launch's stage
                     rec[f"{key}refilled"] = next((e for e in start.events if e.get("event") == "engine-snapshot"
                                                   and e.get("status") == "refilled"), None)
                     rec[f"{key}planned"] = (start.event("plan") or {}).get("strategy")
