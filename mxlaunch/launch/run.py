@@ -194,9 +194,11 @@ class Launcher(Staging, Markers, Stopping):
             staged_first = self.snapshots.lean_ahead(self.plan.strategy)
             if staged_first:
                 self._prepare()
+                self.snapshots.stage_image_ahead(self.plan.strategy)  # the image first: CRIU needs all of it
                 self._start_stage_or_fall_back()
             # none when stopping already, or when the stage a lean restore would refill from could not start
             restored = None if self.signals or self.stage_error else self.snapshots.try_restore(self.plan.strategy)
+            self.snapshots.drop_ahead()
             if restored is not None and restored.meta.get("lean"):  # its weights come from the stage (lean_snapshot.py)
                 self.plan.reason = "restored this command's lean engine snapshot: no engine start; its weights " \
                                    "refilled from the staged snapshot"

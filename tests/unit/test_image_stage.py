@@ -183,6 +183,41 @@ def test_a_lean_snapshot_from_the_store_is_restored_from_its_checked_copy(tmp_pa
     assert events[-1][1]["status"] == "skipped" and "core-7.img: checksum" in events[-1][1]["reason"], events[-1]
 
 
+def test_an_image_staged_ahead_is_the_one_restored_or_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stage_image_ahead copies the image before the weights' stage; try_restore restores that copy (no second
+    copy), and drop_ahead removes it when no restore follows."""
+    from mxlaunch.warmstart import engine_snapshots
+    from mxlaunch.warmstart.engine_snapshot import META, snapshots_root
+
+    run = _private(tmp_path / "run")
+    snaps = engine_snapshots.EngineSnapshots(False, [], "sid", run, tmp_path / "logs", lambda e, **f: None,
+                                             environ={"MXLAUNCH_ENGINE_SNAPSHOTS": str(tmp_path / "snaps")})
+    snaps.binary, snaps.key = "/bin/true", "k1"
+    folder = _private(snapshots_root(snaps.root_env)) / "k1"
+    folder.mkdir()
+    (folder / META).write_text(json.dumps({"lean": True, "pids": [999999]}))
+    _image(folder)
+    copies: list[Path] = []
+    real = engine_snapshots.stage_image
+    monkeypatch.setattr(engine_snapshots, "stage_image", lambda *a, **k: copies.append(a[0]) or real(*a, **k))
+    restored: list[Path] = []
+
+    def restore(binary: str, images: Path, work: Path) -> tuple[Any, dict]:
+        restored.append(Path(images))
+        raise engine_snapshots.SnapshotError("stand-in: nothing restored")
+
+    monkeypatch.setattr(engine_snapshots, "restore", restore)
+    snaps.stage_image_ahead("staged")
+    [copy] = [p for p in run.rglob("*") if p.name == "pages-1.img"]
+    assert snaps.try_restore("staged") is None
+    assert len(copies) == 1 and restored == [copy.parent] and list(run.iterdir()) == []
+
+    snaps.stage_image_ahead("staged")
+    assert any(run.rglob("pages-1.img"))
+    snaps.drop_ahead()
+    assert list(run.iterdir()) == [] and len(copies) == 2
+
+
 def test_an_image_whose_pid_is_held_is_refused_before_a_byte_is_copied(module_dir: Path,  # noqa: F811
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     store, root = _zygote_store(module_dir)

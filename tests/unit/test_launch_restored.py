@@ -185,6 +185,28 @@ def test_a_lean_restore_has_its_weights_staging_while_criu_restores(tmp_path: Pa
         assert seen["plan"]["strategy"] == "staged" and seen["plan"]["ranks"]["0"], seen["plan"]
 
 
+def test_a_lean_restore_stages_its_image_before_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From one disk, the image and the weights read side by side kept CRIU waiting 5.7 s for a 2.7 GB image on
+    the H200's wiped node: the image is copied first, then the weights stage while CRIU restores."""
+    runner, _ = staged_launcher(tmp_path, monkeypatch)
+    order: list[str] = []
+    monkeypatch.setattr(runner.snapshots, "lean_ahead", lambda strategy: True)
+    monkeypatch.setattr(runner.snapshots, "stage_image_ahead",
+                        lambda strategy: order.append("image" if runner.stage_job is None else "image after weights"))
+
+    def restored(strategy: str) -> Restored:
+        order.append("restore" if runner.stage_job is not None else "restore without a stage")
+        proc = Restored([sys.executable, "-c", "pass"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, start_new_session=True)
+        proc.meta = {"lean": True}
+        return proc
+
+    monkeypatch.setattr(runner.snapshots, "try_restore", restored)
+    monkeypatch.setattr(runner.snapshots, "refill", lambda *a, **k: True, raising=False)
+    assert runner.run() == 0
+    assert order == ["image", "restore"], order
+
+
 def test_a_failed_refill_leaves_no_loaded_marker_for_the_engine_started_after_it(tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A refill that failed at its check may have written rank 0's `loaded` marker: the engine started instead
@@ -252,8 +274,11 @@ def test_no_lean_restore_when_its_stage_could_not_start(tmp_path: Path, monkeypa
     monkeypatch.setattr(process, "start", lambda argv, env, dumpable=False: started.append(argv) or subprocess.Popen(
         [sys.executable, "-c", "pass"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         start_new_session=True))
+    dropped: list[bool] = []
+    monkeypatch.setattr(runner.snapshots, "drop_ahead", lambda: dropped.append(True))
     runner.run()
     assert asked == [] and len(started) == 1, (asked, started)
+    assert dropped == [True]  # the image copied ahead of the stage is not left in the run folder
     assert any(e == "fallback" and "No space left" in f["reason"] for e, f in events), events
 
 
