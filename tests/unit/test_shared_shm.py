@@ -323,3 +323,39 @@ def test_untrusted_path_accepts_the_usual_chain(shm: Path) -> None:
     run.mkdir(mode=0o700)
     assert untrusted_path(write_plan(run), is_dir=False) is None
     assert untrusted_path(run, is_dir=True) is None
+
+
+# ---- kept staged snapshots (launch --keep-staged, staging/kept.py) ----------------------------------------
+
+def test_a_kept_snapshot_planted_in_a_squatted_user_folder_is_never_linked(shm: Path, intruder: User) -> None:
+    """The intruder makes /dev/shm/mxlaunch-<victim uid> first and plants kept/<source id>/ with files.json
+    and a weight file of the name and size the victim's plan asks for (its bytes the intruder's, its recorded
+    checksum copied from the plan): the victim's launches keep in their private fallback, and even handed the
+    squatted folder, reuse links nothing, `available` counts nothing, and evict/drop remove nothing of it."""
+    from mxlaunch.staging import kept
+
+    squatted = squat_user_root(intruder, shm, shm / "psm_none")
+    want = {"0/model-00001.safetensors": {"bytes": 4096, "xxh3_128": "0123456789abcdef0123456789abcdef"}}
+    intruder.python(f"""
+        import json, os
+        entry = os.path.join({str(squatted)!r}, "kept", "sid1")
+        os.makedirs(os.path.join(entry, "0"), mode=0o700)
+        os.chmod(os.path.join({str(squatted)!r}, "kept"), 0o700)
+        with open(os.path.join(entry, "files.json"), "w") as f:
+            json.dump({want!r}, f)  # the real format: rel -> bytes and checksum
+        with open(os.path.join(entry, "0", "model-00001.safetensors"), "wb") as f:
+            f.write(b"P" * 4096)
+    """)
+    before = tree(squatted)
+    root, why = cleanup.user_root()
+    assert root != squatted and why is not None
+    assert kept.entries(root) == [] and kept.available(root, "sid1", want) == 0
+
+    dest = shm / "victim-stage"
+    dest.mkdir(mode=0o700)
+    got = kept.reuse(squatted, "sid1", want, dest)
+    assert got.rels == [] and got.bytes == 0 and list(dest.rglob("*")) == []
+    assert kept.available(squatted, "sid1", want) == 0
+    assert kept.evict(squatted, 1 << 40) == []
+    kept.drop(squatted, "sid1")
+    assert tree(squatted) == before  # nothing of the intruder's removed, nothing written into it
