@@ -194,7 +194,8 @@ class Launcher(Staging, Markers, Stopping):
             staged_first = self.snapshots.lean_ahead(self.plan.strategy)
             if staged_first:
                 self._prepare()
-                self.snapshots.stage_image_ahead(self.plan.strategy)  # the image first: CRIU needs all of it
+                # the image first (CRIU needs all of it), leaving room for the weights staged after it
+                self.snapshots.stage_image_ahead(self.plan.strategy, self._stage_bytes_to_read())
                 self._start_stage_or_fall_back()
             # none when stopping already, or when the stage a lean restore would refill from could not start
             restored = None if self.signals or self.stage_error else self.snapshots.try_restore(self.plan.strategy)

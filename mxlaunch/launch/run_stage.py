@@ -76,6 +76,18 @@ class Staging:
         self.stage_job = job
         self._watch_stage(job)
 
+    def _stage_bytes_to_read(self) -> int:
+        """What this launch's stage will still write into /dev/shm: its files less what the last launch kept
+        (`--keep-staged`: linked, already there)."""
+        if self.plan.strategy != "staged":
+            return 0
+        if not self.opts.keep_staged:
+            return self.plan.stage_bytes
+        from mxlaunch.staging import kept
+
+        return max(0, self.plan.stage_bytes - kept.available(self.shm_dir.parent, self.plan.source_id,
+                                                               self.plan.stage_expected()))
+
     def _reuse_kept(self, items: list, expected: dict) -> list:
         """Link the kept files into the stage folder; the items still to read. With none left the stage is
         over at once (the `staged` event says so)."""

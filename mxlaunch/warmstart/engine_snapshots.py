@@ -143,12 +143,14 @@ class EngineSnapshots:
         self.emit("engine-snapshot", status="restored", key=self.key, path=str(folder), **info)
         return engine
 
-    def stage_image_ahead(self, strategy: str) -> None:
+    def stage_image_ahead(self, strategy: str, reserve_bytes: int = 0) -> None:
         """Copy a store-held image into the run folder now, before the weights' stage starts: CRIU needs all of
         the image before the engine needs any weight, and from one disk the two read side by side took 5.7 s for
-        the 2.7 GB image on the H200 (alone: ~1.8 s). try_restore restores this copy; drop_ahead removes it."""
+        the 2.7 GB image on the H200 (alone: ~1.8 s). try_restore restores this copy; drop_ahead removes it.
+        `reserve_bytes`: the weights still to stage — an image that would leave them no room is restored in place
+        (a stage that runs out of room would send the engine to its own loader)."""
         if self.binary is not None:
-            self._ahead = self._image_for(strategy)
+            self._ahead = self._image_for(strategy, reserve_bytes)
 
     def drop_ahead(self) -> None:
         """No restore after all (a stop signal, a stage that could not start): the staged image copy goes."""
@@ -156,7 +158,7 @@ class EngineSnapshots:
         if ahead is not None:
             remove_copy(ahead[1])
 
-    def _image_for(self, strategy: str) -> tuple[Optional[Path], Optional[Path], dict, Optional[str]]:
+    def _image_for(self, strategy: str, reserve_bytes: int = 0) -> tuple[Optional[Path], Optional[Path], dict, Optional[str]]:
         """(the snapshot's folder or None, its staged copy or None, the stage's numbers, why not to restore)."""
         folder = find(snapshots_root(self.root_env), self.key)
         if folder is None:
@@ -165,19 +167,19 @@ class EngineSnapshots:
         try:
             why = lean_snapshot.why_not_restore(json.loads((folder / META).read_text(encoding="utf-8")), strategy)
             if why is None and (folder / SUMS).exists():  # a store-held image: staged and checked as it lands
-                copy, staged, why = self._stage_image(folder)
+                copy, staged, why = self._stage_image(folder, reserve_bytes)
         except (OSError, ValueError) as exc:
             why = f"its {META}: {exc}"
         return folder, copy, staged, why
 
-    def _stage_image(self, folder: Path) -> tuple[Optional[Path], dict, Optional[str]]:
+    def _stage_image(self, folder: Path, reserve_bytes: int = 0) -> tuple[Optional[Path], dict, Optional[str]]:
         """The store's image copied into the run folder, checked as it lands (warmstart/image_stage.py): (the
         copy, its stage's numbers, None); without room there (None, {}, None) once its sums match in place;
         (None, {}, why) for an image that must not be restored."""
         root = staging_root(self.shm_dir)
         try:
             if root is not None:
-                copy, staged = stage_image(folder, root)
+                copy, staged = stage_image(folder, root, reserve_bytes=reserve_bytes)
                 return copy, staged, None
         except ImageDamaged as exc:
             return None, {}, f"the image in {folder} is damaged: {exc}"

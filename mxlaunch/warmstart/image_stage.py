@@ -37,10 +37,11 @@ class NoRoom(Exception):
     """No room for the copy where it would go: restore from the store, checked in place."""
 
 
-def stage_image(folder: Path, dest_root: Path, readers: int = IMAGE_READERS) -> tuple[Path, dict]:
+def stage_image(folder: Path, dest_root: Path, readers: int = IMAGE_READERS, reserve_bytes: int = 0) -> tuple[Path, dict]:
     """Copy the image in `folder` into a new private folder under `dest_root`, every file checked against
     `folder`'s sums.json as it lands; (the copy, {"image_stage_s", "image_gib_per_s", "o_direct"}). The caller
-    restores from the copy and removes it (`remove_copy`); nothing is left behind when this raises."""
+    restores from the copy and removes it (`remove_copy`); nothing is left behind when this raises.
+    `reserve_bytes`: room to leave for what is staged after it (a lean restore's weights): without it, NoRoom."""
     from mxlaunch.staging.reader import StageJob
     from mxlaunch.staging.sources import CopyItem
 
@@ -62,7 +63,8 @@ def stage_image(folder: Path, dest_root: Path, readers: int = IMAGE_READERS) -> 
         raise NoRoom(f"no folder for the copy in {dest_root}: {exc.strerror or exc}") from None
     job = None
     try:
-        job = StageJob(items, dest, readers=max(1, min(readers, len(items))), expected=sums, huge_pages=False)
+        job = StageJob(items, dest, readers=max(1, min(readers, len(items))), expected=sums, huge_pages=False,
+                       reserve_bytes=reserve_bytes)
         result = job.start().wait()
         for rel, src in have.items():  # the copy as the image is: the restore puts files back with their mode
             st = src.stat()            # (CRIU checks it), whatever the umask gave the copy

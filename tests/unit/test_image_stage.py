@@ -6,6 +6,7 @@ engine snapshot's — hand CRIU the copy. CRIU itself stands in here; tests/e2e/
 from __future__ import annotations
 
 import json
+import shutil
 import os
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,25 @@ def test_no_room_for_the_copy_is_not_a_damaged_image(tmp_path: Path, monkeypatch
                                                                       ram_available=1 << 40))
     with pytest.raises(NoRoom, match="free space on /the-tests-tmpfs"):
         stage_image(image, root)
+    assert list(root.iterdir()) == []
+
+
+def test_an_image_that_would_leave_the_weights_no_room_is_not_copied(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lean restore copies its image before the weights' stage: the image fits, the two together do not — no
+    copy (restored in place), else the stage after it would run out of room and the engine load on its own."""
+    from mxlaunch.staging import reader
+    from mxlaunch.staging.capacity import Capacity
+
+    image, root = _image(tmp_path / "store" / "k1"), _private(tmp_path / "run")
+    size = sum(p.stat().st_size for p in image.iterdir())
+    monkeypatch.setattr(reader, "capacity_of", lambda dest: Capacity(path="/the-tests-tmpfs", fs_type="tmpfs",
+                                                                      fs_free=size + (1 << 20), memory_backed=False,
+                                                                      cgroup_headroom=None, ram_available=1 << 40))
+    copy, _ = stage_image(image, root)  # alone it fits
+    shutil.rmtree(copy)
+    with pytest.raises(NoRoom, match="reserved"):
+        stage_image(image, root, reserve_bytes=2 << 20)
     assert list(root.iterdir()) == []
 
 

@@ -191,8 +191,13 @@ def test_a_lean_restore_stages_its_image_before_the_weights(tmp_path: Path, monk
     runner, _ = staged_launcher(tmp_path, monkeypatch)
     order: list[str] = []
     monkeypatch.setattr(runner.snapshots, "lean_ahead", lambda strategy: True)
-    monkeypatch.setattr(runner.snapshots, "stage_image_ahead",
-                        lambda strategy: order.append("image" if runner.stage_job is None else "image after weights"))
+    reserved: list[int] = []
+
+    def image_ahead(strategy: str, reserve_bytes: int = 0) -> None:
+        order.append("image" if runner.stage_job is None else "image after weights")
+        reserved.append(reserve_bytes)
+
+    monkeypatch.setattr(runner.snapshots, "stage_image_ahead", image_ahead)
 
     def restored(strategy: str) -> Restored:
         order.append("restore" if runner.stage_job is not None else "restore without a stage")
@@ -205,6 +210,7 @@ def test_a_lean_restore_stages_its_image_before_the_weights(tmp_path: Path, monk
     monkeypatch.setattr(runner.snapshots, "refill", lambda *a, **k: True, raising=False)
     assert runner.run() == 0
     assert order == ["image", "restore"], order
+    assert reserved == [runner.plan.stage_bytes] and reserved[0] > 0  # room left for the weights after it
 
 
 def test_a_failed_refill_leaves_no_loaded_marker_for_the_engine_started_after_it(tmp_path: Path,
@@ -305,3 +311,17 @@ def test_a_stop_during_the_restore_stops_the_restored_engine(tmp_path: Path, mon
     monkeypatch.setattr(runner.snapshots, "try_restore", restored)
     assert runner.run() == 128 + sig.SIGTERM
     assert procs and procs[0].poll() is not None  # not left serving without a launcher
+
+
+def test_the_room_left_for_the_weights_counts_what_the_last_launch_kept(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept files are in /dev/shm already (linked, not read): the image's copy leaves room only for the rest."""
+    from mxlaunch.staging import kept
+
+    runner, _ = staged_launcher(tmp_path, monkeypatch)
+    total = runner.plan.stage_bytes
+    assert runner._stage_bytes_to_read() == total > 0
+    runner.opts.keep_staged = True
+    monkeypatch.setattr(kept, "available", lambda root, sid, expected: 10 if sid == runner.plan.source_id
+                        and set(expected) == set(runner.plan.stage_expected()) else 0)
+    assert runner._stage_bytes_to_read() == total - 10
