@@ -54,7 +54,8 @@ class CaptureSession(CaptureUpload):
 
     def __init__(self, store: Store, plan: "LaunchPlan", emit: Callable[..., None],
                  timeout_s: Optional[float] = None, local_root: Optional[Path] = None,
-                 copy: Optional[Callable[..., tuple[int, str]]] = None, upload_at_once: bool = False) -> None:
+                 copy: Optional[Callable[..., tuple[int, str]]] = None, upload_at_once: bool = False,
+                 keep_root: Optional[Path] = None) -> None:
         self.store = store
         self.plan = plan
         self.sid = plan.source_id
@@ -75,6 +76,8 @@ class CaptureSession(CaptureUpload):
         self.ready = False  # the engine serves: a single-node capture uploads only then
         self.upload_at_once = upload_at_once  # --capture-only: the run exists for the snapshot, not for serving
         self._next_progress = 0.0
+        self.keep_root = keep_root  # --keep-staged: the user root whose kept/ gets the uploaded /dev/shm copy
+        self.kept = False
 
     # ---- state ----
 
@@ -261,6 +264,7 @@ class CaptureSession(CaptureUpload):
         self.state = "failed"
         self.stop_upload()
         self._drop_local()
+        self._drop_kept()  # no snapshot to restore: what was kept of it would only hold RAM
         if self.holder:
             self.store.discard_capture(self.sid, self.capture_id or "")
         else:

@@ -42,6 +42,9 @@ class CaptureUpload:
     holder: bool
     claim: Any
     part: Any  # launch/capture_part.py's CapturePart
+    sid: str
+    keep_root: Optional[Path]
+    kept: bool
     store: Any
     emit: Callable[..., None]
     _next_progress: float
@@ -100,6 +103,7 @@ class CaptureUpload:
                 self.writer.add_file(done.rank, done.rel, xxh3_128=done.xxh3_128)
         except (OSError, MxlaunchError) as exc:
             return self._upload_failed(getattr(exc, "message", None) or str(exc))
+        self._keep_local(job)
         self._drop_local()
         self.emit("uploaded", ranks=self.part.ranks, bytes=job.total_bytes, seconds=round(job.seconds, 3),
                   gib_per_s=round(job.total_bytes / max(job.seconds, 1e-9) / (1 << 30), 3))
@@ -116,6 +120,32 @@ class CaptureUpload:
         if self.upload is not None and self.upload.running:
             self.upload.cancel()
             self.upload.join(timeout)
+
+    def _keep_local(self, job: UploadJob) -> None:
+        """`--keep-staged`: the uploaded /dev/shm copy stays as this snapshot's kept files (staging/kept.py), so a
+        restart right after the first serve links them instead of staging the store's copy. Each file is
+        recorded with the checksum the upload took while reading it: the one the manifest now holds."""
+        if self.keep_root is None or self.local_root is None:
+            return
+        from mxlaunch.staging import kept
+
+        expected = {f"{u.rank}/{u.rel}": {"bytes": u.bytes, "xxh3_128": u.xxh3_128} for u in job.results.values()}
+        try:
+            total = kept.keep(self.keep_root, self.sid, self.local_root, expected)
+        except (MxlaunchError, OSError) as exc:
+            self.emit("kept", status="failed", reason=getattr(exc, "message", None) or str(exc))
+            return
+        self.kept = True
+        self.emit("kept", status="kept", ranks=self.part.ranks, bytes=total,
+                  message="the capture's /dev/shm copy stays for the next launch of this snapshot on this node "
+                          "(mxlaunch kept --drop frees it)")
+
+    def _drop_kept(self) -> None:
+        if self.kept and self.keep_root is not None:
+            from mxlaunch.staging import kept
+
+            kept.drop(self.keep_root, self.sid)
+            self.kept = False
 
     def _drop_local(self) -> None:
         """The /dev/shm copy: gone once uploaded, or given up (the run folder's removal catches the rest)."""

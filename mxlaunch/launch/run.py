@@ -127,7 +127,8 @@ class Launcher(Staging, Markers, Stopping):
             # an S3 store takes no writes in place: without room in /dev/shm the capture goes to a node-local spool
             self.capture = CaptureSession(self.store, self.plan, self.emit,
                                           local_root=self.shm_dir / "capture" if via_shm else self.store.capture_spool(self.run_id),
-                                          upload_at_once=self.opts.capture_only)
+                                          upload_at_once=self.opts.capture_only,
+                                          keep_root=self.shm_dir.parent if self.opts.keep_staged and via_shm else None)
             why_not = self.capture.start()
             if why_not is not None:
                 self.capture = None

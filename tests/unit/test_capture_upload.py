@@ -242,6 +242,47 @@ def test_the_capture_lands_in_dev_shm_uploads_once_ready_and_publishes_the_same_
     assert node.store.coordinator.holder(node.plan.source_id) is None  # claim released
 
 
+def test_keep_staged_keeps_the_uploaded_copy_for_the_next_launch_to_link(tmp_path: Path, shm_dir: Path) -> None:
+    """`--keep-staged` on the first serve: the capture's /dev/shm copy, once uploaded, is this snapshot's kept
+    files — exactly what the next launch's staged plan asks for (name, size, the manifest's checksum), so a
+    restart right after a capture reads nothing from the store."""
+    from mxlaunch.staging import kept
+
+    user_root = shm_dir / "user"
+    user_root.mkdir(mode=0o700)
+    argv = serve(write_checkpoint(tmp_path / "model"), "-tp", "2")
+    node = Session(tmp_path, shm_dir, argv, keep_root=user_root)
+    node.plugin_writes(tmp_path / "run")
+    node.session.engine_ready()
+    node.poll_until("published")
+    assert [f for e, f in node.events if e == "kept"][0]["status"] == "kept"
+    assert not node.local.exists()  # the capture folder goes; the kept links hold the bytes
+    staged = make_plan(argv, LaunchOptions(artifact_path=node.store.root, kernel_cache=False, p2p=False), node.store)
+    assert staged.strategy == "staged" and staged.stage_bytes > 0
+    assert kept.available(user_root, staged.source_id, staged.stage_expected()) == staged.stage_bytes
+    dest = shm_dir / "next-stage"
+    dest.mkdir(mode=0o700)
+    assert kept.reuse(user_root, staged.source_id, staged.stage_expected(), dest).bytes == staged.stage_bytes
+    for f in staged.stage_files:  # the linked bytes are the store's, file by file
+        rel = str(f.path).split("/ranks/")[1]
+        assert xxh3_file(dest / rel) == f.xxh3_128
+
+
+def test_a_capture_given_up_keeps_nothing(tmp_path: Path, shm_dir: Path) -> None:
+    from mxlaunch.staging import kept
+
+    user_root = shm_dir / "user"
+    user_root.mkdir(mode=0o700)
+    node = Session(tmp_path, shm_dir, serve(write_checkpoint(tmp_path / "model"), "-tp", "2"), keep_root=user_root)
+    node.plugin_writes(tmp_path / "run")
+    node.session.engine_ready()
+    node.poll_until("published")
+    assert kept.entries(user_root)
+    node.session.state = "uploading"  # as if the publish had not happened yet: the session is given up
+    node.session._give_up("a test")
+    assert kept.entries(user_root) == []
+
+
 def half_then_enospc(src: Path, dst: Path, **kw: object) -> tuple[int, str]:
     """A store that fills up half-way through the first file."""
     tmp = dst.with_name(f".{dst.name}.upload.tmp")
@@ -363,13 +404,13 @@ def test_each_node_of_a_multinode_capture_uploads_its_own_ranks_before_its_part_
 
 
 def run_launcher(tmp: Path, model: Path, *, capture_only: bool = True, parts: int = 2,
-                 on_event=None) -> tuple[Launcher, int, list[tuple[str, dict]]]:
+                 on_event=None, keep_staged: bool = False) -> tuple[Launcher, int, list[tuple[str, dict]]]:
     """One node's real Launcher (run folder in the real /dev/shm) around the stand-in engine, which
     writes `parts` parts per rank as the plugin does and then answers /health."""
     store = Store(tmp / "store")
     port = free_port()
     opts = LaunchOptions(artifact_path=store.root, kernel_cache=False, p2p=False, capture_only=capture_only,
-                         run_dir=tmp / "logs", ready_timeout=120)
+                         run_dir=tmp / "logs", ready_timeout=120, keep_staged=keep_staged)
     plan = make_plan(serve(model, "-tp", "2", "--port", str(port)), opts, store)
     plan.argv = [PY, "-m", "tests.helpers.capture_nodes", "engine", "--parts", str(parts), "--port", str(port)]
     events: list[tuple[str, dict]] = []
@@ -423,6 +464,21 @@ def test_a_launch_captures_into_dev_shm_uploads_and_publishes(tmp_path: Path, ca
             assert f["xxh3_128"] == xxhash.xxh3_128(rank_bytes(rank["rank"], part)).hexdigest()
     assert not runner.shm_dir.exists()  # the run folder, with the capture copy, is gone
     assert pending_parts(store.root / sid) == [f"data-{found.manifest['capture_id']}"]
+
+
+def test_a_launch_with_keep_staged_keeps_its_capture_copy(tmp_path: Path) -> None:
+    """The launcher hands the session this user's root when --keep-staged is on: the uploaded copy is kept."""
+    from mxlaunch.staging import kept
+
+    runner, code, events = run_launcher(tmp_path, write_checkpoint(tmp_path / "model"), keep_staged=True)
+    sid = dict(events)["plan"]["source_id"]
+    try:
+        assert code == 0, events
+        assert [f["status"] for e, f in events if e == "kept"] == ["kept"], events
+        [entry] = [e for e in kept.entries(runner.shm_dir.parent) if e.source_id == sid]
+        assert entry.files == 4 and entry.bytes == dict(events)["upload"]["bytes"]
+    finally:
+        kept.drop(runner.shm_dir.parent, sid)
 
 
 def test_no_room_in_dev_shm_captures_straight_into_the_store(tmp_path: Path) -> None:
