@@ -204,6 +204,37 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     return out
 
 
+def wide_llama(src: Path, out: Path, hidden: int = 256, inter: int = 384, heads: int = 2, kv: int = 1,
+               head_dim: int = 128) -> Path:
+    """A one-layer random Llama with the tiny model's tokenizer and every Linear a multiple of BLOCK wide
+    (block-fp8 needs it; the tiny Llama's 64-wide k/v projections are not)."""
+    config = json.loads((src / "config.json").read_text())
+    config.update(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                  head_dim=head_dim, num_hidden_layers=1, torch_dtype="bfloat16")
+    gen = torch.Generator().manual_seed(1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    pre, ones = "model.layers.0.", torch.ones(hidden, dtype=torch.bfloat16)
+    tensors = {"model.embed_tokens.weight": rand(config["vocab_size"], hidden), "model.norm.weight": ones,
+               "lm_head.weight": rand(config["vocab_size"], hidden), pre + "input_layernorm.weight": ones.clone(),
+               pre + "post_attention_layernorm.weight": ones.clone(),
+               pre + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+               pre + "self_attn.k_proj.weight": rand(kv * head_dim, hidden),
+               pre + "self_attn.v_proj.weight": rand(kv * head_dim, hidden),
+               pre + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+               pre + "mlp.gate_proj.weight": rand(inter, hidden), pre + "mlp.up_proj.weight": rand(inter, hidden),
+               pre + "mlp.down_proj.weight": rand(hidden, inter)}
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors"):
+            shutil.copy2(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def mixtral_from_llama(src: Path, out: Path, experts: int = EXPERTS, top_k: int = 2, seed: int = 0,
                        hidden: int = MOE_HIDDEN, intermediate: int | None = None, layers: int | None = None) -> Path:
     """A random Mixtral with the float Llama folder `src`'s tokenizer, vocabulary and heads: hidden size `hidden`
