@@ -212,48 +212,75 @@ def inductor_default_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(tmp) / f"torchinductor_{re.sub(r'[/:*?<>|]', '_', user)}"
 
 
-def default_places(environ: Mapping[str, str] = os.environ) -> Dict[str, DefaultPlace]:
-    """The default places mxlaunch knows (each library's own rule); a variable not listed is not seeded."""
+def default_places(environ: Mapping[str, str] = os.environ, engine: str = "vllm") -> Dict[str, Tuple[DefaultPlace, ...]]:
+    """Where each library keeps its cache when its variable is unset, for `engine`'s runs (each library's own rule,
+    newest first); a variable not listed is not seeded. SGLang 0.5.2x's `import sglang` points Triton, Inductor,
+    the driver's PTX cache, TileLang and FlashInfer into $SGLANG_CACHE_DIR (sglang/srt/environ.py,
+    third_party_cache_defaults), so a node where SGLang ran alone keeps them there, not in the libraries' places
+    that earlier SGLang releases (and vLLM) leave them in: both are looked at, newest first."""
     home = Path(environ.get("HOME") or Path.home())
     xdg = Path(environ.get("XDG_CACHE_HOME") or home / ".cache")
-    return {
+    inductor = DefaultPlace(inductor_default_dir(environ), skip=("precompiled_headers",))
+    flashinfer = DefaultPlace(home / ".cache" / "flashinfer", ".cache/flashinfer", ("cubins",))
+    places: Dict[str, Tuple[DefaultPlace, ...]] = {
         # vllm/envs.py: $XDG_CACHE_HOME/vllm; DeepGEMM's JIT cache under it is seeded on its own (below)
-        "VLLM_CACHE_ROOT": DefaultPlace(xdg / "vllm", skip=("deep_gemm",)),
+        "VLLM_CACHE_ROOT": (DefaultPlace(xdg / "vllm", skip=("deep_gemm",)),),
         # vllm/utils/deep_gemm.py sets DG_JIT_CACHE_DIR to $VLLM_CACHE_ROOT/deep_gemm when it is unset (issue 40:
         # seeded under the vllm folder, where DeepGEMM, pointed at the key's deep_gemm folder, never looked)
-        "DG_JIT_CACHE_DIR": DefaultPlace(Path(environ.get("VLLM_CACHE_ROOT") or xdg / "vllm") / "deep_gemm"),
-        "TRITON_CACHE_DIR": DefaultPlace(home / ".triton" / "cache"),  # triton/knobs.py
+        "DG_JIT_CACHE_DIR": (DefaultPlace(Path(environ.get("VLLM_CACHE_ROOT") or xdg / "vllm") / "deep_gemm"),),
+        "TRITON_CACHE_DIR": (DefaultPlace(home / ".triton" / "cache"),),  # triton/knobs.py
         # its precompiled headers are read from this fixed place whatever the variable says (side_dirs)
-        "TORCHINDUCTOR_CACHE_DIR": DefaultPlace(inductor_default_dir(environ), skip=("precompiled_headers",)),
+        "TORCHINDUCTOR_CACHE_DIR": (inductor,),
         # flashinfer/jit/env.py: $FLASHINFER_WORKSPACE_BASE (default ~)/.cache/flashinfer; its downloaded cubins
         # stay in place (KEPT_IN_PLACE)
-        "FLASHINFER_WORKSPACE_BASE": DefaultPlace(home / ".cache" / "flashinfer", ".cache/flashinfer", ("cubins",)),
-        "TVM_FFI_CACHE_DIR": DefaultPlace(home / ".cache" / "tvm-ffi"),
-        "CUDA_CACHE_PATH": DefaultPlace(home / ".nv" / "ComputeCache"),  # the driver's PTX JIT cache
+        "FLASHINFER_WORKSPACE_BASE": (flashinfer,),
+        "TVM_FFI_CACHE_DIR": (DefaultPlace(home / ".cache" / "tvm-ffi"),),
+        "CUDA_CACHE_PATH": (DefaultPlace(home / ".nv" / "ComputeCache"),),  # the driver's PTX JIT cache
     }
+    if engine != "sglang":
+        return places
+    given = environ.get("SGLANG_CACHE_DIR")  # sglang/srt/environ.py: ~/.cache/sglang (not XDG)
+    root = Path(given.replace("~", str(home), 1) if given == "~" or given.startswith("~/") else given) if given \
+        else home / ".cache" / "sglang"
+    moved = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "nv",
+             "TILELANG_CACHE_DIR": "tilelang"}
+    places["TILELANG_CACHE_DIR"] = (DefaultPlace(home / ".tilelang" / "cache"),)  # tilelang/env.py
+    for var, sub in moved.items():
+        own = places[var][0]
+        places[var] = (DefaultPlace(root / sub, own.inside, own.skip), *places[var])
+    # the base FlashInfer appends .cache/flashinfer to is SGLang's root itself
+    places["FLASHINFER_WORKSPACE_BASE"] = (DefaultPlace(root / ".cache" / "flashinfer", flashinfer.inside,
+                                                        flashinfer.skip), flashinfer)
+    # SGLANG_DG_CACHE_DIR: $SGLANG_CACHE_DIR/deep_gemm in 0.5.2x, ~/.cache/deep_gemm before
+    places["SGLANG_DG_CACHE_DIR"] = (DefaultPlace(root / "deep_gemm"), DefaultPlace(home / ".cache" / "deep_gemm"))
+    # what SGLang keeps in its root itself (CuTe DSL AOT objects, its own JIT), less the folders seeded above
+    places["SGLANG_CACHE_DIR"] = (DefaultPlace(root, skip=(*moved.values(), "deep_gemm", ".cache")),)
+    return places
 
 
 def seed_from_defaults(env: Mapping[str, str], folder: Path, max_bytes: int,
-                       environ: Mapping[str, str] = os.environ) -> Tuple[int, int, str]:
+                       environ: Mapping[str, str] = os.environ, engine: str = "vllm") -> Tuple[int, int, str]:
     """A first serve on a node where the engine already ran: copy what the engine would find in its default
     places into the key's empty folder, so the capture run does not build again what the node has (on the
     H200 a first serve spent 20.8 s in init engine against 2.7 s for the engine alone, warm). Copies, never
     links. Nothing when the default places hold more than max_bytes (the archive's cap). Only this user's own
     files in folders nobody else can write (`not_own`): a default place in a shared /tmp that another user
     created first, or anything another user put into one, is left out and said. Returns (files, bytes, reason)."""
-    places = default_places(environ)
+    places = default_places(environ, engine)
     plan: List[Tuple[Path, Path, Tuple[str, ...]]] = []
     total, refused = 0, []
     for var, target in env.items():
-        place = places.get(var)
-        if place is None or not Path(target).is_relative_to(folder) or not os.path.lexists(place.folder):
+        if not Path(target).is_relative_to(folder):
             continue
-        state, why = own_state(place.folder)
-        if why:
-            refused.append(why)
-            continue
-        total += sum(size for rel, (size, _) in state.items() if rel.split(os.sep)[0] not in place.skip)
-        plan.append((place.folder, Path(target) / place.inside, place.skip))
+        for place in places.get(var, ()):
+            if not os.path.lexists(place.folder):
+                continue
+            state, why = own_state(place.folder)
+            if why:
+                refused.append(why)
+                continue
+            total += sum(size for rel, (size, _) in state.items() if rel.split(os.sep)[0] not in place.skip)
+            plan.append((place.folder, Path(target) / place.inside, place.skip))
     left_out = f"; not seeded from {'; '.join(refused)}" if refused else ""
     if not plan:
         return 0, 0, f"the engine's default cache folders are empty here{left_out}"

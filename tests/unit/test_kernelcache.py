@@ -370,11 +370,15 @@ def quick_kernel_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return kernel.side_dirs()["inductor_pch"]
 
 
-def kernel_run(tmp_path: Path, source_id: str) -> tuple:
+def kernel_run(tmp_path: Path, source_id: str, engine: str = "vllm") -> tuple:
     """A launch's kernel-cache run on a fresh store, its events collected: (run, env, events, store, info)."""
+    from mxlaunch.engines.sglang_argv import parse_sglang_argv
     from mxlaunch.launch import kernel
 
-    spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
+    if engine == "sglang":
+        spec = parse_sglang_argv([PY, "-m", "sglang.launch_server", "--model-path", "/m"], engine_version="0.5.23")
+    else:
+        spec = parse_vllm_argv([PY, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"], engine_version="0.32.0")
     store = kc(tmp_path / "store")
     events: list[tuple[str, dict]] = []
     info = plan_kernel_cache(spec, source_id=source_id, device_type="cpu", kc_store=store)
@@ -516,6 +520,45 @@ def test_a_first_serve_on_a_node_where_the_engine_ran_starts_from_its_default_ca
     monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_MAX_GIB", str(4 / 2**30))  # 4 bytes: the defaults hold more
     capped, _, events3, _, _ = kernel_run(tmp_path / "other", "t" * 16)
     assert events3[0][1]["seeded_files"] == 0 and "cap" in events3[0][1]["reason"], events3
+
+
+def test_a_first_sglang_serve_starts_from_where_sglang_alone_kept_its_caches(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang 0.5.2x's `import sglang` points Triton, Inductor, the PTX cache, TileLang and FlashInfer into
+    ~/.cache/sglang (its DeepGEMM cache too): a node where SGLang ran alone keeps them there, and a first serve
+    through mxlaunch seeded from the libraries' own places found nothing of it. Both are seeded now (an earlier
+    SGLang's ~/.cache/deep_gemm and TileLang's ~/.tilelang/cache too); a vLLM run takes none of SGLang's."""
+    quick_kernel_runs(tmp_path, monkeypatch)
+    monkeypatch.delenv("SGLANG_CACHE_DIR", raising=False)
+    home = tmp_path / "home"
+    files = {".cache/sglang/triton/ab/k.cubin": b"cubin", ".cache/sglang/inductor/fx/g.py": b"graph",
+             ".cache/sglang/nv/ComputeCache/index": b"ptx", ".cache/sglang/deep_gemm/cache/kernel.so": b"dg",
+             ".cache/sglang/.cache/flashinfer/90/cached_ops/sampling.so": b"so",
+             ".cache/sglang/.cache/flashinfer/cubins/big.cubin": b"downloaded", ".cache/sglang/cute_aot/obj.o": b"aot",
+             ".cache/deep_gemm/old.so": b"old", ".tilelang/cache/t.so": b"tl"}
+    for rel, data in files.items():
+        (home / rel).parent.mkdir(parents=True, exist_ok=True)
+        (home / rel).write_bytes(data)
+
+    run, env, events, _, _ = kernel_run(tmp_path, "g" * 16, engine="sglang")
+    [(name, ev)] = events
+    assert name == "kernel-cache" and ev["status"] == "miss" and ev["seeded_files"] == 8, ev
+    assert Path(env["TRITON_CACHE_DIR"], "ab", "k.cubin").read_bytes() == b"cubin"
+    assert Path(env["TORCHINDUCTOR_CACHE_DIR"], "fx", "g.py").read_bytes() == b"graph"
+    assert Path(env["CUDA_CACHE_PATH"], "ComputeCache", "index").read_bytes() == b"ptx"
+    assert Path(env["SGLANG_DG_CACHE_DIR"], "cache", "kernel.so").read_bytes() == b"dg"
+    assert Path(env["SGLANG_DG_CACHE_DIR"], "old.so").read_bytes() == b"old"
+    assert Path(env["TILELANG_CACHE_DIR"], "t.so").read_bytes() == b"tl"
+    assert Path(env["FLASHINFER_WORKSPACE_BASE"], ".cache", "flashinfer", "90", "cached_ops", "sampling.so").exists()
+    assert not Path(env["FLASHINFER_WORKSPACE_BASE"], ".cache", "flashinfer", "cubins").exists()
+    assert Path(env["SGLANG_CACHE_DIR"], "cute_aot", "obj.o").read_bytes() == b"aot"
+    for moved in ("triton", "inductor", "nv", "deep_gemm", ".cache"):  # seeded into their own folders, once
+        assert not Path(env["SGLANG_CACHE_DIR"], moved).exists(), moved
+    run.stop()
+
+    vllm, venv, vevents, _, _ = kernel_run(tmp_path / "v", "h" * 16)
+    assert vevents[0][1]["seeded_files"] == 0, vevents  # vLLM's places are the libraries' own: empty here
+    vllm.stop()
 
 
 def test_precompiled_headers_other_runs_left_are_not_captured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
