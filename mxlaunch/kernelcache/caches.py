@@ -212,7 +212,24 @@ def inductor_default_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(tmp) / f"torchinductor_{re.sub(r'[/:*?<>|]', '_', user)}"
 
 
-def default_places(environ: Mapping[str, str] = os.environ, engine: str = "vllm") -> Dict[str, Tuple[DefaultPlace, ...]]:
+def autotune_place(vllm_root: Path, flashinfer_version: Optional[str]) -> Tuple[DefaultPlace, ...]:
+    """vLLM's FlashInfer autotune results when VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR is unset:
+    $VLLM_CACHE_ROOT/flashinfer_autotune_cache/<FlashInfer version>/<its arch folder>/<config hash>/ (vllm
+    model_executor/warmup: the workspace folder's last two names); with the variable set, <config hash>/ right
+    under it. Only this FlashInfer's folder, and only when it holds one arch folder: tuned tactics of another
+    GPU would be used, not ignored (a home shared by nodes of two GPU kinds is not seeded)."""
+    if not flashinfer_version:
+        return ()
+    base = vllm_root / "flashinfer_autotune_cache" / flashinfer_version
+    try:
+        arches = [d for d in base.iterdir() if d.is_dir() and not d.is_symlink()]
+    except OSError:
+        return ()
+    return (DefaultPlace(arches[0]),) if len(arches) == 1 else ()
+
+
+def default_places(environ: Mapping[str, str] = os.environ, engine: str = "vllm",
+                   flashinfer_version: Optional[str] = None) -> Dict[str, Tuple[DefaultPlace, ...]]:
     """Where each library keeps its cache when its variable is unset, for `engine`'s runs (each library's own rule,
     newest first); a variable not listed is not seeded. SGLang 0.5.2x's `import sglang` points Triton, Inductor,
     the driver's PTX cache, TileLang and FlashInfer into $SGLANG_CACHE_DIR (sglang/srt/environ.py,
@@ -224,7 +241,9 @@ def default_places(environ: Mapping[str, str] = os.environ, engine: str = "vllm"
     flashinfer = DefaultPlace(home / ".cache" / "flashinfer", ".cache/flashinfer", ("cubins",))
     places: Dict[str, Tuple[DefaultPlace, ...]] = {
         # vllm/envs.py: $XDG_CACHE_HOME/vllm; DeepGEMM's JIT cache under it is seeded on its own (below)
-        "VLLM_CACHE_ROOT": (DefaultPlace(xdg / "vllm", skip=("deep_gemm",)),),
+        "VLLM_CACHE_ROOT": (DefaultPlace(xdg / "vllm", skip=("deep_gemm", "flashinfer_autotune_cache")),),
+        "VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR": autotune_place(Path(environ.get("VLLM_CACHE_ROOT") or xdg / "vllm"),
+                                                             flashinfer_version),
         # vllm/utils/deep_gemm.py sets DG_JIT_CACHE_DIR to $VLLM_CACHE_ROOT/deep_gemm when it is unset (issue 40:
         # seeded under the vllm folder, where DeepGEMM, pointed at the key's deep_gemm folder, never looked)
         "DG_JIT_CACHE_DIR": (DefaultPlace(Path(environ.get("VLLM_CACHE_ROOT") or xdg / "vllm") / "deep_gemm"),),
@@ -259,14 +278,15 @@ def default_places(environ: Mapping[str, str] = os.environ, engine: str = "vllm"
 
 
 def seed_from_defaults(env: Mapping[str, str], folder: Path, max_bytes: int,
-                       environ: Mapping[str, str] = os.environ, engine: str = "vllm") -> Tuple[int, int, str]:
+                       environ: Mapping[str, str] = os.environ, engine: str = "vllm",
+                       flashinfer_version: Optional[str] = None) -> Tuple[int, int, str]:
     """A first serve on a node where the engine already ran: copy what the engine would find in its default
     places into the key's empty folder, so the capture run does not build again what the node has (on the
     H200 a first serve spent 20.8 s in init engine against 2.7 s for the engine alone, warm). Copies, never
     links. Nothing when the default places hold more than max_bytes (the archive's cap). Only this user's own
     files in folders nobody else can write (`not_own`): a default place in a shared /tmp that another user
     created first, or anything another user put into one, is left out and said. Returns (files, bytes, reason)."""
-    places = default_places(environ, engine)
+    places = default_places(environ, engine, flashinfer_version)
     plan: List[Tuple[Path, Path, Tuple[str, ...]]] = []
     total, refused = 0, []
     for var, target in env.items():

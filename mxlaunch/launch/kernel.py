@@ -101,8 +101,10 @@ class KernelCacheRun:
         seeded: Dict[str, Any] = {"refused": True} if result.refused else {}  # not restored: a foreign or changed archive
         if result.status == "miss" and not folder_state(folder):  # this key never ran on this node
             try:
+                fields = self.info.get("fields", {})
                 files, nbytes, why = seed_from_defaults(self.info["env"], folder, self.max_bytes,
-                                                         engine=self.info.get("fields", {}).get("engine", "vllm"))
+                                                         engine=fields.get("engine", "vllm"),
+                                                         flashinfer_version=fields.get("versions", {}).get("flashinfer"))
             except OSError as exc:
                 files, nbytes, why = 0, 0, f"not seeded ({exc.strerror or exc})"
             seeded.update(seeded_files=files, seeded_bytes=nbytes)

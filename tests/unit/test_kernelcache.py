@@ -370,8 +370,9 @@ def quick_kernel_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return kernel.side_dirs()["inductor_pch"]
 
 
-def kernel_run(tmp_path: Path, source_id: str, engine: str = "vllm") -> tuple:
-    """A launch's kernel-cache run on a fresh store, its events collected: (run, env, events, store, info)."""
+def kernel_run(tmp_path: Path, source_id: str, engine: str = "vllm", flashinfer: str | None = None) -> tuple:
+    """A launch's kernel-cache run on a fresh store, its events collected: (run, env, events, store, info);
+    `flashinfer`: the FlashInfer version the key's fields say the engine has."""
     from mxlaunch.engines.sglang_argv import parse_sglang_argv
     from mxlaunch.launch import kernel
 
@@ -382,6 +383,8 @@ def kernel_run(tmp_path: Path, source_id: str, engine: str = "vllm") -> tuple:
     store = kc(tmp_path / "store")
     events: list[tuple[str, dict]] = []
     info = plan_kernel_cache(spec, source_id=source_id, device_type="cpu", kc_store=store)
+    if flashinfer:
+        info["fields"]["versions"]["flashinfer"] = flashinfer
     run = kernel.KernelCacheRun(info, store, lambda event, **f: events.append((event, f)), model="/m")
     return run, run.restore(), events, store, info
 
@@ -559,6 +562,33 @@ def test_a_first_sglang_serve_starts_from_where_sglang_alone_kept_its_caches(tmp
     vllm, venv, vevents, _, _ = kernel_run(tmp_path / "v", "h" * 16)
     assert vevents[0][1]["seeded_files"] == 0, vevents  # vLLM's places are the libraries' own: empty here
     vllm.stop()
+
+
+def test_flashinfer_autotune_results_vllm_alone_left_are_seeded_where_vllm_will_look(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM alone keeps FlashInfer's autotune results at ~/.cache/vllm/flashinfer_autotune_cache/<FlashInfer
+    version>/<arch>/<config hash>/; a launch points VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR at the key's folder, where
+    vLLM looks for <config hash>/ directly — seeded there (not under the key's vllm folder, where nothing looks),
+    only from this FlashInfer's folder and only when it holds one arch (another GPU's tactics would be used)."""
+    quick_kernel_runs(tmp_path, monkeypatch)
+    tune = tmp_path / "home" / ".cache" / "vllm" / "flashinfer_autotune_cache"
+    for rel in ("0.6.1/90a/abc123/autotune_configs.json", "0.5.0/90a/old/autotune_configs.json"):
+        (tune / rel).parent.mkdir(parents=True)
+        (tune / rel).write_text("{}")
+    run, env, events, _, _ = kernel_run(tmp_path, "f" * 16, flashinfer="0.6.1")
+    assert events[0][1]["seeded_files"] == 1, events
+    assert Path(env["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"], "abc123", "autotune_configs.json").is_file()
+    assert not Path(env["VLLM_CACHE_ROOT"], "flashinfer_autotune_cache").exists()
+    run.stop()
+
+    (tune / "0.6.1" / "100a" / "def").mkdir(parents=True)  # a second GPU kind shares this home
+    (tune / "0.6.1" / "100a" / "def" / "autotune_configs.json").write_text("{}")
+    two, _, events2, _, _ = kernel_run(tmp_path / "two", "e" * 16, flashinfer="0.6.1")
+    assert events2[0][1]["seeded_files"] == 0, events2
+    two.stop()
+    none, _, events3, _, _ = kernel_run(tmp_path / "none", "d" * 16)  # FlashInfer not installed: nothing
+    assert events3[0][1]["seeded_files"] == 0, events3
+    none.stop()
 
 
 def test_precompiled_headers_other_runs_left_are_not_captured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
