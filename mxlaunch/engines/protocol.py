@@ -25,6 +25,9 @@ class Engine(Protocol):
     command_forms: str  # the launch forms it accepts, for the "cannot tell which engine" message
     shm_prefixes: Tuple[str, ...]  # /dev/shm names it may leave behind (removed after a run when orphaned)
     kernel_cache_vars: Tuple[Tuple[str, str], ...]  # (variable, sub-folder): its JIT caches (mxlaunch/kernelcache/caches.py)
+    # (its cache root variable, that root's default under $HOME, ((variable, sub-folder of the root), ...)): where its
+    # import points library caches it finds unset, or None (mxlaunch/kernelcache/seed.py seeds a first serve from there)
+    kernel_cache_redirect: Optional[Tuple[str, str, Tuple[Tuple[str, str], ...]]]
     zygote_preload: Tuple[str, ...]  # modules a warm interpreter imports beyond the entry module (warmstart/zygote.py)
     # flags that let it sleep while it is snapshotted on a GPU, () if it cannot (warmstart/engine_snapshots.py)
     snapshot_sleep_flags: Tuple[str, ...]

@@ -32,6 +32,13 @@ class SGLangEngine:
     kernel_cache_vars = (("SGLANG_CACHE_DIR", "sglang"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                          ("FLASHINFER_WORKSPACE_BASE", "flashinfer"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),
                          ("TILELANG_CACHE_DIR", "tilelang"), ("CUDA_CACHE_PATH", "cuda"), ("TVM_FFI_CACHE_DIR", "tvm_ffi"))
+    # 0.5.2x: `import sglang` points these into $SGLANG_CACHE_DIR when unset (srt/environ.py third_party_cache_defaults,
+    # FlashInfer's base the root itself; SGLANG_DG_CACHE_DIR defaults to its deep_gemm folder); checked against
+    # SGLang itself by tests/e2e/test_sglang_cache_places_oracle.py
+    kernel_cache_redirect = ("SGLANG_CACHE_DIR", ".cache/sglang",
+                             (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("CUDA_CACHE_PATH", "nv"),
+                              ("TILELANG_CACHE_DIR", "tilelang"), ("FLASHINFER_WORKSPACE_BASE", ""),
+                              ("SGLANG_DG_CACHE_DIR", "deep_gemm")))
     command_forms = f"`python -m {sglang_argv.SERVER_MODULE} --model-path MODEL ...` or `sglang serve MODEL ...`"
     zygote_preload = ("sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
                       "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager")

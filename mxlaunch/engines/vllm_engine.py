@@ -39,6 +39,7 @@ class VLLMEngine:
                          ("DG_JIT_CACHE_DIR", "deep_gemm"), ("VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR", "flashinfer_autotune"),
                          ("FLASHINFER_WORKSPACE_BASE", "flashinfer"), ("TVM_FFI_CACHE_DIR", "tvm_ffi"),
                          ("CUDA_CACHE_PATH", "cuda"))
+    kernel_cache_redirect = None  # vLLM leaves each library's default alone (DG_JIT_CACHE_DIR: see kernelcache/seed.py)
     command_forms = f"`vllm serve MODEL ...` or `python -m {vllm_argv.API_SERVER_MODULE} --model MODEL ...`"
     # what the API server imports after the entry module (a zygote imports them too). Not the GPU worker: on the
     # H200 its import starts two threads (a kernel package's background-build reapers), and a zygote with

@@ -188,17 +188,7 @@ def changed(before: FolderState, after: FolderState) -> List[str]:
     return sorted(p for p, v in after.items() if before.get(p) != v)
 
 
-# ---- where the engine's caches are when mxlaunch does not move them -------------------------------------
-
-
-@dataclass(frozen=True)
-class DefaultPlace:
-    """Where a variable's library keeps its cache when the variable is unset: `folder`, found at `inside` under
-    the folder the variable names, less the top-level folders in `skip` (not compiled code)."""
-
-    folder: Path
-    inside: str = ""
-    skip: Tuple[str, ...] = ()
+# ---- where the engine's caches are when mxlaunch does not move them (seeding: kernelcache/seed.py) ---------
 
 
 def inductor_default_dir(environ: Mapping[str, str] = os.environ) -> Path:
@@ -211,103 +201,6 @@ def inductor_default_dir(environ: Mapping[str, str] = os.environ) -> Path:
         user = f"uid_{os.getuid()}"
     return Path(tmp) / f"torchinductor_{re.sub(r'[/:*?<>|]', '_', user)}"
 
-
-def autotune_place(vllm_root: Path, flashinfer_version: Optional[str]) -> Tuple[DefaultPlace, ...]:
-    """vLLM's FlashInfer autotune results when VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR is unset:
-    $VLLM_CACHE_ROOT/flashinfer_autotune_cache/<FlashInfer version>/<its arch folder>/<config hash>/ (vllm
-    model_executor/warmup: the workspace folder's last two names); with the variable set, <config hash>/ right
-    under it. Only this FlashInfer's folder, and only when it holds one arch folder: tuned tactics of another
-    GPU would be used, not ignored (a home shared by nodes of two GPU kinds is not seeded)."""
-    if not flashinfer_version:
-        return ()
-    base = vllm_root / "flashinfer_autotune_cache" / flashinfer_version
-    try:
-        arches = [d for d in base.iterdir() if d.is_dir() and not d.is_symlink()]
-    except OSError:
-        return ()
-    return (DefaultPlace(arches[0]),) if len(arches) == 1 else ()
-
-
-def default_places(environ: Mapping[str, str] = os.environ, engine: str = "vllm",
-                   flashinfer_version: Optional[str] = None) -> Dict[str, Tuple[DefaultPlace, ...]]:
-    """Where each library keeps its cache when its variable is unset, for `engine`'s runs (each library's own rule,
-    newest first); a variable not listed is not seeded. SGLang 0.5.2x's `import sglang` points Triton, Inductor,
-    the driver's PTX cache, TileLang and FlashInfer into $SGLANG_CACHE_DIR (sglang/srt/environ.py,
-    third_party_cache_defaults), so a node where SGLang ran alone keeps them there, not in the libraries' places
-    that earlier SGLang releases (and vLLM) leave them in: both are looked at, newest first."""
-    home = Path(environ.get("HOME") or Path.home())
-    xdg = Path(environ.get("XDG_CACHE_HOME") or home / ".cache")
-    inductor = DefaultPlace(inductor_default_dir(environ), skip=("precompiled_headers",))
-    flashinfer = DefaultPlace(home / ".cache" / "flashinfer", ".cache/flashinfer", ("cubins",))
-    places: Dict[str, Tuple[DefaultPlace, ...]] = {
-        # vllm/envs.py: $XDG_CACHE_HOME/vllm; DeepGEMM's JIT cache under it is seeded on its own (below)
-        "VLLM_CACHE_ROOT": (DefaultPlace(xdg / "vllm", skip=("deep_gemm", "flashinfer_autotune_cache")),),
-        "VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR": autotune_place(Path(environ.get("VLLM_CACHE_ROOT") or xdg / "vllm"),
-                                                             flashinfer_version),
-        # vllm/utils/deep_gemm.py sets DG_JIT_CACHE_DIR to $VLLM_CACHE_ROOT/deep_gemm when it is unset (issue 40:
-        # seeded under the vllm folder, where DeepGEMM, pointed at the key's deep_gemm folder, never looked)
-        "DG_JIT_CACHE_DIR": (DefaultPlace(Path(environ.get("VLLM_CACHE_ROOT") or xdg / "vllm") / "deep_gemm"),),
-        "TRITON_CACHE_DIR": (DefaultPlace(home / ".triton" / "cache"),),  # triton/knobs.py
-        # its precompiled headers are read from this fixed place whatever the variable says (side_dirs)
-        "TORCHINDUCTOR_CACHE_DIR": (inductor,),
-        # flashinfer/jit/env.py: $FLASHINFER_WORKSPACE_BASE (default ~)/.cache/flashinfer; its downloaded cubins
-        # stay in place (KEPT_IN_PLACE)
-        "FLASHINFER_WORKSPACE_BASE": (flashinfer,),
-        "TVM_FFI_CACHE_DIR": (DefaultPlace(home / ".cache" / "tvm-ffi"),),
-        "CUDA_CACHE_PATH": (DefaultPlace(home / ".nv" / "ComputeCache"),),  # the driver's PTX JIT cache
-    }
-    if engine != "sglang":
-        return places
-    given = environ.get("SGLANG_CACHE_DIR")  # sglang/srt/environ.py: ~/.cache/sglang (not XDG)
-    root = Path(given.replace("~", str(home), 1) if given == "~" or given.startswith("~/") else given) if given \
-        else home / ".cache" / "sglang"
-    moved = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "nv",
-             "TILELANG_CACHE_DIR": "tilelang"}
-    places["TILELANG_CACHE_DIR"] = (DefaultPlace(home / ".tilelang" / "cache"),)  # tilelang/env.py
-    for var, sub in moved.items():
-        own = places[var][0]
-        places[var] = (DefaultPlace(root / sub, own.inside, own.skip), *places[var])
-    # the base FlashInfer appends .cache/flashinfer to is SGLang's root itself
-    places["FLASHINFER_WORKSPACE_BASE"] = (DefaultPlace(root / ".cache" / "flashinfer", flashinfer.inside,
-                                                        flashinfer.skip), flashinfer)
-    # SGLANG_DG_CACHE_DIR: $SGLANG_CACHE_DIR/deep_gemm in 0.5.2x, ~/.cache/deep_gemm before
-    places["SGLANG_DG_CACHE_DIR"] = (DefaultPlace(root / "deep_gemm"), DefaultPlace(home / ".cache" / "deep_gemm"))
-    # what SGLang keeps in its root itself (CuTe DSL AOT objects, its own JIT), less the folders seeded above
-    places["SGLANG_CACHE_DIR"] = (DefaultPlace(root, skip=(*moved.values(), "deep_gemm", ".cache")),)
-    return places
-
-
-def seed_from_defaults(env: Mapping[str, str], folder: Path, max_bytes: int,
-                       environ: Mapping[str, str] = os.environ, engine: str = "vllm",
-                       flashinfer_version: Optional[str] = None) -> Tuple[int, int, str]:
-    """A first serve on a node where the engine already ran: copy what the engine would find in its default
-    places into the key's empty folder, so the capture run does not build again what the node has (on the
-    H200 a first serve spent 20.8 s in init engine against 2.7 s for the engine alone, warm). Copies, never
-    links. Nothing when the default places hold more than max_bytes (the archive's cap). Only this user's own
-    files in folders nobody else can write (`not_own`): a default place in a shared /tmp that another user
-    created first, or anything another user put into one, is left out and said. Returns (files, bytes, reason)."""
-    places = default_places(environ, engine, flashinfer_version)
-    plan: List[Tuple[Path, Path, Tuple[str, ...]]] = []
-    total, refused = 0, []
-    for var, target in env.items():
-        if not Path(target).is_relative_to(folder):
-            continue
-        for place in places.get(var, ()):
-            if not os.path.lexists(place.folder):
-                continue
-            state, why = own_state(place.folder)
-            if why:
-                refused.append(why)
-                continue
-            total += sum(size for rel, (size, _) in state.items() if rel.split(os.sep)[0] not in place.skip)
-            plan.append((place.folder, Path(target) / place.inside, place.skip))
-    left_out = f"; not seeded from {'; '.join(refused)}" if refused else ""
-    if not plan:
-        return 0, 0, f"the engine's default cache folders are empty here{left_out}"
-    if total > max_bytes:
-        return 0, 0, f"the default cache folders hold {total} bytes, more than the archive's cap {max_bytes}: not seeded"
-    files = sum(sync_tree(src, dst, skip=skip, own=True) for src, dst, skip in plan)
-    return files, total, f"seeded {files} files from this node's default cache folders{left_out}"
 
 
 # ---- only this user's own files from shared places --------------------------------------------------------

@@ -13,9 +13,10 @@ from typing import Any, Callable, Dict, Optional
 
 from mxlaunch import settings
 from mxlaunch.engines.base import LaunchSpec
-from mxlaunch.engines.registry import spec_engine
+from mxlaunch.engines.registry import ENGINES, spec_engine
 from mxlaunch.kernelcache.caches import (FolderState, cache_key, cache_vars, changed, folder_state, key_fields, local_dir,
-                                         seed_from_defaults, side_dirs, sync_tree)
+                                         side_dirs, sync_tree)
+from mxlaunch.kernelcache.seed import seed_from_defaults
 from mxlaunch.kernelcache.archive import KernelCacheStore
 from mxlaunch.kernelcache.compile_log import CompileTally
 
@@ -102,8 +103,9 @@ class KernelCacheRun:
         if result.status == "miss" and not folder_state(folder):  # this key never ran on this node
             try:
                 fields = self.info.get("fields", {})
+                engine = ENGINES.get(fields.get("engine") or "")
                 files, nbytes, why = seed_from_defaults(self.info["env"], folder, self.max_bytes,
-                                                         engine=fields.get("engine", "vllm"),
+                                                         redirect=getattr(engine, "kernel_cache_redirect", None),
                                                          flashinfer_version=fields.get("versions", {}).get("flashinfer"))
             except OSError as exc:
                 files, nbytes, why = 0, 0, f"not seeded ({exc.strerror or exc})"

@@ -33,7 +33,7 @@ import torch
 
 from mxlaunch import settings
 from mxlaunch.fileutil import is_tmpfs, nearest_existing
-from mxlaunch.plugin.tensors import CaptureError, Group, group_tensors
+from mxlaunch.plugin.tensors import CaptureError, Group, tensor_bytes, group_tensors
 
 log = logging.getLogger("mxlaunch.plugin")
 
@@ -217,7 +217,7 @@ class PreparedCapture:
         n = tensor.numel() * tensor.element_size()
         if n == 0:
             return 0
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat = tensor_bytes(tensor)
         view = part.mapping.view
         lo = offset
         while lo < offset + n:

@@ -21,6 +21,7 @@ from mxlaunch import settings
 from mxlaunch.plugin import pinned
 from mxlaunch.plugin.cuda_copier import CHUNK
 from mxlaunch.plugin.snapshot_files import write_cpu_tensor
+from mxlaunch.plugin.tensors import tensor_bytes
 
 
 def capture_writers(parts: int) -> int:
@@ -47,7 +48,7 @@ class SlotWriter:
         if self.stream is None:  # pool threads start on device 0: use the tensors' device
             torch.cuda.set_device(self.device)
             self.stream = torch.cuda.Stream(device=self.device)
-        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        flat = tensor_bytes(t)
         n = flat.numel()
         pending: tuple[int, int, torch.cuda.Event] | None = None
         turn = 0

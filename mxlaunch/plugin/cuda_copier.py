@@ -40,6 +40,7 @@ from mxlaunch import settings
 from mxlaunch.fileutil import is_tmpfs  # torch-free, shared with the launcher; plugin modules import it from here
 from mxlaunch.plugin import pinned
 from mxlaunch.memory.hugepages import FileMapping, _libc
+from mxlaunch.plugin.tensors import tensor_bytes
 
 CHUNK = 16 << 20          # one window: a ring slot, and the registrar's unit
 REGISTER_SPAN = 8         # the registrar takes up to this many consecutive windows per registration
@@ -88,7 +89,7 @@ def cuda_contiguous(t: torch.Tensor) -> bool:
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
+    return tensor_bytes(t)
 
 
 def windows_for(file: _OpenFile, items: list[tuple[int, int, torch.Tensor]], chunk: int = CHUNK) -> list[Window]:

@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import torch
 
-from mxlaunch.plugin.tensors import _CODES, _DTYPES, CaptureError, Group, SnapshotCorrupt
+from mxlaunch.plugin.tensors import _CODES, _DTYPES, CaptureError, Group, SnapshotCorrupt, tensor_bytes
 
 PART_BYTES = 1 << 30
 PART_NAME = "part-{:05d}.safetensors"
@@ -122,7 +122,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor_bytes(t).numpy())
 
 
 def write_cpu_tensor(fh: BinaryIO, tensor: torch.Tensor) -> int:

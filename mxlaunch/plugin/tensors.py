@@ -60,6 +60,16 @@ class CaptureError(RuntimeError):
     """Writing the snapshot failed (the partial files were removed)."""
 
 
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as one flat uint8 tensor (a copy only when t is not contiguous). A one-element tensor may carry
+    stride 0 (an expanded scalar, such as a per-tensor scale) and still count as contiguous, and view(uint8)
+    refuses that stride (torch 2.13: "stride(-1) must be 1"): its one element is re-strided, not copied."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
+
+
 # ---- targets: named tensors grouped by storage ---------------------------------------------------------
 
 

@@ -52,7 +52,9 @@ def tensor_print(t: Any) -> int:
     wrapping int64 arithmetic on the tensor's own device: a changed or moved byte changes it."""
     import torch
 
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    from mxlaunch.plugin.tensors import tensor_bytes
+
+    raw = tensor_bytes(t)
     total = torch.zeros((), dtype=torch.int64, device=raw.device)
     for start in range(0, raw.numel(), CHUNK):
         part = raw[start:start + CHUNK].to(torch.int64)

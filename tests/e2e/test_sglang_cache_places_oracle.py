@@ -1,7 +1,7 @@
 """SGLang itself is the oracle for where it keeps its JIT caches when no variable is set (kernel cache seeding,
 issue 40): `import sglang` (0.5.2x) points Triton, Inductor, the PTX cache, TileLang and FlashInfer into
 $SGLANG_CACHE_DIR, and its DeepGEMM cache follows SGLANG_CACHE_DIR. A first serve through mxlaunch seeds its
-key's empty folder from those places (kernelcache/caches.default_places), so they must be SGLang's."""
+key's empty folder from those places (kernelcache/seed.default_places), so they must be SGLang's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mxlaunch.kernelcache.caches import default_places
+from mxlaunch.engines.registry import ENGINES
+from mxlaunch.kernelcache.seed import default_places
 from tests.helpers.sglang_server import REPO, SGLANG_ENV, sglang_python
 
 VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "TILELANG_CACHE_DIR",
@@ -45,7 +46,7 @@ def test_seeding_looks_where_sglang_keeps_its_caches(tmp_path: Path, cache_dir: 
     sglang = json.loads(proc.stdout.strip().splitlines()[-1])
 
     ours = default_places({"HOME": str(home), **({"SGLANG_CACHE_DIR": env["SGLANG_CACHE_DIR"]} if cache_dir else {})},
-                          engine="sglang")
+                          redirect=ENGINES["sglang"].kernel_cache_redirect)
     for var in (*VARS, "SGLANG_DG_CACHE_DIR"):
         place = ours[var][0]  # the newest: this SGLang's
         where = Path(sglang[var]) / place.inside if place.inside else Path(sglang[var])

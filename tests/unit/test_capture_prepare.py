@@ -40,7 +40,8 @@ def shm() -> Iterator[Path]:
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:
-    """Several parts (small part size), a tie, mixed dtypes, a zero-size and a non-contiguous tensor."""
+    """Several parts (small part size), a tie, mixed dtypes, a zero-size and a non-contiguous tensor, and a
+    one-element per-tensor scale expanded from a scalar (stride 0, which torch 2.13 still calls contiguous)."""
     g = torch.Generator().manual_seed(1)
     emb = torch.randn(700, 48, generator=g)
     return [("embed.weight", emb), ("lm_head.weight", emb),
@@ -48,7 +49,8 @@ def tensors() -> list[tuple[str, torch.Tensor]]:
             ("layer.idx", torch.arange(37, dtype=torch.int64)),
             ("layer.empty", torch.empty(0, 5)),
             ("layer.t", torch.randn(40, 24, generator=g).t()),
-            ("norm.weight", torch.ones(48, dtype=torch.float16))]
+            ("norm.weight", torch.ones(48, dtype=torch.float16)),
+            ("layer.weight_scale", torch.tensor(0.25).expand(1))]
 
 
 def leftovers(folder: Path) -> list[str]:

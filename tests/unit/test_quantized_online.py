@@ -24,7 +24,7 @@ from mxlaunch.plan import Plan, RankFile
 from mxlaunch.plugin import vllm_online_quant as online
 from mxlaunch.plugin.loader import LayoutMismatch, module_tensors, restore_tensors
 from mxlaunch.plugin.rank_load import RankLoad
-from mxlaunch.plugin.tensors import Reinitialise
+from mxlaunch.plugin.tensors import Reinitialise, tensor_bytes
 from tests.helpers.tiny_model import cached_model
 
 log = logging.getLogger("test")
@@ -137,7 +137,7 @@ def test_online_fp8_restores_exactly_through_the_processed_layout(vllm_fp8: obje
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+        assert torch.equal(tensor_bytes(got[name]), tensor_bytes(tensor)), name
     assert float(fresh.a.weight_scale) != 1.0 / 448.0  # the scale is the snapshot's, not the placeholder's
 
 
