@@ -37,14 +37,12 @@ POST_ERRORS: dict[str, str] = {}
 
 
 def snapshot(model: Any) -> dict[str, tuple[str, tuple, bytes]]:
-    import torch
-
-    from mxlaunch.plugin.tensors import module_tensors
+    from mxlaunch.plugin.tensors import module_tensors, tensor_bytes
 
     out = {}
     for name, tensor in module_tensors(model):
-        t = tensor.detach().cpu().contiguous()
-        out[name] = (str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        t = tensor.detach().cpu()
+        out[name] = (str(t.dtype), tuple(t.shape), tensor_bytes(t).numpy().tobytes() if t.numel() else b"")
     return out
 
 
