@@ -132,7 +132,8 @@ def main() -> int:
 
         say("4/4 the artifact store")
         subprocess.run([*MXLAUNCH, "store", "list", "--artifact-path", str(store)], check=False)
-        leftovers = list(Path("/dev/shm").glob(f"mxlaunch-{os.getuid()}/*"))
+        # `kept/` is not a run folder: what `launch --keep-staged` keeps for the next launch (`mxlaunch kept`)
+        leftovers = [p for p in Path("/dev/shm").glob(f"mxlaunch-{os.getuid()}/*") if p.name != "kept"]
         print(f"/dev/shm run folders left behind: {len(leftovers)}")
         return verdict.returncode
     finally:
