@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.quantized_model import cached_quantized, quantize_model, wide_llama
+from tests.helpers.quantized_model import KV_SCALES, cached_quantized, quantize_model, wide_llama
 from tests.helpers.sglang_server import REPO, SGLANG_ENV, sglang_python
 from tests.helpers.tiny_model import cached_model
 
@@ -32,6 +32,8 @@ EXPECTED = {
     "w8a8-int8": ("CompressedTensorsLinearMethod", {"weight": "torch.int8", "weight_scale": "torch.float32"}),
     "w8a8-fp8": ("CompressedTensorsLinearMethod", {"weight": "torch.float8_e4m3fn", "weight_scale": "torch.float32"}),
     "block-fp8": ("Fp8LinearMethod", {"weight": "torch.float8_e4m3fn", "weight_scale_inv": "torch.float32"}),
+    # W8A8 INT8 with an fp8 KV cache: the checkpoint's per-tensor k/v scales land in the attention layer (below)
+    "w8a8-int8-kvfp8": ("CompressedTensorsLinearMethod", {"weight": "torch.int8", "weight_scale": "torch.float32"}),
 }
 
 
@@ -49,6 +51,8 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
              {"name": "block-fp8", "model": str(block), "dtype": "bfloat16"}]
     cases += [{"name": m, "model": str(cached_quantized(cache, m)), "dtype": "bfloat16", "cuda_capability": [9, 0]}
               for m in ("w8a8-int8", "w8a8-fp8")]
+    cases.append({"name": "w8a8-int8-kvfp8", "model": str(cached_quantized(cache, "w8a8-int8-kvfp8")),
+                  "dtype": "bfloat16", "cuda_capability": [9, 0], "kv_cache_dtype": "fp8_e4m3"})
     work = tmp_path_factory.mktemp("oracle")
     (work / "cases.json").write_text(json.dumps(cases))
     proc = subprocess.run([str(python), str(REPO / "tests" / "helpers" / "sglang_quant_oracle.py"),
@@ -66,6 +70,9 @@ def test_staged_restore_holds_what_sglangs_loader_left(oracle: dict[str, dict], 
     assert result["quant_method"] == quant_class  # SGLang built this method's layers, not a float model
     got = {name.rsplit(".", 1)[1]: dtype for name, (dtype, _) in result["qkv_raw"].items()}
     assert got == qkv, got
+    if method.endswith("-kvfp8"):  # the checkpoint's scales, not the layer's default 1.0, are what is restored
+        scales = {name.rsplit(".", 1)[1]: value for name, (_, _, value) in result["attn_raw"].items()}
+        assert scales == {f"{kv}_scale": KV_SCALES[kv] for kv in "kv"}, scales
     assert result["capture_files"] >= 1
     assert result["staged_strategy"] == "staged" and result["staged_bytes"] > 0, result
     # every parameter and buffer, by name, dtype, shape and bytes, as SGLang's own loader left them

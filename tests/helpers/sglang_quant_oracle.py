@@ -83,6 +83,14 @@ def cuda_capability(capability: list[int] | None) -> Iterator[None]:
         torch.cuda.get_device_capability = real
 
 
+def _scalar(entry: tuple) -> float | None:
+    """A one-element float32 tensor's value (the KV-cache scales), else None."""
+    import struct
+
+    dtype, shape, raw = entry
+    return struct.unpack("<f", raw)[0] if dtype == "torch.float32" and len(raw) == 4 else None
+
+
 def compare(want: dict, got: dict) -> list[str]:
     problems = [f"missing {n}" for n in sorted(set(want) - set(got))]
     problems += [f"extra {n}" for n in sorted(set(got) - set(want))]
@@ -107,7 +115,7 @@ def run_case(case: dict, work: Path, first: bool) -> dict:
     from mxlaunch.plugin.sglang import loader_class
 
     args = ServerArgs(model_path=case["model"], device="cpu", dtype=case["dtype"],
-                      quantization=case.get("quantization"))
+                      quantization=case.get("quantization"), kv_cache_dtype=case.get("kv_cache_dtype", "auto"))
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     if first:
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -146,6 +154,8 @@ def run_case(case: dict, work: Path, first: bool) -> dict:
         "raw_tensors": len(RAW.get("engine", {})),
         "raw_dtypes": sorted({v[0] for v in RAW.get("engine", {}).values()}),
         "qkv_raw": {n: list(v[:2]) for n, v in RAW.get("engine", {}).items() if "layers.0.self_attn.qkv_proj" in n},
+        "attn_raw": {n: [*v[:2], _scalar(v)] for n, v in RAW.get("engine", {}).items()
+                     if "layers.0.self_attn.attn." in n},
         "raw_vs_engine": {p: compare(RAW["engine"], RAW[p]) if p in RAW else ["no weight step"]
                           for p in ("capture", "staged")},
         "post_errors": dict(POST_ERRORS),
