@@ -33,7 +33,7 @@ import torch
 
 from mxlaunch import settings
 from mxlaunch.fileutil import is_tmpfs, nearest_existing
-from mxlaunch.plugin.tensors import CaptureError, Group, tensor_bytes, group_tensors
+from mxlaunch.plugin.tensors import CaptureError, Group, group_tensors, tensor_bytes
 
 log = logging.getLogger("mxlaunch.plugin")
 

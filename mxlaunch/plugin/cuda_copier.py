@@ -88,16 +88,12 @@ def cuda_contiguous(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and t.is_contiguous() and t.numel() > 0
 
 
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    return tensor_bytes(t)
-
-
 def windows_for(file: _OpenFile, items: list[tuple[int, int, torch.Tensor]], chunk: int = CHUNK) -> list[Window]:
     """Cut the file's tensor ranges [(begin, end, dest_tensor)] into aligned windows with their pieces."""
     by_index: dict[int, Window] = {}
     limit = pinned.page_up(file.size)
     for begin, end, dest in items:
-        flat = flat_bytes(dest)
+        flat = tensor_bytes(dest)
         for k in range(begin // chunk, (end - 1) // chunk + 1):
             lo, hi = max(begin, k * chunk), min(end, (k + 1) * chunk)
             win = by_index.get(k)
@@ -195,7 +191,7 @@ class CudaCopier:
         moved = 0
         with torch.cuda.stream(self._early_stream):
             for begin, end, dest in items:
-                flat = flat_bytes(dest)
+                flat = tensor_bytes(dest)
                 # one copy per registered piece: a copy that spans two registrations is refused (EINVAL)
                 lo = begin
                 while lo < end:

@@ -38,6 +38,8 @@ from mxlaunch.stage import default_per_file, default_readers  # noqa: E402
 from mxlaunch.staging.reader import StageJob  # noqa: E402
 from mxlaunch.staging.sources import CopyItem  # noqa: E402
 from mxlaunch.warmstart.image_stage import remove_copy, stage_image  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from page_cache import evict  # noqa: E402
 from mxlaunch.warmstart.image_sums import write_sums  # noqa: E402
 
 MODES = ("side-by-side", "image-first")
@@ -50,18 +52,6 @@ def random_file(path: Path, mib: int) -> None:
             f.write(os.urandom(min(64, mib) << 20))
         f.flush()
         os.fsync(f.fileno())
-
-
-def evict(paths: list[Path]) -> int:
-    total = 0
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            total += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return total
 
 
 def weights_job(weights: list[Path], dest: Path) -> StageJob:

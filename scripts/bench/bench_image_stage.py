@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from mxlaunch.warmstart import criu, zygote, zygote_image  # noqa: E402
 from mxlaunch.warmstart.image_sums import image_files  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from page_cache import evict  # noqa: E402
 
 BALLAST = '''
 import os
@@ -39,17 +41,9 @@ BALLAST = os.urandom(int(os.environ["MXZ_BALLAST_MIB"]) << 20)  # the zygote's i
 MODES = ("in-place", "staged")
 
 
-def evict(folder: Path) -> int:
+def evict_image(folder: Path) -> int:
     """Drop the page cache of the image's files; the bytes evicted."""
-    total = 0
-    for path in image_files(folder):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            total += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return total
+    return evict(image_files(folder))
 
 
 def wait_gone(pid: int, timeout: float = 60.0) -> None:
@@ -110,7 +104,7 @@ def main() -> int:
         for rep in range(args.reps):
             for mode in MODES:
                 stop(key, pid)
-                evicted = evict(image)
+                evicted = evict_image(image)
                 t0 = time.monotonic()
                 got = zygote_image.restore_zygote(binary, store, key, root / f"logs-{rep}-{mode}" / "zygote.log",
                                                   root / f"criu-{rep}-{mode}",
