@@ -22,6 +22,8 @@ from tests.helpers.quantized_model import KV_SCALES, cached_quantized, quantize_
 from tests.helpers.sglang_server import REPO, SGLANG_ENV, sglang_python
 from tests.helpers.tiny_model import cached_model
 
+NVFP4_RAW = {"weight_packed": "torch.uint8", "weight_scale": "torch.float8_e4m3fn", "weight_global_scale": "torch.float32",
+             "input_global_scale": "torch.float32"}
 # method → (SGLang's quant method class, the qkv projection's raw tensors: name suffix → dtype)
 EXPECTED = {
     # online: SGLang keeps the checkpoint's bf16 weight until post-processing (why SGLang needs no refusal)
@@ -34,7 +36,12 @@ EXPECTED = {
     "block-fp8": ("Fp8LinearMethod", {"weight": "torch.float8_e4m3fn", "weight_scale_inv": "torch.float32"}),
     # W8A8 INT8 with an fp8 KV cache: the checkpoint's per-tensor k/v scales land in the attention layer (below)
     "w8a8-int8-kvfp8": ("CompressedTensorsLinearMethod", {"weight": "torch.int8", "weight_scale": "torch.float32"}),
+    # NVFP4 (W4A4): SGLang asks for compute capability 10.0 (Blackwell); on 9.0 (Hopper) it serves the same checkpoint
+    # weight-only through FP4 Marlin (CompressedTensorsW4A16Fp4): the raw tensors are the checkpoint's in both
+    "nvfp4": ("CompressedTensorsLinearMethod", NVFP4_RAW),
+    "nvfp4-hopper": ("CompressedTensorsLinearMethod", NVFP4_RAW),
 }
+SCHEMES = {"nvfp4": "CompressedTensorsW4A4Fp4", "nvfp4-hopper": "CompressedTensorsW4A16Fp4"}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +58,9 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
              {"name": "block-fp8", "model": str(block), "dtype": "bfloat16"}]
     cases += [{"name": m, "model": str(cached_quantized(cache, m)), "dtype": "bfloat16", "cuda_capability": [9, 0]}
               for m in ("w8a8-int8", "w8a8-fp8")]
+    nvfp4 = str(cached_quantized(cache, "nvfp4"))
+    cases += [{"name": "nvfp4", "model": nvfp4, "dtype": "bfloat16", "cuda_capability": [10, 0]},
+              {"name": "nvfp4-hopper", "model": nvfp4, "dtype": "bfloat16", "cuda_capability": [9, 0]}]
     cases.append({"name": "w8a8-int8-kvfp8", "model": str(cached_quantized(cache, "w8a8-int8-kvfp8")),
                   "dtype": "bfloat16", "cuda_capability": [9, 0], "kv_cache_dtype": "fp8_e4m3"})
     work = tmp_path_factory.mktemp("oracle")
@@ -68,6 +78,7 @@ def test_staged_restore_holds_what_sglangs_loader_left(oracle: dict[str, dict], 
     assert "error" not in result, result.get("traceback", result)
     quant_class, qkv = EXPECTED[method]
     assert result["quant_method"] == quant_class  # SGLang built this method's layers, not a float model
+    assert result["scheme"] == SCHEMES.get(method, result["scheme"])
     got = {name.rsplit(".", 1)[1]: dtype for name, (dtype, _) in result["qkv_raw"].items()}
     assert got == qkv, got
     if method.endswith("-kvfp8"):  # the checkpoint's scales, not the layer's default 1.0, are what is restored

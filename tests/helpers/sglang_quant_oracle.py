@@ -148,6 +148,7 @@ def run_case(case: dict, work: Path, first: bool) -> dict:
     result = {
         "name": case["name"],
         "quant_method": type(getattr(layer, "quant_method", None)).__name__,
+        "scheme": type(getattr(layer, "scheme", None)).__name__,  # compressed-tensors: the scheme SGLang chose
         "capture_files": len(files),
         "staged_strategy": getattr(outcome, "strategy", None),
         "staged_bytes": getattr(outcome, "bytes", None),
