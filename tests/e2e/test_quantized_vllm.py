@@ -76,16 +76,17 @@ def _gold_capture_staged(model: Path, tmp_path: Path, args: tuple[str, ...],
 
 
 # The default suite runs AWQ (packed int32 weights, repacked in post-processing: the demanding case); INT8, GPTQ,
-# CT-FP8 and NVFP4 take the same paths and run in make test-full (each four engine starts on a 2-core box).
+# CT-FP8 and NVFP4 (compressed-tensors and ModelOpt's) take the same paths and run in make test-full (each four engine starts on a 2-core box).
 @pytest.mark.parametrize("method", ["awq", pytest.param("w8a8-int8", marks=pytest.mark.full),
                                     pytest.param("gptq", marks=pytest.mark.full),
                                     pytest.param("w8a8-fp8", marks=pytest.mark.full),
-                                    pytest.param("nvfp4", marks=pytest.mark.full)])
+                                    pytest.param("nvfp4", marks=pytest.mark.full),
+                                    pytest.param("modelopt-nvfp4", marks=pytest.mark.full)])
 @pytest.mark.timeout(1800)  # four engine starts (default, capture, staged, the P2P target): 9 min on a busy 2-core box
 def test_quantized_checkpoint_captures_restores_and_pulls_exactly(method: str, model_cache: Path,
                                                                   tmp_path: Path) -> None:
     model = cached_quantized(model_cache, method)
-    env = NVFP4_ENV if method == "nvfp4" else None
+    env = NVFP4_ENV if method.endswith("nvfp4") else None
     pulled: list[str] = []
 
     def pull(store: Path, gold: Path, plan: dict) -> None:
@@ -96,7 +97,7 @@ def test_quantized_checkpoint_captures_restores_and_pulls_exactly(method: str, m
 
     _gold_capture_staged(model, tmp_path, DTYPE, then=pull, env=env)
     assert len(pulled) == 1, "the P2P pull from the staged server never ran"
-    if method == "nvfp4":  # it served NVFP4 through vLLM's NVFP4 scheme, not something else
+    if method.endswith("nvfp4"):  # it served NVFP4 through vLLM's NVFP4 scheme, not something else
         assert "Using EmulationNvFp4LinearKernel for NVFP4 GEMM" in (tmp_path / "default.log").read_text()
 
 

@@ -57,3 +57,18 @@ def nvfp4(w: torch.Tensor, amax: float) -> dict[str, torch.Tensor]:
             "weight_scale": scale,
             "weight_global_scale": torch.tensor([glob], dtype=torch.float32),
             "input_global_scale": torch.tensor([FP8_MAX * FP4_MAX / INPUT_AMAX], dtype=torch.float32)}
+
+
+def modelopt_config() -> dict:
+    """NVIDIA ModelOpt's NVFP4 config as its config.json carries it (flat; `ignore`, not hf_quant_config.json's
+    `exclude_modules`)."""
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": GROUP, "kv_cache_scheme": None,
+            "ignore": ["lm_head"], "producer": {"name": "modelopt"}}
+
+
+def modelopt_nvfp4(w: torch.Tensor, amax: float) -> dict[str, torch.Tensor]:
+    """The same NVFP4 values under ModelOpt's names: `weight` (packed), `weight_scale` (e4m3, per 16), and the
+    global scales as multipliers — `weight_scale_2` = amax/(448·6), `input_scale` likewise for the activations."""
+    ct = nvfp4(w, amax)
+    return {"weight": ct["weight_packed"], "weight_scale": ct["weight_scale"],
+            "weight_scale_2": 1.0 / ct["weight_global_scale"], "input_scale": 1.0 / ct["input_global_scale"]}

