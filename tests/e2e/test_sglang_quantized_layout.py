@@ -40,6 +40,9 @@ EXPECTED = {
     # weight-only through FP4 Marlin (CompressedTensorsW4A16Fp4): the raw tensors are the checkpoint's in both
     "nvfp4": ("CompressedTensorsLinearMethod", NVFP4_RAW),
     "nvfp4-hopper": ("CompressedTensorsLinearMethod", NVFP4_RAW),
+    # ModelOpt's NVFP4: one method on every GPU (its post-processing asks for SM100, or --fp4-gemm-backend marlin)
+    "modelopt-nvfp4": ("ModelOptFp4LinearMethod", {"weight": "torch.uint8", "weight_scale": "torch.float8_e4m3fn",
+                                                   "weight_scale_2": "torch.float32", "input_scale": "torch.float32"}),
 }
 SCHEMES = {"nvfp4": "CompressedTensorsW4A4Fp4", "nvfp4-hopper": "CompressedTensorsW4A16Fp4"}
 
@@ -60,7 +63,9 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
               for m in ("w8a8-int8", "w8a8-fp8")]
     nvfp4 = str(cached_quantized(cache, "nvfp4"))
     cases += [{"name": "nvfp4", "model": nvfp4, "dtype": "bfloat16", "cuda_capability": [10, 0]},
-              {"name": "nvfp4-hopper", "model": nvfp4, "dtype": "bfloat16", "cuda_capability": [9, 0]}]
+              {"name": "nvfp4-hopper", "model": nvfp4, "dtype": "bfloat16", "cuda_capability": [9, 0]},
+              {"name": "modelopt-nvfp4", "model": str(cached_quantized(cache, "modelopt-nvfp4")), "dtype": "bfloat16",
+               "cuda_capability": [10, 0]}]
     cases.append({"name": "w8a8-int8-kvfp8", "model": str(cached_quantized(cache, "w8a8-int8-kvfp8")),
                   "dtype": "bfloat16", "cuda_capability": [9, 0], "kv_cache_dtype": "fp8_e4m3"})
     work = tmp_path_factory.mktemp("oracle")
