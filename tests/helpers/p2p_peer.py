@@ -40,7 +40,10 @@ def serve(args: argparse.Namespace) -> None:
         what = processed_tensors(model)
     pub = p2p_source.serve(what, registry=registry, source_id=args.source_id, rank=0, world=1, layout=args.layout,
                     run_id=args.run_id, ttl_s=args.ttl)
-    Path(args.ready).write_text(json.dumps({"worker": pub.record.worker}))
+    ready = Path(args.ready)
+    tmp = ready.with_name(ready.name + ".tmp")
+    tmp.write_text(json.dumps({"worker": pub.record.worker}))
+    tmp.rename(ready)  # whole or absent: the test reads it as soon as the name exists
     time.sleep(args.seconds)
 
 
