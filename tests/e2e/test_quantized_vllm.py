@@ -76,7 +76,8 @@ def _gold_capture_staged(model: Path, tmp_path: Path, args: tuple[str, ...],
 
 
 # The default suite runs AWQ (packed int32 weights, repacked in post-processing: the demanding case); INT8, GPTQ,
-# CT-FP8 and NVFP4 (compressed-tensors and ModelOpt's) take the same paths and run in make test-full (each four engine starts on a 2-core box).
+# CT-FP8 and NVFP4 (compressed-tensors and ModelOpt's) take the same paths and run in make test-full (each four
+# engine starts on a 2-core box).
 @pytest.mark.parametrize("method", ["awq", pytest.param("w8a8-int8", marks=pytest.mark.full),
                                     pytest.param("gptq", marks=pytest.mark.full),
                                     pytest.param("w8a8-fp8", marks=pytest.mark.full),

@@ -22,6 +22,7 @@ torch.cuda.get_device_capability while the model is built: compressed-tensors as
 from __future__ import annotations
 
 import json
+import struct
 import sys
 import tempfile
 import traceback
@@ -85,8 +86,6 @@ def cuda_capability(capability: list[int] | None) -> Iterator[None]:
 
 def _scalar(entry: tuple) -> float | None:
     """A one-element float32 tensor's value (the KV-cache scales), else None."""
-    import struct
-
     dtype, shape, raw = entry
     return struct.unpack("<f", raw)[0] if dtype == "torch.float32" and len(raw) == 4 else None
 

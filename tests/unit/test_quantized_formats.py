@@ -139,7 +139,8 @@ def test_gpu_shapes_fit_128_blocks() -> None:
 # method → (the scheme/method vLLM picks for qkv_proj, the names of: packed weight, group scales, global weight scale,
 # input scale; whether the global scales are stored as divisors (compressed-tensors) or multipliers (ModelOpt))
 NVFP4_FORMATS = {
-    "nvfp4": ("CompressedTensorsW4A4Fp4", ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"), True),
+    "nvfp4": ("CompressedTensorsW4A4Fp4",
+              ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"), True),
     "modelopt-nvfp4": ("ModelOptLinearMethod", ("weight", "weight_scale", "weight_scale_2", "input_scale"), False),
 }
 
