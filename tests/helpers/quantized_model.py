@@ -22,6 +22,8 @@ The formats are written by hand, as their producers lay them out (no quantizatio
 - ``nvfp4``: compressed-tensors "nvfp4-pack-quantized" (W4A4 NVFP4; tests/helpers/fp4_formats.py);
   ``modelopt-nvfp4``: the same values as NVIDIA ModelOpt writes them (``weight``, ``weight_scale``, ``weight_scale_2``,
   ``input_scale``; ``quant_method: modelopt``, ``quant_algo: NVFP4``).
+- ``mxfp4``: compressed-tensors "mxfp4-pack-quantized" (OCP MXFP4: E2M1 pairs, a uint8 E8M0 scale per 32 inputs,
+  no global scale; vLLM's CompressedTensorsW4A4Mxfp4 — Marlin W4A16 on Hopper).
 
 Only the decoder layers' Linears are quantized; embeddings, norms and lm_head stay as they are.
 
@@ -45,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import fp4_formats
 from tests.helpers.tiny_model import cached_model
 
-METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8", "block-fp8", "nvfp4", "modelopt-nvfp4")
+METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8", "block-fp8", "nvfp4", "modelopt-nvfp4", "mxfp4")
 KV_SCALES = {"k": 0.03125, "v": 0.0625}  # per-tensor fp8 KV-cache scales written for "w8a8-int8-kvfp8"
 GROUP = 32
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
@@ -171,6 +173,8 @@ def _quant_config(method: str) -> dict:
         return fp4_formats.config()
     if method == "modelopt-nvfp4":
         return fp4_formats.modelopt_config()
+    if method == "mxfp4":
+        return fp4_formats.mxfp4_config()
     raise ValueError(f"unknown method {method!r}; one of {', '.join(METHODS)}")
 
 
@@ -185,7 +189,7 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     amax = fp4_formats.model_amax(sorted(src.glob("*.safetensors")), _is_linear) if "nvfp4" in method else 0.0
     convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-int8-kvfp8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
                "awq": _awq, "gptq": _gptq, "block-fp8": _block_fp8, "nvfp4": lambda w: fp4_formats.nvfp4(w, amax),
-               "modelopt-nvfp4": lambda w: fp4_formats.modelopt_nvfp4(w, amax)}[method]
+               "modelopt-nvfp4": lambda w: fp4_formats.modelopt_nvfp4(w, amax), "mxfp4": fp4_formats.mxfp4}[method]
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for shard in sorted(src.glob("*.safetensors")):

