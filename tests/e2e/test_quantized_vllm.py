@@ -39,6 +39,18 @@ def _no_fallback(launch: LaunchProcess) -> None:
     assert not fell, (fell, [line for line in launch.stderr_lines if "mxlaunch" in line][-10:])
 
 
+def _pull(model: Path, args: tuple[str, ...], env: dict[str, str] | None,
+          pulled: list[str]) -> Callable[[Path, Path, dict], None]:
+    """A `then` for _gold_capture_staged: a third server pulls the model over P2P from the staged one and serves
+    the gold exactly (tests/helpers/p2p_e2e.pull_exactly); `pulled` gets the source id once it has."""
+    def pull(store: Path, gold: Path, plan: dict) -> None:
+        registry = open_registry(None, store)
+        (live,) = registry.sources(plan["source_id"], 0)
+        pull_exactly(lambda: LaunchProcess(model, store, *args, env=env), gold, registry, plan, live)
+        pulled.append(plan["source_id"])
+    return pull
+
+
 def _gold_capture_staged(model: Path, tmp_path: Path, args: tuple[str, ...],
                         then: Callable[[Path, Path, dict], None] | None = None, env: dict[str, str] | None = None) -> None:
     """The default loader's answers as the gold; a capture run and a staged restart, each exact with no fallback;
@@ -89,14 +101,7 @@ def test_quantized_checkpoint_captures_restores_and_pulls_exactly(method: str, m
     model = cached_quantized(model_cache, method)
     env = NVFP4_ENV if method.endswith("nvfp4") else None
     pulled: list[str] = []
-
-    def pull(store: Path, gold: Path, plan: dict) -> None:
-        registry = open_registry(None, store)
-        (live,) = registry.sources(plan["source_id"], 0)
-        pull_exactly(lambda: LaunchProcess(model, store, *DTYPE, env=env), gold, registry, plan, live)
-        pulled.append(plan["source_id"])
-
-    _gold_capture_staged(model, tmp_path, DTYPE, then=pull, env=env)
+    _gold_capture_staged(model, tmp_path, DTYPE, then=_pull(model, DTYPE, env, pulled), env=env)
     assert len(pulled) == 1, "the P2P pull from the staged server never ran"
     if method.endswith("nvfp4"):  # it served NVFP4 through vLLM's NVFP4 scheme, not something else
         assert "Using EmulationNvFp4LinearKernel for NVFP4 GEMM" in (tmp_path / "default.log").read_text()
@@ -112,12 +117,14 @@ def test_moe_layout_captures_and_restores_exactly(model_cache: Path, tmp_path: P
     _gold_capture_staged(cached_quantized(model_cache, None, moe=True), tmp_path, DTYPE)
 
 
-@pytest.mark.full  # three engine starts; the default suite keeps one quantized capability run (AWQ above)
-@pytest.mark.timeout(1200)
-def test_fp8_kv_cache_scales_capture_and_restore_exactly(model_cache: Path, tmp_path: Path) -> None:
+@pytest.mark.full  # four engine starts; the default suite keeps one quantized capability run (AWQ above)
+@pytest.mark.timeout(1800)
+def test_fp8_kv_cache_scales_capture_restore_and_pull_exactly(model_cache: Path, tmp_path: Path) -> None:
     """W8A8 INT8 with a compressed-tensors fp8 kv_cache_scheme and per-tensor k_scale/v_scale, served with
     --kv-cache-dtype fp8: the scales are parameters of each attention layer (self_attn.attn.k_scale) while the
     weights load, so the raw snapshot holds them, and the engine's post-processing (BaseKVCacheMethod) turns
-    them into the _k_scale_float the CPU attention kernel reads after the restore."""
-    _gold_capture_staged(cached_quantized(model_cache, "w8a8-int8-kvfp8"), tmp_path,
-                         (*DTYPE, "--kv-cache-dtype", "fp8"))
+    them into the _k_scale_float the CPU attention kernel reads after the restore — and after a P2P pull, whose
+    tensor set must carry the scales too."""
+    model, args, pulled = cached_quantized(model_cache, "w8a8-int8-kvfp8"), (*DTYPE, "--kv-cache-dtype", "fp8"), []
+    _gold_capture_staged(model, tmp_path, args, then=_pull(model, args, None, pulled))
+    assert len(pulled) == 1, "the P2P pull from the staged server never ran"
