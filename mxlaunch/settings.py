@@ -50,6 +50,7 @@ SNAPSHOT_DIR = "MXLAUNCH_SNAPSHOT_DIR"
 ENGINE_SNAPSHOTS = "MXLAUNCH_ENGINE_SNAPSHOTS"
 KEEP_STAGED = "MXLAUNCH_KEEP_STAGED"  # launch --keep-staged: staged files stay in /dev/shm (staging/kept.py)
 SNAPSHOT_SLEEP = "MXLAUNCH_SNAPSHOT_SLEEP"
+SNAPSHOT_READ_AHEAD = "MXLAUNCH_SNAPSHOT_READ_AHEAD"
 TRUSTED_WRITERS = "MXLAUNCH_TRUSTED_WRITERS"
 GPU_COPY_MODES = ("auto", "ring", "hybrid", "register", "pageable")
 
@@ -112,6 +113,8 @@ VARIABLES: dict[str, str] = {
                     "level 1 while it is snapshotted, so the image holds no KV cache; 2 or lean: at level 2, so the "
                     "image holds no weights either and a restore refills them from the staged snapshot (a lean "
                     "snapshot; needs a local store). Default 0 (awake) — docs/launch.md",
+    SNAPSHOT_READ_AHEAD: "0: a snapshot restore does not read ahead the file pages its processes had touched "
+                         "(warmstart/working_set.py; default 1: read them ahead while the image stages)",
     TRUSTED_WRITERS: "users and %groups (names or numbers, separated by commas or spaces) whose code this user accepts "
                      "from the store: kernel-cache archives written by them are restored (default: you alone; root "
                      "always) — docs/security.md",
@@ -136,6 +139,11 @@ def snapshot_sleep(environ: Mapping[str, str] = os.environ) -> int:
     restore and serve exactly."""
     value = environ.get(SNAPSHOT_SLEEP, "0").strip().lower()
     return {"1": 1, "2": 2, "lean": 2}.get(value, 0)
+
+
+def snapshot_read_ahead(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a snapshot restore reads ahead its processes' file pages ($MXLAUNCH_SNAPSHOT_READ_AHEAD, default on)."""
+    return environ.get(SNAPSHOT_READ_AHEAD, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def artifact_path(environ: Mapping[str, str] = os.environ) -> Optional[Path]:

@@ -21,6 +21,7 @@ from mxlaunch.warmstart import criu
 from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpointError
 from mxlaunch.warmstart import lean_snapshot
+from mxlaunch.warmstart.working_set import ReadAhead
 from mxlaunch.warmstart.image_sums import SUMS, check_sums
 from mxlaunch.warmstart.image_stage import ImageDamaged, NoRoom, remove_copy, stage_image, staging_root
 from mxlaunch.warmstart.engine_snapshot import META, SnapshotError, cuda_or_none, find, own_root, snapshots_root
@@ -53,6 +54,7 @@ class EngineSnapshots:
         self.sleep = False  # the engine sleeps while it is snapshotted (engine_args decides)
         self.lean = False  # ... at level 2, its weights left out of the image (warmstart/lean_snapshot.py)
         self._ahead: Optional[tuple] = None  # stage_image_ahead's (folder, copy, staged, why) for try_restore
+        self._read_ahead: Optional[ReadAhead] = None  # the restored processes' file pages (warmstart/working_set.py)
         if not enabled:
             return
         if p2p:  # a P2P pull or source holds NIXL agents and peers' handles: not a state to freeze and bring back
@@ -138,6 +140,8 @@ class EngineSnapshots:
         finally:
             remove_copy(copy)  # read by CRIU: its pages are the restored processes' memory now
         info.update(staged)
+        if self._read_ahead is not None:  # how far it got by now (it goes on beside the engine if not done)
+            info["read_ahead"] = self._read_ahead.result(timeout=0)
         self.restored = engine
         mark_used(folder)  # `store prune` removes the least recently used first (a lean one lives in the store)
         self.emit("engine-snapshot", status="restored", key=self.key, path=str(folder), **info)
@@ -165,7 +169,11 @@ class EngineSnapshots:
             return None, None, {}, None
         copy, staged = None, {}
         try:
-            why = lean_snapshot.why_not_restore(json.loads((folder / META).read_text(encoding="utf-8")), strategy)
+            meta = json.loads((folder / META).read_text(encoding="utf-8"))
+            why = lean_snapshot.why_not_restore(meta, strategy)
+            if why is None and self._read_ahead is None and meta.get("working_set") and \
+                    settings.snapshot_read_ahead(self.environ):  # the software's pages, while the image stages
+                self._read_ahead = ReadAhead(meta["working_set"])
             if why is None and (folder / SUMS).exists():  # a store-held image: staged and checked as it lands
                 copy, staged, why = self._stage_image(folder, reserve_bytes)
         except (OSError, ValueError) as exc:

@@ -87,5 +87,6 @@ class SnapshotMaker(threading.Thread):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return {k: result[k] for k in ("slept", "lean", "sleep_skipped", "sleep_s", "checkpoint_s", "dump_s", "gpu_restore_s",
-                                       "wake_s", "pause_s", "bytes")} | {"path": str(final), "gpu_pids": len(result["gpu_pids"]),
+                                       "wake_s", "pause_s", "bytes", "working_set_files", "working_set_s")} | {
+            "path": str(final), "gpu_pids": len(result["gpu_pids"]),
                                                                          "sums_s": result.get("sums_s")}

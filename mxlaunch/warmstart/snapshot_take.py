@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from mxlaunch.safety.ownership import create_own
-from mxlaunch.warmstart import criu, held_files, snapshot_files
+from mxlaunch.warmstart import criu, held_files, snapshot_files, working_set
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpoint
 from mxlaunch.warmstart.engine_snapshot import DUMP_FLAGS, META, SHM, NotAsked, SnapshotError
 from mxlaunch.warmstart.engine_tree import (device_files, engine_action, mapped_files, open_files, output_pipes,
@@ -38,6 +38,9 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
     `facts`: what its key digests (snapshot_key.key_facts), written as key.json. Returns the meta written to
     meta.json plus the pause's phases."""
     pids = process_tree(root_pid)
+    t_set = time.monotonic()  # before the pause: the pages the serving tree touched, read ahead at a restore
+    touched = working_set.record(pids, skip=(str(folder.parent), str(marks)))
+    working_set_s = time.monotonic() - t_set
     t_pause = time.monotonic()
     sleep_s, sleep_skipped = 0.0, None
     refill_from = lean() if sleep and lean is not None else ""  # before anything changed: a failure takes nothing
@@ -76,7 +79,7 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
                                     "checkpoint: CRIU cannot dump it")
             meta = {"root": root_pid, "pids": pids, "gpu_pids": gpu, "pipes": output_pipes(root_pid),
                     "shm_files": shm_files(pids), "kernel": os.uname().release, "slept": sleep, "marks": str(marks),
-                    "lean": bool(lean),
+                    "lean": bool(lean), "working_set": touched,
                     "held": held_files.record(held_files.held_paths(pids, open_files, mapped_files), folder)}
             t_dump = time.monotonic()
             criu.dump(binary, root_pid, folder, timeout=600.0,
@@ -99,8 +102,10 @@ def take(binary: str, root_pid: int, folder: Path, marks: Path, cuda: Optional[C
     meta.update(made=time.time(), bytes=sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()))
     _write_new(folder / META, json.dumps(meta))
     phases = {"sleep_s": sleep_s, "checkpoint_s": checkpoint_s, "dump_s": dump_s, "gpu_restore_s": restore_s,
-              "wake_s": wake_s, "pause_s": pause_s}
-    return {**meta, "sleep_skipped": sleep_skipped, **{k: round(v, 3) for k, v in phases.items()}}
+              "wake_s": wake_s, "pause_s": pause_s, "working_set_s": working_set_s}
+    result = {k: v for k, v in meta.items() if k != "working_set"}  # the pages' list stays in meta.json
+    return {**result, "working_set_files": len(touched), "sleep_skipped": sleep_skipped,
+            **{k: round(v, 3) for k, v in phases.items()}}
 
 
 def _stop_weightless(root_pid: int, lean: Optional[Callable[[], str]]) -> None:

@@ -40,9 +40,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from mxlaunch import settings
 from mxlaunch.fileutil import mark_used, pid_alive
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
-from mxlaunch.warmstart import criu, snapshot_key, zygote
+from mxlaunch.warmstart import criu, snapshot_key, working_set, zygote
 from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.warmstart.image_sums import SUMS, check_sums, write_sums
 from mxlaunch.warmstart.image_stage import ImageDamaged, NoRoom, remove_copy, stage_image, staging_root
@@ -176,6 +177,7 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
             raise CriuError(f"{zygote.zygote_root()} is not a folder of this user's alone")
         t0 = time.monotonic()
         _wait_pid_free(_pid_in(by_fd / META), 5.0)  # before a byte is copied: a pid in use refuses the image
+        ahead = _read_ahead(by_fd / META)  # the zygote's library pages, read while the image stages
         copy, staged = _staged_or_checked(by_fd, folder, stage_root)
         try:
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +197,17 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
     finally:
         os.close(fd)
     mark_used(folder)  # `store prune` removes the least recently used first
-    return {"pid": pid, "restore_s": round(time.monotonic() - t0, 3), "image": str(folder), **staged}
+    return {"pid": pid, "restore_s": round(time.monotonic() - t0, 3), "image": str(folder), **staged,
+            **({"read_ahead": ahead.result(timeout=0)} if ahead is not None else {})}
+
+
+def _read_ahead(meta: Path) -> Optional[working_set.ReadAhead]:
+    """The read-ahead of the pages the dumped zygote had touched (its meta.json's working_set), started now."""
+    try:
+        entries = json.loads(meta.read_text(encoding="utf-8")).get("working_set")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return working_set.ReadAhead(entries) if entries and settings.snapshot_read_ahead() else None
 
 
 def _staged_or_checked(by_fd: Path, folder: Path, stage_root: Optional[Path]) -> tuple[Optional[Path], dict]:
@@ -302,6 +314,7 @@ class ImageMaker(threading.Thread):
             raise CriuError(f"{root} is not a folder of this user's alone (mode 0700): not dumping into it")
         tmp = root / f".{self.key}.{os.getpid()}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        touched = working_set.record([self.pid])  # the pages it touched while importing: read ahead at a restore
         t0 = time.monotonic()
         try:
             criu.dump(self.binary, self.pid, tmp)
@@ -316,7 +329,7 @@ class ImageMaker(threading.Thread):
         _reap(self.pid)  # the restore needs its pid free: no zombie may hold it
         size = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
         (tmp / META).write_text(json.dumps({"key": self.key, "pid": self.pid, "bytes": size, "made": time.time(),
-                                            "kernel": os.uname().release}), encoding="utf-8")
+                                            "kernel": os.uname().release, "working_set": touched}), encoding="utf-8")
         write_sums(tmp)  # the image travels (other nodes and jobs read it from the store): checked before each restore
         final = image_dir(self.store_root, self.key)
         try:

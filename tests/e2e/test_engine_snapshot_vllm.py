@@ -70,6 +70,10 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
     assert stat.S_IMODE(os.stat(folder.parent).st_mode) == 0o700 and folder.parent.name == str(os.getuid())
     assert not [p.name for p in folder.parent.iterdir() if p.name.startswith(".")]  # no snapshot half-written
     assert not running(meta["pids"])  # the first engine is gone
+    touched = {e["path"]: e for e in meta["working_set"]}  # the pages its processes had touched, for a read-ahead
+    torch_lib = [e for p, e in touched.items() if "libtorch" in p]
+    assert torch_lib and not [p for p in touched if p.startswith(("/dev/", str(snaps)))], sorted(touched)[:8]
+    assert all(sum(n for _, n in e["ranges"]) <= e["size"] for e in torch_lib), torch_lib  # ranges, not whole files
     record = json.loads((folder / "key.json").read_text())
     assert record["env"]["MXL_TEST_API_TOKEN"].startswith("hmac:"), record
     written = [p for p in folder.rglob("*") if p.is_file() and p.suffix != ".img"]  # CRIU's images hold the memory
@@ -88,6 +92,7 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
     try:
         restored = second.wait_event("engine-snapshot", 120)
         assert restored["status"] == "restored" and restored["path"] == str(folder), restored
+        assert "read_ahead" in restored, restored  # started as the restore was decided (warmstart/working_set.py)
         plan = second.wait_event("plan", 30)
         assert plan["strategy"] == "snapshot", plan
         assert second.wait_event("ready", 120)["strategy"] == "snapshot"

@@ -61,7 +61,10 @@ def test_a_zygote_is_dumped_once_imported_and_restored_to_serve_twice(module_dir
         assert name == "zygote-image" and made["status"] == "published", made
         assert made["pid"] == pid and made["bytes"] > 50 * 2**20  # torch's heap is in it; its libraries are not
         folder = Path(made["image"])
-        assert folder == zygote_image.image_dir(store, key) and json.loads((folder / "meta.json").read_text())["pid"] == pid
+        image_meta = json.loads((folder / "meta.json").read_text())
+        assert folder == zygote_image.image_dir(store, key) and image_meta["pid"] == pid
+        touched = {Path(e["path"]).name for e in image_meta["working_set"]}  # its libraries' pages, for a read-ahead
+        assert any(name.startswith("libtorch") for name in touched), sorted(touched)[:10]
         assert stat.S_IMODE(os.stat(zygote_image.images_root(store)).st_mode) == 0o700
         assert not any(p.name.startswith(".") for p in zygote_image.images_root(store).iterdir())  # no temp folder left
 
@@ -73,6 +76,7 @@ def test_a_zygote_is_dumped_once_imported_and_restored_to_serve_twice(module_dir
         wait_gone(pid)
         restored = zygote_image.restore_zygote(binary, store, key, module_dir / "logs2" / "zygote.log", module_dir / "criu2")
         assert restored["pid"] == pid and restored["image"] == str(folder)
+        assert "read_ahead" in restored, restored  # started before the image staged (warmstart/working_set.py)
         child = zygote.fork_from(key, entry(("6",)), {**env, "MX_MARKER": "two"}, str(module_dir))
         assert child is not None and child.wait(timeout=60) == 6
         assert "marker two" in child.stdout.read().decode()
