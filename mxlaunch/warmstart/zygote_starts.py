@@ -56,7 +56,8 @@ class ZygoteStarts:
         if child is not None:
             assert restored is not None
             self.emit("zygote", status="restored", key=key, pid=child.pid, restore_s=restored["restore_s"],
-                      image=restored["image"], reason="forked from a zygote restored from its CRIU image")
+                      image=restored["image"], read_ahead=restored.get("read_ahead"),
+                      reason="forked from a zygote restored from its CRIU image")
             return child
         self._next = (key, entry, {k: v for k, v in env.items() if k != PLAN_ENV})
         self.emit("zygote", status="miss", key=key, reason="no warm interpreter for this command yet: spawned; "
