@@ -30,8 +30,15 @@ SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/anon_hugepage", "/SYSV
 _PRESENT = bytes.maketrans(bytes(range(256)), bytes(49 if b & 0x80 else 48 for b in range(256)))  # bit 63 → "1"
 
 
+def is_code(path: str, perms: str) -> bool:
+    """A mapping of code: executable, or any segment of a shared object (its read-only data and relocations). Data
+    files a process maps (a checkpoint's safetensors, a locale archive) are left out: a restore that refills the
+    weights from the stage must not read the checkpoint ahead."""
+    return "x" in perms or ".so" in path.rsplit("/", 1)[-1]
+
+
 def _file_mappings(pid: int) -> list[tuple[int, int, int, str]]:
-    """(start, end, file offset, path) of each mapping of a regular file by `pid`."""
+    """(start, end, file offset, path) of each mapping of a shared object or executable file by `pid`."""
     out = []
     try:
         lines = Path(f"/proc/{pid}/maps").read_text(encoding="utf-8", errors="replace").splitlines()
@@ -41,7 +48,7 @@ def _file_mappings(pid: int) -> list[tuple[int, int, int, str]]:
         parts = line.split(None, 5)
         if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith("(deleted)"):
             continue
-        if parts[5].startswith(SKIP_PREFIXES) or parts[3] == "00:00":
+        if parts[5].startswith(SKIP_PREFIXES) or parts[3] == "00:00" or not is_code(parts[5], parts[1]):
             continue
         start, end = (int(x, 16) for x in parts[0].split("-"))
         out.append((start, end, int(parts[2], 16), parts[5]))

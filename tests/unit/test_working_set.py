@@ -56,13 +56,15 @@ def _covered(entry: dict, offset: int) -> bool:
 
 
 def test_record_holds_the_pages_a_process_touched_not_the_whole_file(tmp_path: Path) -> None:
-    data = _file(tmp_path / "lib.bin", 32 * MIB)
+    data = _file(tmp_path / "libengine.so.1", 32 * MIB)
+    weights = _file(tmp_path / "model.safetensors", MIB)  # a data file it maps: never read ahead
     touch = (0, 12 * MIB, 24 * MIB)
     child = subprocess.Popen(
         [sys.executable, "-c",
          "import mmap, sys\n"
          f"f = open({str(data)!r}, 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
-         f"total = sum(m[o] for o in {touch!r})\n"
+         f"g = open({str(weights)!r}, 'rb'); w = mmap.mmap(g.fileno(), 0, prot=mmap.PROT_READ)\n"
+         f"total = sum(m[o] for o in {touch!r}) + w[0]\n"
          "print('ready', total, flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -73,6 +75,7 @@ def test_record_holds_the_pages_a_process_touched_not_the_whole_file(tmp_path: P
         child.kill()
         child.wait()
     entry = entries[str(data)]
+    assert str(weights) not in entries and any(".so" in Path(p).name for p in entries if p != str(data)), sorted(entries)
     assert entry["size"] == 32 * MIB and entry["mtime_ns"] == data.stat().st_mtime_ns
     # every touched page, with what the kernel mapped around it (fault-around, a large folio: up to 2 MiB here) ...
     assert all(_covered(entry, o) for o in touch), entry
