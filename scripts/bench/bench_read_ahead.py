@@ -20,14 +20,12 @@ Each start's time is spawn → /health 200 seen by this script, compared with th
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import platform
 import statistics
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,17 +34,12 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
-from bench_zygote_image import exact, stop_zygote, wait_health  # noqa: E402
+from bench_zygote_image import exact, setup, stop_zygote, wait_health  # noqa: E402
 from page_cache import evict  # noqa: E402
 from mxlaunch.store.zygote_images import META  # noqa: E402
-from mxlaunch.warmstart import criu  # noqa: E402
-from tests.helpers.cli import run_cli  # noqa: E402
 from tests.helpers.launcher import LaunchProcess  # noqa: E402
-from tests.helpers.tiny_model import make_model  # noqa: E402
-from tests.helpers.vllm_server import start_vllm  # noqa: E402
 
 MODES = ("off", "on", "warm")
-READY_S = 600.0
 
 
 def software_files(image_meta: Path) -> list[Path]:
@@ -73,33 +66,7 @@ def start(model: Path, store: Path, gold: Path, read_ahead: bool) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", type=Path, required=True)
-    ns = ap.parse_args()
-    binary, why = criu.why_not()
-    if binary is None:
-        print(f"bench_read_ahead: CRIU cannot run here: {why}", file=sys.stderr)
-        return 2
-    work = Path(tempfile.mkdtemp(prefix="bench-read-ahead-"))
-    model, store, gold = work / "model", work / "store", work / "gold.json"
-    make_model(model)
-    with start_vllm(model, work / "gold-server.log") as server:
-        run_cli("verify", "--url", server.url, "--record", str(gold)).check_returncode()
-    capture = LaunchProcess(model, store)
-    try:
-        capture.wait_event("published", READY_S)
-    finally:
-        capture.stop()
-    prime = LaunchProcess(model, store, launch_args=("--zygote",))
-    try:
-        zygote_event = prime.wait_event_where("zygote", lambda e: e["status"] == "starting", READY_S)
-        image = prime.wait_event("zygote-image", READY_S)
-    finally:
-        prime.stop()
-    if image.get("status") != "published":
-        print(f"bench_read_ahead: no image: {image}", file=sys.stderr)
-        return 1
+    ns, _, model, store, gold, zygote_event, image = setup("bench_read_ahead", __doc__)  # gold, capture, the image
     meta = Path(image["image"]) / META
     touched = json.loads(meta.read_text()).get("working_set", [])
     software = software_files(meta)

@@ -88,21 +88,12 @@ def stop_zygote(event: dict) -> None:
         time.sleep(0.05)
 
 
-def main() -> int:
-    global GOLD
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", type=Path, required=True)
-    ns = ap.parse_args()
-    binary, why = criu.why_not()
-    if binary is None:
-        print(f"bench_zygote_image: CRIU cannot run here: {why}", file=sys.stderr)
-        return 2
-    work = Path(tempfile.mkdtemp(prefix="bench-zygote-"))
-    model, store, GOLD = work / "model", work / "store", work / "gold.json"
+def prepare(work: Path, model: Path, store: Path, gold: Path) -> tuple[dict, dict]:
+    """The tiny model, its gold (the engine alone), a capture in the store, and one `--zygote` start that leaves
+    a zygote and its image: (the zygote's `starting` event, the `zygote-image` event)."""
     make_model(model)
     with start_vllm(model, work / "gold-server.log") as server:
-        run_cli("verify", "--url", server.url, "--record", str(GOLD)).check_returncode()
+        run_cli("verify", "--url", server.url, "--record", str(gold)).check_returncode()
     capture = LaunchProcess(model, store)
     try:
         capture.wait_event("published", READY_S)
@@ -114,9 +105,32 @@ def main() -> int:
         image = prime.wait_event("zygote-image", READY_S)
     finally:
         prime.stop()
+    return zygote_event, image
+
+
+def setup(name: str, doc: str) -> tuple[argparse.Namespace, str, Path, Path, Path, dict, dict]:
+    """A zygote benchmark's arguments (--reps, --out) and prepare()'s state in a new temp folder: (args, CRIU,
+    model, store, gold, the zygote's event, the image's event). Exits 2 without CRIU, 1 without an image."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path, required=True)
+    ns = ap.parse_args()
+    binary, why = criu.why_not()
+    if binary is None:
+        print(f"{name}: CRIU cannot run here: {why}", file=sys.stderr)
+        sys.exit(2)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    model, store, gold = work / "model", work / "store", work / "gold.json"
+    zygote_event, image = prepare(work, model, store, gold)
     if image.get("status") != "published":
-        print(f"bench_zygote_image: no image: {image}", file=sys.stderr)
-        return 1
+        print(f"{name}: no image: {image}", file=sys.stderr)
+        sys.exit(1)
+    return ns, binary, model, store, gold, zygote_event, image
+
+
+def main() -> int:
+    global GOLD
+    ns, binary, model, store, GOLD, zygote_event, image = setup("bench_zygote_image", __doc__)
     runs: list[dict] = []
     for rep in range(ns.reps):
         for mode in MODES:
