@@ -21,6 +21,7 @@ from mxlaunch.warmstart import criu
 from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpointError
 from mxlaunch.warmstart import lean_snapshot
+from mxlaunch.warmstart import working_set
 from mxlaunch.warmstart.working_set import ReadAhead
 from mxlaunch.warmstart.image_sums import SUMS, check_sums
 from mxlaunch.warmstart.image_stage import ImageDamaged, NoRoom, remove_copy, stage_image, staging_root
@@ -171,9 +172,8 @@ class EngineSnapshots:
         try:
             meta = json.loads((folder / META).read_text(encoding="utf-8"))
             why = lean_snapshot.why_not_restore(meta, strategy)
-            if why is None and self._read_ahead is None and meta.get("working_set") and \
-                    settings.snapshot_read_ahead(self.environ):  # the software's pages, while the image stages
-                self._read_ahead = ReadAhead(meta["working_set"])
+            if why is None and self._read_ahead is None:  # the software's pages, while the image stages
+                self._read_ahead = working_set.start(meta, self.environ)
             if why is None and (folder / SUMS).exists():  # a store-held image: staged and checked as it lands
                 copy, staged, why = self._stage_image(folder, reserve_bytes)
         except (OSError, ValueError) as exc:

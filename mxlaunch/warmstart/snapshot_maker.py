@@ -86,7 +86,7 @@ class SnapshotMaker(threading.Thread):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return {k: result[k] for k in ("slept", "lean", "sleep_skipped", "sleep_s", "checkpoint_s", "dump_s", "gpu_restore_s",
-                                       "wake_s", "pause_s", "bytes", "working_set_files", "working_set_s")} | {
-            "path": str(final), "gpu_pids": len(result["gpu_pids"]),
-                                                                         "sums_s": result.get("sums_s")}
+        kept = ("slept", "lean", "sleep_skipped", "sleep_s", "checkpoint_s", "dump_s", "gpu_restore_s", "wake_s",
+                "pause_s", "bytes", "working_set_files", "working_set_s")
+        return {k: result[k] for k in kept} | {"path": str(final), "gpu_pids": len(result["gpu_pids"]),
+                                               "sums_s": result.get("sums_s")}

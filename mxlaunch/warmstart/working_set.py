@@ -23,9 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from mxlaunch import settings
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 GAP = 1 << 20  # ranges closer than this are read as one: fewer, larger reads
-MAX_BYTES = 16 << 30  # never read more than this ahead (a tree that maps a model's files would be recorded whole)
+MAX_BYTES = 16 << 30  # never read more than this ahead (a guard: a record of code is a few GB at most)
 SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/anon_hugepage", "/SYSV")
 _PRESENT = bytes.maketrans(bytes(range(256)), bytes(49 if b & 0x80 else 48 for b in range(256)))  # bit 63 → "1"
 
@@ -143,7 +145,8 @@ def _read_ahead(entry: Mapping[str, Any], budget: list[int], lock: threading.Loc
 
 def read_ahead(entries: Sequence[Mapping[str, Any]], threads: int = 4, max_bytes: int = MAX_BYTES) -> dict:
     """Read every recorded range ahead, largest files first, from `threads` threads; what it did (files, bytes
-    asked, files skipped, seconds). Never raises: a read-ahead that fails leaves the page faults to do the work."""
+    asked, files skipped, seconds). A file that cannot be opened or advised is skipped, not raised: the page faults
+    then do its work."""
     t0 = time.monotonic()
     budget, lock = [max_bytes], threading.Lock()
     order = sorted(entries, key=lambda e: -sum(int(r[1]) for r in e.get("ranges", []) if len(r) == 2))
@@ -167,3 +170,11 @@ class ReadAhead:
     def result(self, timeout: Optional[float] = None) -> dict:
         self._thread.join(timeout)
         return dict(self._result) if not self._thread.is_alive() else {"running": True}
+
+
+def start(meta: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Optional[ReadAhead]:
+    """The read-ahead of a snapshot's recorded pages (its meta.json's `working_set`), started now; None when it
+    recorded none or $MXLAUNCH_SNAPSHOT_READ_AHEAD turns it off. Both restores call this: engine snapshots and
+    zygote images."""
+    entries = meta.get("working_set")
+    return ReadAhead(entries) if entries and settings.snapshot_read_ahead(environ) else None

@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from mxlaunch import settings
 from mxlaunch.fileutil import mark_used, pid_alive
 from mxlaunch.contract import ZYGOTE_DUMPABLE, ZYGOTE_DUMPING, ZYGOTE_RESUME
 from mxlaunch.warmstart import criu, snapshot_key, working_set, zygote
@@ -202,12 +201,12 @@ def restore_zygote(binary: str, store_root: Path, key: str, log: Path, work: Pat
 
 
 def _read_ahead(meta: Path) -> Optional[working_set.ReadAhead]:
-    """The read-ahead of the pages the dumped zygote had touched (its meta.json's working_set), started now."""
+    """The read-ahead of the pages the dumped zygote had touched (its meta.json), started now."""
     try:
-        entries = json.loads(meta.read_text(encoding="utf-8")).get("working_set")
-    except (OSError, ValueError, AttributeError):
+        doc = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
-    return working_set.ReadAhead(entries) if entries and settings.snapshot_read_ahead() else None
+    return working_set.start(doc) if isinstance(doc, dict) else None
 
 
 def _staged_or_checked(by_fd: Path, folder: Path, stage_root: Optional[Path]) -> tuple[Optional[Path], dict]:
