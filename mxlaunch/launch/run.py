@@ -192,14 +192,19 @@ class Launcher(Staging, Markers, Stopping):
             self._shm_before = shm_entries()  # before a restore: the files it puts back are the run's to remove
             # A lean snapshot refills from the stage: staging starts first, so the weights land while CRIU
             # restores the processes (on the H200 the two ran one after the other: 4-5 s, then 5 s).
-            staged_first = self.snapshots.lean_ahead(self.plan.strategy)
+            staged_first, image_s = self.snapshots.lean_ahead(self.plan.strategy), 0.0
             if staged_first:
                 self._prepare()
                 # the image first (CRIU needs all of it), leaving room for the weights staged after it
+                began = time.monotonic()
                 self.snapshots.stage_image_ahead(self.plan.strategy, self._stage_bytes_to_read())
+                image_s = time.monotonic() - began
                 self._start_stage_or_fall_back()
             # none when stopping already, or when the stage a lean restore would refill from could not start
+            began = time.monotonic()
             restored = None if self.signals or self.stage_error else self.snapshots.try_restore(self.plan.strategy)
+            if restored is not None:  # its own phase in the ready event, not a slow interpreter_startup
+                self.profiler.launcher_phase("image_restore", image_s + time.monotonic() - began)
             self.snapshots.drop_ahead()
             if restored is not None and restored.meta.get("lean"):  # its weights come from the stage (lean_snapshot.py)
                 self.plan.reason = "restored this command's lean engine snapshot: no engine start; its weights " \
@@ -242,11 +247,16 @@ class Launcher(Staging, Markers, Stopping):
                 self._start_stage_or_fall_back()
             if self.plan.strategy in ("staged", "p2p"):  # `store prune` removes the least recently used first
                 mark_used(self.store_root / self.plan.source_id)
+            began = time.monotonic()
             if restored is not None and not self.snapshots.refill(self.shm_dir / "plan.json"):
                 # the lean restore failed: start as usual, from the stage — a rank the refill marked loaded
                 # would have its staged files freed under the new engine
                 clear_markers(self.shm_dir / "markers", LOADED)
                 self.proc = process.start(argv, env, dumpable=False)
+            elif restored is not None and restored.meta.get("lean"):
+                self.profiler.launcher_phase("refill", time.monotonic() - began)
+            if self.zygotes.image_restore_s is not None:
+                self.profiler.launcher_phase("image_restore", self.zygotes.image_restore_s)
             reader = threading.Thread(target=self._pump, args=(self.proc, log), daemon=True)
             reader.start()
             code = self._supervise()

@@ -13,7 +13,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mxlaunch.errors import UsageError
 
 PHASES: Tuple[str, ...] = (
-    "interpreter_startup",  # live runs only: spawn → the engine's first output line
+    "image_restore",  # launch only: a CRIU image (engine snapshot, zygote) staged and restored, before any line
+    "refill",  # launch only: a lean engine snapshot's weights refilled, before the restored engine prints
+    "interpreter_startup",  # live runs only: spawn → the engine's first output line (less the two above)
     "process_startup",
     "worker_spawn",
     "dist_init",

@@ -82,6 +82,7 @@ class StartupProfiler:
         self.flags: set[str] = set()
         self.unmatched: List[str] = []
         self.silences: List[Silence] = []
+        self.launcher_phases: Dict[str, float] = {}  # launcher_phase(): before the engine's first line
         self._last_line: Optional[Tuple[float, str]] = None  # the last engine line: when, its message
         self._hints: List[str] = []  # what earlier lines said runs silently later (LogFormat.silent_work)
         self._armed: Dict[str, str] = {}  # such work that starts only at a later line: what → that line's pattern
@@ -213,6 +214,13 @@ class StartupProfiler:
             self.marks.setdefault(ev.name, when)
         # "note": a line inside a phase that another line times; recorded only as not unmatched
 
+    def launcher_phase(self, name: str, seconds: float) -> None:
+        """Time the launcher spent before the engine could print a line: restoring a CRIU image
+        (`image_restore`), refilling a restored lean engine's weights (`refill`). A phase of its own, taken out
+        of interpreter_startup (spawn → the first line), so that a restored start does not read as a slow
+        interpreter."""
+        self.launcher_phases[name] = self.launcher_phases.get(name, 0.0) + max(0.0, seconds)
+
     # ---- output ---------------------------------------------------------------------------------
 
     def _elapsed(self, name: str) -> Optional[float]:
@@ -256,7 +264,10 @@ class StartupProfiler:
         )
         # live: spawn → the first line (interpreter + imports of the engine's first process), then → the engine
         # core's first line; a log alone starts at its first line and cannot see what came before it
-        out["interpreter_startup"] = self._between(self.t0, self.marks.get("first_line")) if self.live else None
+        first_line = self._between(self.t0, self.marks.get("first_line")) if self.live else None
+        out.update(self.launcher_phases)  # restored starts: what came before any line is the launcher's work
+        before = sum(self.launcher_phases.values())
+        out["interpreter_startup"] = None if first_line is None else max(0.0, first_line - before)
         out["process_startup"] = self._between(self.marks.get("first_line", self.t0), self.marks.get("spawn"))
         out["worker_spawn"] = self._between(self.marks.get("spawn"), first_begin)
         for name in ("dist_init", "weight_loading", "kv_cache_alloc", "torch_compile", "cuda_graph_capture",

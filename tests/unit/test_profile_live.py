@@ -70,6 +70,25 @@ def test_live_phases_are_timed_by_arrival() -> None:
     assert late.seconds("weight_loading") == 0.31 and late.total_seconds == pytest.approx(1.7)
 
 
+def test_a_restored_start_reports_the_launchers_restore_not_a_slow_interpreter() -> None:
+    """A start restored from a CRIU image prints its first line only once the launcher has restored it (and
+    refilled a lean one's weights): those are phases of their own, taken out of interpreter_startup, and the
+    total is unchanged — `unknown` does not grow either."""
+    prof = StartupProfiler(engine="auto", live=True)
+    prof.launcher_phase("image_restore", 0.5)
+    prof.launcher_phase("refill", 0.25)
+    for t, (_, lines) in zip([1.0, 1.4, 1.7, 2.0, 2.2, 2.4], FAKE_OUTPUT):  # the fake engine 0.7 s later
+        for text in lines:
+            prof.feed(text, t)
+    run = prof.result()
+    assert [p.name for p in run.phases] == ["image_restore", "refill", *FAKE_PHASES]
+    assert run.seconds("image_restore") == 0.5 and run.seconds("refill") == 0.25
+    assert run.seconds("interpreter_startup") == pytest.approx(0.25)  # the first line at 1.0, less 0.75
+    assert run.total_seconds == pytest.approx(2.4) and run.seconds("unknown") == pytest.approx(0.0, abs=1e-6)
+    # nothing counted twice (weight_loading is the engine's 0.31 s against a 0.3 s gap between arrivals)
+    assert sum(p.seconds for p in run.phases) == pytest.approx(2.41)
+
+
 def test_a_start_that_dies_keeps_the_phases_it_saw() -> None:
     prof = StartupProfiler(engine="auto", live=True)
     for t, lines in FAKE_OUTPUT[:3]:
