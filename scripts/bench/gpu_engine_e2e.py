@@ -145,8 +145,10 @@ QUANT = {"method": None, "extra": ()}
 # block-fp8: DeepSeek-V3's 128×128 block FP8 (vLLM 0.26 on Hopper: DeepGEMM's JIT); nvfp4 / modelopt-nvfp4: W4A4
 # NVFP4 as compressed-tensors / ModelOpt write it (Hopper has no FP4 GEMM: vLLM takes a W4A16 or emulation kernel);
 # mxfp4: compressed-tensors' OCP MXFP4 (E8M0 scales per 32; Marlin's W4A16 on Hopper)
+# gptq-act-order: GPTQ with desc_act (vLLM 0.26's Marlin sorts g_idx after loading; vLLM ≥ 0.32 refuses it)
 # w8a8-int8-kvfp8: W8A8 INT8 with per-tensor fp8 KV-cache scales (k_scale/v_scale), served --kv-cache-dtype fp8
 QUANT_METHODS = {"fp8-online": ("--quantization", "fp8"), "w8a8-fp8": (), "w8a8-int8": (), "awq": (), "gptq": (),
+                 "gptq-act-order": (),
                  "block-fp8": (), "nvfp4": (), "modelopt-nvfp4": (), "mxfp4": (),
                  "w8a8-int8-kvfp8": ("--kv-cache-dtype", "fp8")}
 

