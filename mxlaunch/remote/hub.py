@@ -18,6 +18,7 @@ import fnmatch
 import hashlib
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
@@ -191,13 +192,9 @@ def link_file(cache: Path, rev: HubRevision, f: HubFile) -> None:
     link = snapshot_dir(cache, rev) / f.path
     link.parent.mkdir(parents=True, exist_ok=True)
     target = os.path.relpath(blob_path(cache, rev.repo, f), link.parent)
-    tmp = link.with_name(f".{link.name}.mx-link")
-    try:
-        tmp.unlink()
-    except FileNotFoundError:
-        pass
+    tmp = _own_temp(link, "mx-link")
     os.symlink(target, tmp)
-    os.replace(tmp, link)
+    _replace_or_drop(tmp, link)
 
 
 def write_ref(cache: Path, rev: HubRevision) -> None:
@@ -206,9 +203,23 @@ def write_ref(cache: Path, rev: HubRevision) -> None:
         return
     ref = repo_folder(cache, rev.repo) / "refs" / rev.revision
     ref.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ref.with_name(f".{ref.name}.mx-ref")
+    tmp = _own_temp(ref, "mx-ref")
     tmp.write_text(rev.commit)
-    os.replace(tmp, ref)
+    _replace_or_drop(tmp, ref)
+
+
+def _own_temp(path: Path, kind: str) -> Path:
+    """A temp name beside `path` that no other process uses: launchers pulling one model at once each write the
+    same ref and links, and a shared temp name let one's rename take the file from under another's."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.{kind}")
+
+
+def _replace_or_drop(tmp: Path, path: Path) -> None:
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def git_blob_id(path: Path) -> str:

@@ -287,3 +287,36 @@ def test_the_hub_cache_is_where_huggingface_hub_itself_looks(env: dict[str, str]
     theirs = subprocess.run([sys.executable, "-c", "from huggingface_hub import constants; print(constants.HF_HUB_CACHE)"],
                             env=environ, capture_output=True, text=True, check=True, timeout=120).stdout.strip()
     assert hub_cache_dir(dict(env)) == Path(theirs)  # (only these variables: no environment in a failure)
+
+
+def test_launchers_writing_one_ref_and_link_at_once_never_take_each_others_temp_file(tmp_path: Path) -> None:
+    """Three `mxlaunch pull`s of one model each write its refs/main and its snapshot links once the files are in;
+    with one shared temp name, one's rename took the file from under another's (`FileNotFoundError: ….mx-ref ->
+    refs/main`, seen in CI). Threads stand in for the processes: every write lands, and no temp file is left."""
+    import threading
+
+    f = hub.HubFile(path="config.json", size=2, blob="a" * 40, lfs=False)
+    rev = hub.HubRevision(endpoint="http://hub", repo="org/tiny", revision="main", commit="c" * 40, files=(f,))
+    errors: list[BaseException] = []
+    go = threading.Barrier(8)
+
+    def writer() -> None:
+        go.wait()
+        try:
+            for _ in range(200):
+                hub.write_ref(tmp_path, rev)
+                hub.link_file(tmp_path, rev, f)
+        except BaseException as exc:  # noqa: BLE001 — the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [], errors[:3]
+    repo = hub.repo_folder(tmp_path, rev.repo)
+    assert (repo / "refs" / "main").read_text() == rev.commit
+    link = hub.snapshot_dir(tmp_path, rev) / "config.json"
+    assert os.readlink(link) == os.path.relpath(hub.blob_path(tmp_path, rev.repo, f), link.parent)
+    assert not [p for p in repo.rglob(".*") if p.name.endswith((".mx-ref", ".mx-link"))]  # no temp file left
