@@ -18,7 +18,6 @@ import fnmatch
 import hashlib
 import os
 import re
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
@@ -27,6 +26,8 @@ from urllib.parse import quote
 import httpx
 
 from mxlaunch.errors import CheckFailed, UsageError
+from mxlaunch.fileutil import unique_name
+from mxlaunch.safety.ownership import create_own
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -204,14 +205,15 @@ def write_ref(cache: Path, rev: HubRevision) -> None:
     ref = repo_folder(cache, rev.repo) / "refs" / rev.revision
     ref.parent.mkdir(parents=True, exist_ok=True)
     tmp = _own_temp(ref, "mx-ref")
-    tmp.write_text(rev.commit)
+    with os.fdopen(create_own(tmp, mode=0o644), "w", encoding="utf-8") as fh:  # never through a planted link
+        fh.write(rev.commit)
     _replace_or_drop(tmp, ref)
 
 
 def _own_temp(path: Path, kind: str) -> Path:
     """A temp name beside `path` that no other process uses: launchers pulling one model at once each write the
     same ref and links, and a shared temp name let one's rename take the file from under another's."""
-    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.{kind}")
+    return path.with_name(f"{unique_name(f'.{path.name}.')}.{kind}")
 
 
 def _replace_or_drop(tmp: Path, path: Path) -> None:

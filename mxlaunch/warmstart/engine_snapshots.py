@@ -22,7 +22,6 @@ from mxlaunch.warmstart.criu import CriuError
 from mxlaunch.warmstart.cuda_checkpoint import CudaCheckpointError
 from mxlaunch.warmstart import lean_snapshot
 from mxlaunch.warmstart import working_set
-from mxlaunch.warmstart.working_set import ReadAhead
 from mxlaunch.warmstart.image_sums import SUMS, check_sums
 from mxlaunch.warmstart.image_stage import ImageDamaged, NoRoom, remove_copy, stage_image, staging_root
 from mxlaunch.warmstart.engine_snapshot import META, SnapshotError, cuda_or_none, find, own_root, snapshots_root
@@ -55,7 +54,7 @@ class EngineSnapshots:
         self.sleep = False  # the engine sleeps while it is snapshotted (engine_args decides)
         self.lean = False  # ... at level 2, its weights left out of the image (warmstart/lean_snapshot.py)
         self._ahead: Optional[tuple] = None  # stage_image_ahead's (folder, copy, staged, why) for try_restore
-        self._read_ahead: Optional[ReadAhead] = None  # the restored processes' file pages (warmstart/working_set.py)
+        self._read_ahead: Optional[working_set.ReadAhead] = None  # the restored processes' file pages (warmstart/working_set.py)
         if not enabled:
             return
         if p2p:  # a P2P pull or source holds NIXL agents and peers' handles: not a state to freeze and bring back

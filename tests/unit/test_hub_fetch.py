@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -293,8 +294,6 @@ def test_launchers_writing_one_ref_and_link_at_once_never_take_each_others_temp_
     """Three `mxlaunch pull`s of one model each write its refs/main and its snapshot links once the files are in;
     with one shared temp name, one's rename took the file from under another's (`FileNotFoundError: ….mx-ref ->
     refs/main`, seen in CI). Threads stand in for the processes: every write lands, and no temp file is left."""
-    import threading
-
     f = hub.HubFile(path="config.json", size=2, blob="a" * 40, lfs=False)
     rev = hub.HubRevision(endpoint="http://hub", repo="org/tiny", revision="main", commit="c" * 40, files=(f,))
     errors: list[BaseException] = []
@@ -320,3 +319,19 @@ def test_launchers_writing_one_ref_and_link_at_once_never_take_each_others_temp_
     link = hub.snapshot_dir(tmp_path, rev) / "config.json"
     assert os.readlink(link) == os.path.relpath(hub.blob_path(tmp_path, rev.repo, f), link.parent)
     assert not [p for p in repo.rglob(".*") if p.name.endswith((".mx-ref", ".mx-link"))]  # no temp file left
+
+
+def test_a_link_planted_at_the_refs_temp_name_is_never_written_through(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub cache on a shared filesystem is open to neighbours: were the temp name guessed (here it is made
+    fixed), a link planted there must fail the write, not carry the commit into the file it points to."""
+    victim = tmp_path / "victim"
+    victim.write_text("mine")
+    rev = hub.HubRevision(endpoint="http://hub", repo="org/tiny", revision="main", commit="c" * 40, files=())
+    refs = hub.repo_folder(tmp_path / "hub", rev.repo) / "refs"
+    refs.mkdir(parents=True)
+    monkeypatch.setattr(hub, "unique_name", lambda prefix: prefix + "guessed")
+    (refs / ".main.guessed.mx-ref").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        hub.write_ref(tmp_path / "hub", rev)
+    assert victim.read_text() == "mine" and not (refs / "main").exists()
