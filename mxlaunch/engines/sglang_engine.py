@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from mxlaunch.engines import sglang_argv
+from mxlaunch.engines import sglang_argv, sglang_quantization
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import model_config
 from mxlaunch.engines.sglang import SGLangLog
@@ -94,7 +94,7 @@ class SGLangEngine:
         return snapshot_format_refusal(spec, option)
 
     def quantization_refusal(self, spec: LaunchSpec) -> Optional[str]:
-        return None  # its quantized loaders keep the raw tensors until post-processing (docs/quantized.md)
+        return sglang_quantization.quantization_refusal(spec)
 
 
 ENGINE = SGLangEngine()

@@ -15,8 +15,9 @@ capture or staged, it hands back MxlaunchSGLangLoader, a DefaultModelLoader whos
     staged   wait for each file of this rank, copy its tensors in by name, check the fill
     then     SGLang's post-processing (quant repacking, AMX packing) as usual
 
-and `load_model` writes marker loaded-<rank> afterwards. Any other loader SGLang picked (GGUF,
-sharded_state, ModelOpt, ...) is left alone and the rank reports a fallback. With
+and `load_model` writes marker loaded-<rank> afterwards. ModelOptModelLoader on an already quantized
+checkpoint loads as DefaultModelLoader does and is swapped too (`loads_as_default`). Any other loader SGLang
+picked (GGUF, sharded_state, ModelOpt's quantize-while-loading, ...) is left alone and the rank reports a fallback. With
 `--snapshot-format sharded_state|presharded` the snapshot is SGLang's own dump instead
 (plugin/sglang_sharded.py).
 
@@ -69,7 +70,7 @@ def around_get_model_loader(original: Any, load_config: Any, model_config: Any =
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
     rank = global_rank()  # once per loader: the adapters below take it as given
-    if type(loader) is not DefaultModelLoader:
+    if type(loader) is not DefaultModelLoader and not loads_as_default(loader, model_config):
         from mxlaunch.plugin.rank_markers import report_fallback
 
         report_fallback(plan, rank, f"SGLang chose {type(loader).__name__} for this checkpoint; mxlaunch restores "
@@ -84,6 +85,21 @@ def around_get_model_loader(original: Any, load_config: Any, model_config: Any =
 
         return presharded_loader(load_config, plan, rank, original=loader)
     return loader_class()(load_config, plan, rank)
+
+
+def loads_as_default(loader: Any, model_config: Any) -> bool:
+    """True when SGLang's choice loads exactly as DefaultModelLoader does, so mxlaunch's loader may stand in.
+
+    SGLang picks ModelOptModelLoader for every ModelOpt checkpoint (FP8, NVFP4, mixed: the common pre-quantized
+    checkpoints on the Hub); on one that is already quantized its `load_model` is DefaultModelLoader's, and only the
+    quantize-while-loading workflow of an unquantized one is its own (refused in the plan, engines/sglang_engine.py)."""
+    if type(loader).__name__ != "ModelOptModelLoader":
+        return False
+    already = getattr(model_config, "_is_already_quantized", None)
+    try:
+        return bool(already()) if callable(already) else False
+    except Exception:  # noqa: BLE001 — an SGLang that cannot tell: leave its loader alone
+        return False
 
 
 def global_rank() -> int:

@@ -148,7 +148,7 @@ QUANT = {"method": None, "extra": ()}
 # gptq-act-order: GPTQ with desc_act (vLLM 0.26's Marlin sorts g_idx after loading; vLLM ≥ 0.32 refuses it)
 # w8a8-int8-kvfp8: W8A8 INT8 with per-tensor fp8 KV-cache scales (k_scale/v_scale), served --kv-cache-dtype fp8
 QUANT_METHODS = {"fp8-online": ("--quantization", "fp8"), "w8a8-fp8": (), "w8a8-int8": (), "awq": (), "gptq": (),
-                 "gptq-act-order": (), "block-fp8": (), "nvfp4": (), "modelopt-nvfp4": (), "mxfp4": (),
+                 "gptq-act-order": (), "block-fp8": (), "nvfp4": (), "modelopt-nvfp4": (), "modelopt-fp8": (), "mxfp4": (),
                  "w8a8-int8-kvfp8": ("--kv-cache-dtype", "fp8")}
 
 

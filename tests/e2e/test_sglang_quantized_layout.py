@@ -43,7 +43,13 @@ EXPECTED = {
     # ModelOpt's NVFP4: one method on every GPU (its post-processing asks for SM100, or --fp4-gemm-backend marlin)
     "modelopt-nvfp4": ("ModelOptFp4LinearMethod", {"weight": "torch.uint8", "weight_scale": "torch.float8_e4m3fn",
                                                    "weight_scale_2": "torch.float32", "input_scale": "torch.float32"}),
+    # ModelOpt's FP8 (nvidia/*-FP8 on the Hub): per-tensor weight scale and a static input scale
+    "modelopt-fp8": ("ModelOptFp8LinearMethod", {"weight": "torch.float8_e4m3fn", "weight_scale": "torch.float32",
+                                                 "input_scale": "torch.float32"}),
 }
+# SGLang's get_model_loader picks ModelOptModelLoader for ModelOpt checkpoints; on a pre-quantized one it loads as
+# DefaultModelLoader does, and the hook must still hand back mxlaunch's loader (else every rank falls back)
+FACTORY = {"modelopt-nvfp4": "ModelOptModelLoader", "modelopt-fp8": "ModelOptModelLoader"}
 SCHEMES = {"nvfp4": "CompressedTensorsW4A4Fp4", "nvfp4-hopper": "CompressedTensorsW4A16Fp4"}
 
 
@@ -65,7 +71,9 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     cases += [{"name": "nvfp4", "model": nvfp4, "dtype": "bfloat16", "cuda_capability": [10, 0]},
               {"name": "nvfp4-hopper", "model": nvfp4, "dtype": "bfloat16", "cuda_capability": [9, 0]},
               {"name": "modelopt-nvfp4", "model": str(cached_quantized(cache, "modelopt-nvfp4")), "dtype": "bfloat16",
-               "cuda_capability": [10, 0]}]
+               "cuda_capability": [10, 0]},
+              {"name": "modelopt-fp8", "model": str(cached_quantized(cache, "modelopt-fp8")), "dtype": "bfloat16",
+               "cuda_capability": [9, 0]}]
     cases.append({"name": "w8a8-int8-kvfp8", "model": str(cached_quantized(cache, "w8a8-int8-kvfp8")),
                   "dtype": "bfloat16", "cuda_capability": [9, 0], "kv_cache_dtype": "fp8_e4m3"})
     work = tmp_path_factory.mktemp("oracle")
@@ -83,6 +91,8 @@ def test_staged_restore_holds_what_sglangs_loader_left(oracle: dict[str, dict], 
     assert "error" not in result, result.get("traceback", result)
     quant_class, qkv = EXPECTED[method]
     assert result["quant_method"] == quant_class  # SGLang built this method's layers, not a float model
+    assert result["factory"] == FACTORY.get(method, "DefaultModelLoader"), result["factory"]
+    assert result["hooked"] == "MxlaunchSGLangLoader", result["hooked"]  # a launch captures and restores it
     if method in SCHEMES:  # compressed-tensors NVFP4: the scheme SGLang chose for the capability
         assert result["scheme"] == SCHEMES[method]
     got = {name.rsplit(".", 1)[1]: dtype for name, (dtype, _) in result["qkv_raw"].items()}

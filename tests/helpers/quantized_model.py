@@ -24,6 +24,8 @@ The formats are written by hand, as their producers lay them out (no quantizatio
 - ``nvfp4``: compressed-tensors "nvfp4-pack-quantized" (W4A4 NVFP4; tests/helpers/fp4_formats.py);
   ``modelopt-nvfp4``: the same values as NVIDIA ModelOpt writes them (``weight``, ``weight_scale``, ``weight_scale_2``,
   ``input_scale``; ``quant_method: modelopt``, ``quant_algo: NVFP4``).
+- ``modelopt-fp8``: NVIDIA ModelOpt's FP8 (``quant_algo: FP8``, the nvidia/*-FP8 checkpoints on the Hub): ``weight``
+  float8_e4m3fn, one float32 ``weight_scale`` per tensor, a static float32 ``input_scale``.
 - ``mxfp4``: compressed-tensors "mxfp4-pack-quantized" (OCP MXFP4: E2M1 pairs, a uint8 E8M0 scale per 32 inputs,
   no global scale; vLLM's CompressedTensorsW4A4Mxfp4 — Marlin W4A16 on Hopper).
 
@@ -49,7 +51,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import fp4_formats
 from tests.helpers.tiny_model import cached_model
 
-METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "gptq-act-order", "w8a8-int8-kvfp8", "block-fp8", "nvfp4", "modelopt-nvfp4", "mxfp4")
+METHODS = ("w8a8-int8", "w8a8-fp8", "awq", "gptq", "gptq-act-order", "w8a8-int8-kvfp8", "block-fp8", "nvfp4", "modelopt-nvfp4", "modelopt-fp8", "mxfp4")
 KV_SCALES = {"k": 0.03125, "v": 0.0625}  # per-tensor fp8 KV-cache scales written for "w8a8-int8-kvfp8"
 GROUP = 32
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
@@ -97,6 +99,15 @@ def _w8(w: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
         scale = amax / torch.finfo(torch.float8_e4m3fn).max
         q = (w / scale).to(torch.float8_e4m3fn)
     return {"weight": q, "weight_scale": scale.to(torch.float32)}
+
+
+def _modelopt_fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ModelOpt's per-tensor FP8: one dequantization factor for the whole weight (amax / 448), and a static
+    activation scale (here the weight's, a stand-in for calibration)."""
+    w = w.float()
+    scale = (w.abs().amax() / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(()).to(torch.float32),
+            "input_scale": scale.reshape(()).to(torch.float32).clone()}
 
 
 def _block_fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -190,6 +201,9 @@ def _quant_config(method: str) -> dict:
         return fp4_formats.config()
     if method == "modelopt-nvfp4":
         return fp4_formats.modelopt_config()
+    if method == "modelopt-fp8":  # config.json's flat form, as ModelOpt's HF export writes it
+        return {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": None, "ignore": ["lm_head"],
+                "producer": {"name": "modelopt"}}
     if method == "mxfp4":
         return fp4_formats.mxfp4_config()
     raise ValueError(f"unknown method {method!r}; one of {', '.join(METHODS)}")
@@ -206,7 +220,8 @@ def quantize_model(src: Path, out: Path, method: str) -> Path:
     amax = fp4_formats.model_amax(sorted(src.glob("*.safetensors")), _is_linear) if "nvfp4" in method else 0.0
     convert = {"w8a8-int8": lambda w: _w8(w, "int"), "w8a8-int8-kvfp8": lambda w: _w8(w, "int"), "w8a8-fp8": lambda w: _w8(w, "float"),
                "awq": _awq, "gptq": _gptq, "gptq-act-order": _gptq_act_order, "block-fp8": _block_fp8, "nvfp4": lambda w: fp4_formats.nvfp4(w, amax),
-               "modelopt-nvfp4": lambda w: fp4_formats.modelopt_nvfp4(w, amax), "mxfp4": fp4_formats.mxfp4}[method]
+               "modelopt-nvfp4": lambda w: fp4_formats.modelopt_nvfp4(w, amax), "modelopt-fp8": _modelopt_fp8,
+               "mxfp4": fp4_formats.mxfp4}[method]
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for shard in sorted(src.glob("*.safetensors")):

@@ -22,6 +22,7 @@ torch.cuda.get_device_capability while the model is built: compressed-tensors as
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 import tempfile
@@ -101,6 +102,25 @@ def compare(want: dict, got: dict) -> list[str]:
     return problems
 
 
+def chosen_loaders(config: Any, plan: Any, run: Path) -> tuple[str, str]:
+    """(SGLang's choice of loader, the hook's) for this checkpoint, the hook reading `plan` as a launch gives it."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    from mxlaunch.plan import PLAN_ENV
+    from mxlaunch.plugin.sglang import around_get_model_loader
+
+    plan_file = run / "plan.json"
+    plan_file.write_text(plan.to_json())
+    os.environ[PLAN_ENV] = str(plan_file)
+    try:
+        factory = get_model_loader(LoadConfig(), config)
+        hooked = around_get_model_loader(get_model_loader, LoadConfig(), config)
+    finally:
+        os.environ.pop(PLAN_ENV, None)
+    return type(factory).__name__, type(hooked).__name__
+
+
 def run_case(case: dict, work: Path, first: bool) -> dict:
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
@@ -135,6 +155,7 @@ def run_case(case: dict, work: Path, first: bool) -> dict:
     run.mkdir(parents=True)
     plan = Plan(strategy="capture", source_id="0" * 16, run_dir=str(run), capture_dir=str(capture_dir),
                 wait_timeout_s=5)
+    factory, hooked = chosen_loaders(config, plan, run)
     captured = build(loader_class()(LoadConfig(), plan, 0), "capture")
     files = sorted((capture_dir / "0").glob("*.safetensors"))
     staged_plan = Plan(strategy="staged", source_id="0" * 16, run_dir=str(run), wait_timeout_s=5,
@@ -148,6 +169,8 @@ def run_case(case: dict, work: Path, first: bool) -> dict:
         "name": case["name"],
         "quant_method": type(getattr(layer, "quant_method", None)).__name__,
         "scheme": type(getattr(layer, "scheme", None)).__name__,  # compressed-tensors: the scheme SGLang chose
+        "factory": factory,  # the loader SGLang's get_model_loader picks for this checkpoint
+        "hooked": hooked,  # what mxlaunch's hook around it hands back under a capture plan
         "capture_files": len(files),
         "staged_strategy": getattr(outcome, "strategy", None),
         "staged_bytes": getattr(outcome, "bytes", None),

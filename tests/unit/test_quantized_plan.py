@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from mxlaunch.engines.registry import spec_engine
+from mxlaunch.engines.sglang_argv import parse_sglang_argv
 from mxlaunch.engines.vllm_argv import parse_vllm_argv
 from mxlaunch.identity import source_id
 from mxlaunch.launch.decide import LaunchOptions, make_plan
@@ -79,3 +81,40 @@ def test_quantization_settings_keep_snapshots_apart(tmp_path: Path) -> None:
     assert len({before, awq32, g128}) == 3
     (model / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 64}))  # AutoGPTQ's own file
     assert sid() != g128
+
+
+
+def sglang_refusal(model: Path, *extra: str) -> str | None:
+    """What the plan says for this SGLang command (make_plan asks the engine's quantization_refusal)."""
+    spec = parse_sglang_argv(["python", "-m", "sglang.launch_server", "--model-path", str(model), *extra],
+                             engine_version="0.5.23")
+    return spec_engine(spec).quantization_refusal(spec)
+
+
+MODELOPT_FP8 = {"quant_method": "modelopt", "quant_algo": "FP8"}
+
+
+@pytest.mark.parametrize("config,extra,files", [
+    ({}, (), {}),
+    ({}, ("--quantization", "fp8"), {}),                                  # online fp8: bf16 until post-processing
+    ({"quantization_config": AWQ}, (), {}),
+    ({"quantization_config": MODELOPT_FP8}, ("--quantization", "modelopt_fp8"), {}),  # pre-quantized ModelOpt
+    ({}, ("--quantization", "modelopt_fp4"), {"hf_quant_config.json": "{}"}),  # ModelOpt's own config file
+])
+def test_sglang_restorable_methods_are_not_refused(tmp_path: Path, config: dict, extra: tuple, files: dict) -> None:
+    model = checkpoint(tmp_path / "m", **config)
+    for name, text in files.items():
+        (model / name).write_text(text)
+    assert sglang_refusal(model, *extra) is None
+
+
+@pytest.mark.parametrize("config,extra,says", [
+    ({}, ("--quantization", "modelopt_fp8"), "ModelOpt quantizes it while loading"),
+    ({}, ("--quantization", "modelopt_fp4"), "ModelOpt quantizes it while loading"),
+    ({}, ("--quantization", "auto-round-int8"), "IncModelLoader"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, (), "own bitsandbytes loader"),
+])
+def test_sglang_unrestorable_methods_are_refused_with_the_reason(tmp_path: Path, config: dict, extra: tuple,
+                                                                 says: str) -> None:
+    why = sglang_refusal(checkpoint(tmp_path / "m", **config), *extra)
+    assert why is not None and says in why, why

@@ -1,0 +1,45 @@
+"""SGLang's quantization methods that a raw snapshot cannot restore (issue 40; docs/quantized.md).
+
+SGLang's quantized layers keep the checkpoint's tensors until post-processing (online fp8 included: the bf16 weight
+stays until then), so the raw snapshot restores them. ModelOpt's checkpoints go through ModelOptModelLoader, which
+loads an already quantized checkpoint as DefaultModelLoader does (the in-engine hook swaps it: plugin/sglang.py) but
+runs ModelOpt's own quantize-while-loading workflow on an unquantized one. What is left is refused here, so that
+the plan says `strategy=default` with the reason before the engine starts instead of a fallback after it started.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from mxlaunch.engines.base import LaunchSpec
+from mxlaunch.engines.environment import model_config
+
+_MODELOPT_ONLINE = ("modelopt", "modelopt_fp8", "modelopt_fp4", "modelopt_mixed")
+_OWN_LOADER = {
+    "auto-round-int8": "AutoRound INT8 loads through SGLang's own IncModelLoader",
+    "bitsandbytes": "bitsandbytes models load through SGLang's own bitsandbytes loader (it quantizes while reading)",
+}
+
+
+def already_quantized(spec: LaunchSpec) -> bool:
+    """SGLang's own test (ModelConfig._is_already_quantized): a quantization or compression config in config.json,
+    or ModelOpt's hf_quant_config.json beside it."""
+    config = model_config(spec.model_path)
+    if config.get("quantization_config") or config.get("compression_config"):
+        return True
+    return bool(spec.model_path) and (Path(spec.model_path) / "hf_quant_config.json").is_file()
+
+
+def quantization_refusal(spec: LaunchSpec) -> Optional[str]:
+    """Why this SGLang command's quantization cannot be restored from a snapshot (said in the plan), or None."""
+    method = (spec.quantization or "").lower()
+    stored = str((model_config(spec.model_path).get("quantization_config") or {}).get("quant_method", "")).lower()
+    for name in (method, stored):
+        if name in _OWN_LOADER:
+            return f"--quantization {name}: {_OWN_LOADER[name]}; serving with the default loader"
+    if method in _MODELOPT_ONLINE and not already_quantized(spec):
+        return (f"--quantization {method} on an unquantized checkpoint: ModelOpt quantizes it while loading, which a "
+                "snapshot cannot restore (a pre-quantized ModelOpt checkpoint is restored); serving with the default "
+                "loader")
+    return None
