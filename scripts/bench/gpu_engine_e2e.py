@@ -141,7 +141,7 @@ RECORD_EACH = {"on": False}  # --record-each: every start's answers are kept (a 
 COMPILE = {"on": False}  # --compile: vLLM's default torch.compile + CUDA graphs (no --enforce-eager)
 # --quant METHOD (issue 40): every start of the batch serves the model quantized. fp8-online: the bf16 Llama with
 # vLLM's `--quantization fp8`; the others: a checkpoint written from it by tests/helpers/quantized_model.py
-QUANT = {"method": None, "extra": ()}
+QUANT = {"method": None, "extra": (), "name": None}  # name: --quant as given (method: what records say)
 # block-fp8: DeepSeek-V3's 128×128 block FP8 (vLLM 0.26 on Hopper: DeepGEMM's JIT); nvfp4 / modelopt-nvfp4: W4A4
 # NVFP4 as compressed-tensors / ModelOpt write it (Hopper has no FP4 GEMM: vLLM takes a W4A16 or emulation kernel);
 # mxfp4: compressed-tensors' OCP MXFP4 (E8M0 scales per 32; Marlin's W4A16 on Hopper)
@@ -150,6 +150,8 @@ QUANT = {"method": None, "extra": ()}
 QUANT_METHODS = {"fp8-online": ("--quantization", "fp8"), "w8a8-fp8": (), "w8a8-int8": (), "awq": (), "gptq": (),
                  "gptq-act-order": (), "block-fp8": (), "nvfp4": (), "modelopt-nvfp4": (), "modelopt-fp8": (), "mxfp4": (),
                  "w8a8-int8-kvfp8": ("--kv-cache-dtype", "fp8")}
+# the same methods' flags in SGLang's spelling (every other method is read from the checkpoint's config.json)
+SGLANG_QUANT_FLAGS = {"fp8-online": ("--quantization", "fp8"), "w8a8-int8-kvfp8": ("--kv-cache-dtype", "fp8_e4m3")}
 
 
 def quant_model(base: Path, models: Path, size: str, method: Optional[str], moe: bool) -> tuple[Path, Optional[str]]:
@@ -244,7 +246,8 @@ def engine_argv(model: Path, port: int, util: float, extra: tuple[str, ...] = ()
         graphs = () if COMPILE["on"] else ("--disable-cuda-graph",)
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--dtype", "bfloat16", *graphs,
                 "--context-length", "2048", "--mem-fraction-static", f"{util:g}", "--attention-backend", ENGINE["attention"],
-                "--sampling-backend", "pytorch", "--host", "127.0.0.1", "--port", str(port), *extra, *SGLANG_EXTRA]
+                "--sampling-backend", "pytorch", "--host", "127.0.0.1", "--port", str(port),
+                *SGLANG_QUANT_FLAGS.get(QUANT["name"] or "", ()), *extra, *SGLANG_EXTRA]
     eager = () if COMPILE["on"] else ("--enforce-eager",)
     return [sys.executable, "-m", API, "--model", str(model), "--dtype", "bfloat16", *eager,
             "--max-model-len", "2048", "--gpu-memory-utilization", f"{util:g}", "--host", "127.0.0.1",
@@ -688,7 +691,7 @@ def main() -> int:
                         "--size", args.size], check=True)
     args.work.mkdir(parents=True, exist_ok=True)
     model, method = quant_model(model, models, args.size, args.quant, args.moe)
-    QUANT["method"], QUANT["extra"] = method, QUANT_METHODS.get(args.quant or "", ())
+    QUANT["method"], QUANT["extra"], QUANT["name"] = method, QUANT_METHODS.get(args.quant or "", ()), args.quant
     COMPILE["on"] = args.compile
     ENGINE["name"], ENGINE["attention"] = args.engine, args.sglang_attention
     SGLANG_EXTRA[:] = shlex.split(args.sglang_args)
