@@ -262,3 +262,29 @@ def test_gptq_act_order_groups_inputs_by_g_idx(models: Path, tmp_path: Path) -> 
     step = stored[f"{pre}self_attn.q_proj.scales"].float().amax()
     assert (plain - original[f"{pre}self_attn.q_proj.weight"].float()).abs().amax() > step
 
+
+
+def test_modelopt_fp8_is_vllms_modelopt_fp8(models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generator's ModelOpt FP8 (the nvidia/*-FP8 checkpoints' format): vLLM's parser picks ModelOpt's FP8
+    method, its parameters take the e4m3 weight, the per-tensor weight scale and the static input scale (one per
+    fused shard: q, k, v keep theirs), and weight · weight_scale gives the float weights back."""
+    folder = quantize_model(models, tmp_path / "modelopt-fp8", "modelopt-fp8")
+    with vllm_model(folder) as (cfg, model):
+        assert type(cfg.quant_config).__name__ == "ModelOptFp8Config", type(cfg.quant_config)
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        method = qkv.quant_method  # vLLM 0.32: one ModelOptLinearMethod, its weight's key scheme per format
+        assert type(method).__name__ == "ModelOptLinearMethod", type(method)
+        assert type(method.wkey).__name__ == "KFp8StaticTensor", type(method.wkey)
+        checkpoint, loaded = load_all(model, folder)
+        params = dict(model.named_parameters())
+        fp8 = {n for n in params if "proj" in n and n.rsplit(".", 1)[1] in ("weight", "weight_scale", "input_scale")}
+        assert fp8 and fp8 <= loaded, sorted(fp8 - loaded)
+        assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.dtype == torch.float32
+        pre = "model.layers.0.self_attn."
+        want = torch.stack([checkpoint[f"{pre}{p}_proj.weight_scale"] for p in "qkv"])
+        assert torch.equal(qkv.weight_scale.data.flatten(), want), (qkv.weight_scale, want)
+        original = load_file(str(models / "model.safetensors"))
+        for proj in ("q_proj", "o_proj"):
+            w, s = checkpoint[f"{pre}{proj}.weight"].float(), checkpoint[f"{pre}{proj}.weight_scale"]
+            ref = original[f"{pre}{proj}.weight"].float()
+            assert s.shape == () and torch.allclose(w * s, ref, rtol=0.07, atol=ref.abs().max().item() / 64), proj
