@@ -140,6 +140,10 @@ def launch(
                 snap = plan.engine_snapshot
                 out.print(f"engine snapshot [bold]{snap['status']}[/]{' ' + snap['key'] if snap.get('key') else ''}: "
                           f"{show(snap['reason'])}", highlight=False)
+            if plan.quantization is not None:  # engines/quantization.py: raw | processed | default
+                q = plan.quantization
+                out.print(f"quantization {show(q['method'])} ({show(q['named_by'])}) restored [bold]{q['restore']}[/]: "
+                          f"{show(q['reason'])}", highlight=False)
             if plan.capture_via:
                 out.print(f"capture via [bold]{plan.capture_via}[/]: {show(plan.capture_via_reason)}", highlight=False)
             if plan.stage_files:

@@ -75,3 +75,7 @@ class Engine(Protocol):
     def quantization_refusal(self, spec: LaunchSpec) -> Optional[str]:
         """Why this command's quantization cannot be restored from a snapshot (the plan serves `default` with
         it, before the engine starts), or None (docs/quantized.md)."""
+
+    def quantization_summary(self, spec: LaunchSpec) -> Optional[Dict[str, str]]:
+        """A quantized model's method, who named it, and how a snapshot restores it (raw | processed | default, and
+        why) for the plan; None when it is served unquantized (engines/quantization.py)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from mxlaunch.engines import sglang_argv, sglang_quantization
+from mxlaunch.engines import quantization, sglang_argv, sglang_quantization
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import model_config
 from mxlaunch.engines.sglang import SGLangLog
@@ -95,6 +95,10 @@ class SGLangEngine:
 
     def quantization_refusal(self, spec: LaunchSpec) -> Optional[str]:
         return sglang_quantization.quantization_refusal(spec)
+
+    def quantization_summary(self, spec: LaunchSpec) -> Optional[Dict[str, str]]:
+        return quantization.summary(spec, sglang_quantization.quantization_refusal(spec), None,
+                                    sglang_quantization.RAW_NOTE)
 
 
 ENGINE = SGLangEngine()

@@ -43,3 +43,7 @@ def quantization_refusal(spec: LaunchSpec) -> Optional[str]:
                 "snapshot cannot restore (a pre-quantized ModelOpt checkpoint is restored); serving with the default "
                 "loader")
     return None
+
+
+RAW_NOTE = ("the checkpoint's tensors as SGLang's weight loading leaves them (online fp8 keeps its bf16 weight until "
+            "then); its post-processing runs after the restore")

@@ -10,7 +10,7 @@ import importlib.metadata as md
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.contract import LOAD_FORMAT
-from mxlaunch.engines import vllm_argv, vllm_compile_key, vllm_quantization
+from mxlaunch.engines import quantization, vllm_argv, vllm_compile_key, vllm_quantization
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.vllm import VLLMLog
 from mxlaunch.errors import UsageError
@@ -117,6 +117,10 @@ class VLLMEngine:
 
     def quantization_refusal(self, spec: LaunchSpec) -> Optional[str]:
         return vllm_quantization.quantization_refusal(spec)
+
+    def quantization_summary(self, spec: LaunchSpec) -> Optional[Dict[str, str]]:
+        return quantization.summary(spec, vllm_quantization.quantization_refusal(spec),
+                                    vllm_quantization.online_processed(spec), vllm_quantization.RAW_NOTE)
 
 
 ENGINE = VLLMEngine()

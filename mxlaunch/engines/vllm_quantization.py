@@ -42,3 +42,17 @@ def quantization_refusal(spec: LaunchSpec) -> Optional[str]:
         return (f"--quantization {method} on a mixture-of-experts model: its experts' online quantization is not "
                 "restorable from a snapshot yet (issue 40); serving with the default loader")
     return None
+
+
+def online_processed(spec: LaunchSpec) -> Optional[str]:
+    """Why this command's model is restored through its processed layout (vLLM's online fp8), or None."""
+    stored = (model_config(spec.model_path).get("quantization_config") or {}).get("quant_method")
+    method = (spec.quantization or "").lower()
+    if method in _VLLM_ONLINE_FP8 and not stored:
+        return (f"--quantization {method} quantizes while loading: the restore brings each layer to its fp8 layout on "
+                "placeholders on the device, then lands the snapshot over it (plugin/vllm_online_quant.py)")
+    return None
+
+
+RAW_NOTE = ("the checkpoint's tensors as vLLM's weight loading leaves them; its post-processing (repacking for the "
+            "kernels) runs after the restore")

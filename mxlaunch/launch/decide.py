@@ -86,6 +86,7 @@ class LaunchPlan:
     runtime: Optional[EngineRuntime] = None  # what would run the command (engines/runtime.py): its problem stops a launch
     engine_start: Optional[EngineStart] = None  # launch/engine_start.py: the engine's start-up cuts
     engine_snapshot: Optional[dict] = None  # --engine-snapshot: restore | take | off and why (warmstart/snapshot_plan.py)
+    quantization: Optional[dict] = None  # a quantized model: method, named_by, restore raw | processed | default, reason
 
     def refuse_unstartable(self) -> None:
         """A one-line UsageError (exit 2) when the engine command cannot start here."""
@@ -148,6 +149,7 @@ class LaunchPlan:
             "capture_bytes": self.capture_bytes,
             "engine_start": self.engine_start.to_json() if self.engine_start else None,
             "engine_snapshot": self.engine_snapshot,
+            "quantization": self.quantization,
         }
 
 
@@ -183,6 +185,8 @@ def make_plan(argv: list[str], opts: LaunchOptions, store: Optional[Store] = Non
     run prints exactly this)."""
     plan = _decide(argv, opts, store)
     store = store or open_store(opts.artifact_path)
+    if plan.spec.model_path is not None:  # how a quantized model is restored (engines/quantization.py)
+        plan.quantization = spec_engine(plan.spec).quantization_summary(plan.spec)
     if plan.strategy == "capture":
         route = decide_capture_route(plan, store.root)
         plan.capture_via, plan.capture_via_reason, plan.capture_bytes = route.via, route.reason, route.bytes

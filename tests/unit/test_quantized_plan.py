@@ -118,3 +118,46 @@ def test_sglang_unrestorable_methods_are_refused_with_the_reason(tmp_path: Path,
                                                                  says: str) -> None:
     why = sglang_refusal(checkpoint(tmp_path / "m", **config), *extra)
     assert why is not None and says in why, why
+
+
+@pytest.mark.parametrize("config,extra,want", [
+    ({}, (), None),                                                           # bf16: no entry
+    ({}, ("--quantization", "fp8"), ("fp8", "--quantization", "processed")),  # vLLM's online fp8
+    ({"quantization_config": AWQ}, (), ("awq", "checkpoint", "raw")),
+    ({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}}, (), ("modelopt/FP8", "checkpoint", "raw")),
+    ({}, ("-q", "bitsandbytes"), ("bitsandbytes", "--quantization", "default")),
+])
+def test_the_plan_says_how_a_quantized_vllm_model_is_restored(tmp_path: Path, config: dict, extra: tuple,
+                                                               want: tuple | None) -> None:
+    q = plan(checkpoint(tmp_path / "m", **config), tmp_path / "store", *extra)["quantization"]
+    assert (q if q is None else (q["method"], q["named_by"], q["restore"])) == want, q
+    if q is not None and q["restore"] == "default":
+        assert "bitsandbytes loader" in q["reason"]  # the refusal's own words
+
+
+@pytest.mark.parametrize("config,extra,files,want", [
+    ({}, ("--quantization", "fp8"), {}, ("fp8", "raw")),                      # SGLang keeps bf16 until post-processing
+    ({}, ("--quantization", "modelopt_fp8"), {}, ("modelopt_fp8", "default")),
+    ({}, (), {"hf_quant_config.json": "{}"}, ("modelopt", "raw")),           # ModelOpt's older export
+])
+def test_the_plan_says_how_a_quantized_sglang_model_is_restored(tmp_path: Path, config: dict, extra: tuple, files: dict,
+                                                                 want: tuple) -> None:
+    model = checkpoint(tmp_path / "m", **config)
+    for name, text in files.items():
+        (model / name).write_text(text)
+    spec = parse_sglang_argv(["python", "-m", "sglang.launch_server", "--model-path", str(model), *extra],
+                             engine_version="0.5.23")
+    q = spec_engine(spec).quantization_summary(spec)
+    assert (q["method"], q["restore"]) == want, q
+
+
+def test_dry_run_prints_the_quantization_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from mxlaunch.cli.app import app
+
+    model = checkpoint(tmp_path / "m", quantization_config=AWQ)
+    argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    result = CliRunner().invoke(app, ["launch", "--dry-run", "--artifact-path", str(tmp_path / "store"), "--", *argv])
+    assert result.exit_code == 0, result.output
+    assert "quantization awq (checkpoint) restored raw" in " ".join(result.output.split()), result.output
