@@ -24,6 +24,8 @@ class Engine(Protocol):
     snapshot_formats: Tuple[str, ...]  # --snapshot-format choices besides raw (its stock dump formats)
     command_forms: str  # the launch forms it accepts, for the "cannot tell which engine" message
     shm_prefixes: Tuple[str, ...]  # /dev/shm names it may leave behind (removed after a run when orphaned)
+    ipc_socket_names: str  # a regular expression: the names of the IPC sockets it binds in its temp folder ("": none)
+    ipc_dir_var: Optional[str]  # the variable that moves those sockets out of the temp folder, if it has one
     kernel_cache_vars: Tuple[Tuple[str, str], ...]  # (variable, sub-folder): its JIT caches (mxlaunch/kernelcache/caches.py)
     # (its cache root variable, that root's default under $HOME, ((variable, sub-folder of the root), ...)): where its
     # import points library caches it finds unset, or None (mxlaunch/kernelcache/seed.py seeds a first serve from there)

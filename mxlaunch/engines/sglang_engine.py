@@ -28,6 +28,9 @@ class SGLangEngine:
     log_format = SGLangLog
     snapshot_formats = SNAPSHOT_FORMATS
     shm_prefixes = ("sglang_loads_",)  # 0.5.23 leaves one sglang_loads_* per run
+    # ZeroMQ ipc:// sockets named by tempfile.NamedTemporaryFile (server_args.PortArgs): the temp folder's tmpXXXXXXXX
+    ipc_socket_names = r"tmp[a-z0-9_]{8}"
+    ipc_dir_var = None
     # JIT caches (../shared/ENGINES.md), set before sglang is imported
     kernel_cache_vars = (("SGLANG_CACHE_DIR", "sglang"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
                          ("FLASHINFER_WORKSPACE_BASE", "flashinfer"), ("SGLANG_DG_CACHE_DIR", "deep_gemm"),

@@ -31,6 +31,9 @@ class VLLMEngine:
     # per rank, VLLM_DIST_IDENT being the file store's name "vllm_dist_<uuid hex>" (v1/worker/cpu_worker.py),
     # and leaves it behind even after a clean stop: vllm_dist_0a61…-tp:0-[0-1]-cpushm_0, 8 MiB a rank at TP=2
     shm_prefixes = ("vllm_dist_",)
+    # ZeroMQ ipc:// sockets, get_open_zmq_ipc_path(): f"{VLLM_RPC_BASE_PATH or the temp folder}/{uuid4()}" (launch/ipc_leftovers.py)
+    ipc_socket_names = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+    ipc_dir_var = "VLLM_RPC_BASE_PATH"
     # JIT caches (../shared/ENGINES.md): the cache root holds torch_compile_cache/<hash>/rank_<i>_<j>
     # FlashInfer's JIT ops (its sampler, vLLM's default on CUDA: ~117 s to build on a fresh H200 node) live under
     # $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer; TVM-FFI's under $TVM_FFI_CACHE_DIR; the driver's PTX JIT

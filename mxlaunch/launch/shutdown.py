@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 from mxlaunch import settings
 from mxlaunch.launch import process
+from mxlaunch.launch.ipc_leftovers import remove_engine_sockets
 from mxlaunch.launch.p2p import unpublish_run
 from mxlaunch.launch.cleanup import (
     SegmentRecord, free_staged, remove_orphaned_engine_shm, remove_rendezvous_files, remove_run,
@@ -247,6 +248,8 @@ class Stopping:
         if snapshots is not None:
             snapshots.reap()
         remove_rendezvous_files(rendezvous_files(self.shm_dir / "markers"), since=self.started_wall - 1.0)
+        remove_engine_sockets(self.plan.spec, os.environ, since=self.started_wall - 1.0,  # its dead ipc:// files
+                              wait_s=0.5 if hurry else 2.0)
         zygotes = getattr(self, "zygotes", None)  # a zygote image in the making (warmstart/zygote_starts.py)
         if zygotes is not None:
             zygotes.abandon(wait_s=1.0 if hurry else 5.0)

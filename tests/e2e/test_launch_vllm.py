@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import stat
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -315,9 +316,20 @@ def test_sigkill_of_the_engine_ends_the_launch_with_its_code_and_cleans_up(tiny_
     try:
         launch.wait_event("ready", READY_S)
         procs = launch.engine_processes()
+        sockets = engine_ipc_sockets(procs)
+        assert sockets, "the engine bound no ipc:// socket in the temp folder"
         engine = psutil.Process(launch.proc.pid).children()[0]
         engine.send_signal(signal.SIGKILL)
         code = launch.proc.wait(timeout=60)
     finally:
         launch.stop()
     assert_sigkill_cleaned_up(launch, code, plan, procs, watch)
+    # vLLM's ZeroMQ sockets outlive it as files (a clean exit leaves them too): the launcher removed the dead ones
+    assert not [s for s in sockets if os.path.lexists(s)], sockets
+
+
+def engine_ipc_sockets(procs: list[psutil.Process]) -> set[str]:
+    """The socket files the engine's processes are bound to in the temp folder (its ipc:// ZeroMQ sockets)."""
+    tmp = tempfile.gettempdir() + "/"
+    return {c.laddr for p in procs for c in p.net_connections(kind="unix")
+            if isinstance(c.laddr, str) and c.laddr.startswith(tmp)}

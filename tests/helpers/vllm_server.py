@@ -25,7 +25,9 @@ from typing import Iterable, Mapping
 
 import httpx
 
+from mxlaunch.engines.registry import ENGINES
 from mxlaunch.launch.cleanup import remove_orphaned_engine_shm, remove_rendezvous_files, shm_entries
+from mxlaunch.launch.ipc_leftovers import sweep
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 _LIVE: set["ServerProcess"] = set()
@@ -186,6 +188,8 @@ class ServerProcess:
         remove_orphaned_engine_shm(self.shm_before)
         # and vLLM's FileStore file in $TMPDIR (a launch removes its own: launch/cleanup.py)
         remove_rendezvous_files(map(str, _rendezvous_files() - self.rendezvous_before), since=self.started_wall - 1)
+        for engine in ENGINES.values():  # and the engines' dead ipc:// socket files (launch/ipc_leftovers.py)
+            sweep([Path(tempfile.gettempdir())], engine.ipc_socket_names, self.started_wall - 1, wait_s=2.0)
         return self.proc.returncode
 
     def __enter__(self) -> "ServerProcess":
