@@ -31,6 +31,7 @@ IMPORT_PREFIXES = (
     "COMPILE_STROBELIGHT_", "XLA_", "NPU_", "OAUTH_", "SSL_", "MALLOC_", "GLIBC_", "AIOHTTP_", "FASTAPI_",
     "LOGURU_", "COMPRESSED_TENSORS_", "SCIPY_", "FLA_", "IPYTHON_", "TRAITLETS_", "AITER_", "TLLM_", "FSSPEC_",
     "UNIX", "ENABLE_", "DISABLE_", "USE_", "IN_BATCH_PREFIX_CACHING_",
+    "SPACE_",  # huggingface_hub ≥ 2.5 reads SPACE_SIGNING_SECRET at import (keyed as a salted digest, like OAUTH_)
 )
 # Single names read at import (the trace), plus the locale and the user's identity the interpreter reads in C
 IMPORT_NAMES = frozenset((
