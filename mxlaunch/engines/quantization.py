@@ -19,6 +19,18 @@ from mxlaunch.engines.environment import model_config
 RAW, PROCESSED, DEFAULT = "raw", "processed", "default"
 
 
+def _hf_quant_config(spec: LaunchSpec) -> bool:
+    """ModelOpt's older exports keep their config in hf_quant_config.json beside config.json, not in it."""
+    return bool(spec.model_path) and (Path(spec.model_path) / "hf_quant_config.json").is_file()
+
+
+def checkpoint_quantized(spec: LaunchSpec) -> bool:
+    """Is the checkpoint itself quantized? SGLang's own test (ModelConfig._is_already_quantized): a quantization or
+    compression config in config.json, or hf_quant_config.json beside it."""
+    config = model_config(spec.model_path)
+    return bool(config.get("quantization_config") or config.get("compression_config")) or _hf_quant_config(spec)
+
+
 def stored_method(spec: LaunchSpec) -> str:
     """The checkpoint's own quantization ("awq", "compressed-tensors", "modelopt/FP8", ...), or ""."""
     config = model_config(spec.model_path)
@@ -27,8 +39,8 @@ def stored_method(spec: LaunchSpec) -> str:
         return ""
     method = str(qcfg.get("quant_method") or qcfg.get("format") or "").lower()
     algo = qcfg.get("quant_algo")
-    if not method and spec.model_path and (Path(spec.model_path) / "hf_quant_config.json").is_file():
-        method = "modelopt"  # ModelOpt's older exports: the config beside config.json, not in it
+    if not method and _hf_quant_config(spec):
+        method = "modelopt"
     return f"{method}/{algo}" if method and algo else method
 
 

@@ -9,26 +9,17 @@ the plan says `strategy=default` with the reason before the engine starts instea
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 from mxlaunch.engines.base import LaunchSpec
 from mxlaunch.engines.environment import model_config
+from mxlaunch.engines.quantization import checkpoint_quantized
 
 _MODELOPT_ONLINE = ("modelopt", "modelopt_fp8", "modelopt_fp4", "modelopt_mixed")
 _OWN_LOADER = {
     "auto-round-int8": "AutoRound INT8 loads through SGLang's own IncModelLoader",
     "bitsandbytes": "bitsandbytes models load through SGLang's own bitsandbytes loader (it quantizes while reading)",
 }
-
-
-def already_quantized(spec: LaunchSpec) -> bool:
-    """SGLang's own test (ModelConfig._is_already_quantized): a quantization or compression config in config.json,
-    or ModelOpt's hf_quant_config.json beside it."""
-    config = model_config(spec.model_path)
-    if config.get("quantization_config") or config.get("compression_config"):
-        return True
-    return bool(spec.model_path) and (Path(spec.model_path) / "hf_quant_config.json").is_file()
 
 
 def quantization_refusal(spec: LaunchSpec) -> Optional[str]:
@@ -38,7 +29,7 @@ def quantization_refusal(spec: LaunchSpec) -> Optional[str]:
     for name in (method, stored):
         if name in _OWN_LOADER:
             return f"--quantization {name}: {_OWN_LOADER[name]}; serving with the default loader"
-    if method in _MODELOPT_ONLINE and not already_quantized(spec):
+    if method in _MODELOPT_ONLINE and not checkpoint_quantized(spec):
         return (f"--quantization {method} on an unquantized checkpoint: ModelOpt quantizes it while loading, which a "
                 "snapshot cannot restore (a pre-quantized ModelOpt checkpoint is restored); serving with the default "
                 "loader")

@@ -32,8 +32,7 @@ def quantization_refusal(spec: LaunchSpec) -> Optional[str]:
     for name in (method, stored):
         if name in _VLLM_OWN_LOADER:
             return f"--quantization {name}: {_VLLM_OWN_LOADER[name]}; serving with the default loader"
-    online = method and not stored and (method in _VLLM_ONLINE_FP8 or method in _VLLM_ONLINE_OTHER)
-    if not online:
+    if not _online(spec):
         return None
     if method not in _VLLM_ONLINE_FP8:
         return (f"--quantization {method}: online quantization other than fp8 is not restorable from a snapshot yet "
@@ -44,11 +43,17 @@ def quantization_refusal(spec: LaunchSpec) -> Optional[str]:
     return None
 
 
-def online_processed(spec: LaunchSpec) -> Optional[str]:
-    """Why this command's model is restored through its processed layout (vLLM's online fp8), or None."""
+def _online(spec: LaunchSpec) -> str:
+    """The --quantization method when vLLM quantizes online (named by the flag, none in the checkpoint), else ""."""
     stored = (model_config(spec.model_path).get("quantization_config") or {}).get("quant_method")
     method = (spec.quantization or "").lower()
-    if method in _VLLM_ONLINE_FP8 and not stored:
+    return method if method in _VLLM_ONLINE_FP8 + _VLLM_ONLINE_OTHER and not stored else ""
+
+
+def online_processed(spec: LaunchSpec) -> Optional[str]:
+    """Why this command's model is restored through its processed layout (vLLM's online fp8), or None."""
+    method = _online(spec)
+    if method in _VLLM_ONLINE_FP8:
         return (f"--quantization {method} quantizes while loading: the restore brings each layer to its fp8 layout on "
                 "placeholders on the device, then lands the snapshot over it (plugin/vllm_online_quant.py)")
     return None

@@ -99,3 +99,25 @@ def test_the_name_patterns_are_the_engines_own() -> None:
 
     with tempfile.NamedTemporaryFile() as f:  # SGLang: NamedTemporaryFile(delete=False).name
         assert re.fullmatch(ENGINES["sglang"].ipc_socket_names, Path(f.name).name)
+
+
+def test_another_users_sockets_and_links_are_left_alone(short_tmp: Path, tmp_path: Path) -> None:
+    """A shared, non-sticky temp folder (TMPDIR on a careless share): another user's dead socket under an engine's
+    name stays, and so does a link of theirs named like one of ours that points at a file of ours."""
+    from tests.helpers.second_user import intruder_or_skip
+
+    other = intruder_or_skip()
+    os.chmod(short_tmp, 0o777)  # anyone may create and unlink in it
+    ours = dead(short_tmp / str(uuid.uuid4()))
+    theirs, planted, target = (short_tmp / str(uuid.uuid4()), short_tmp / str(uuid.uuid4()),
+                               tmp_path / "precious")
+    target.write_text("mine")
+    other.python(f"""
+        import os, socket
+        s = socket.socket(socket.AF_UNIX); s.bind({str(theirs)!r}); s.close()
+        os.symlink({str(target)!r}, {str(planted)!r})
+    """)
+    removed = remove_engine_sockets(vllm_spec(tmp_path), {"VLLM_RPC_BASE_PATH": str(short_tmp)}, time.time() - 5,
+                                    wait_s=0.1)
+    assert removed == [str(ours)]
+    assert os.lstat(theirs).st_uid == other.uid and os.path.islink(planted) and target.read_text() == "mine"
