@@ -42,6 +42,7 @@ from mxlaunch.safety import trust
 from mxlaunch.coord.base import Coordinator, valid_id
 from mxlaunch.fileutil import ensure_dir, last_used, mark_used, read_json, secure, unique_name, write_json_temp
 from mxlaunch.kernelcache.caches import cache_key
+from mxlaunch.kernelcache.ninja_rebase import rebase_tree
 from mxlaunch.kernelcache.tarball import ArchiveRefused, build_archive, extract
 from mxlaunch.store.snapshot import _utc_now
 
@@ -69,6 +70,7 @@ class RestoreResult:
     bytes: int = 0
     seconds: float = 0.0
     kept: int = 0  # files of the archive already on this node (left as they were)
+    rebased: int = 0  # ninja-built modules moved from the folder the archive was captured in (ninja_rebase.py)
     refused: bool = False  # an archive was there but not restored: untrusted writer, or not what its writer recorded
 
 
@@ -203,7 +205,11 @@ class KernelCacheStore:
         if files == 0:  # a warm node: what the archive holds is here already; nothing was restored
             return RestoreResult("local", f"the {kept} files of kernel cache {key} are already on this node",
                                  0, 0, time.monotonic() - t0, kept=kept)
-        return RestoreResult("hit", "", files, nbytes, time.monotonic() - t0, kept=kept)
+        # a node whose key folder is elsewhere (another $HOME, $XDG_CACHE_HOME or MXLAUNCH_KERNEL_CACHE_DIR): the
+        # ninja-built modules name the capture's folder; moved, or the engine builds them again
+        was = meta.get("captured_in")
+        rebased = rebase_tree(dest, Path(was), dest, shutil.which("ninja")) if isinstance(was, str) and os.path.isabs(was) else 0
+        return RestoreResult("hit", "", files, nbytes, time.monotonic() - t0, kept=kept, rebased=rebased)
 
     def capture(self, key: str, fields: Dict[str, Any], src: Path, max_bytes: int, *, model: Optional[str] = None,
                 stop: Callable[[], bool] = lambda: False) -> CaptureResult:
@@ -234,7 +240,7 @@ class KernelCacheStore:
             os.rename(tmp, folder / name)
             meta = {"schema": SCHEMA, "key": key, "fields": fields, "archive": name,
                     "archive_bytes": os.path.getsize(folder / name), "archive_sha256": digest, "files": files,
-                    "bytes": nbytes, "model": model, "created_at": _utc_now(),
+                    "bytes": nbytes, "model": model, "created_at": _utc_now(), "captured_in": os.path.realpath(src),
                     "created_by": {"host": socket.gethostname(), "mxlaunch": __version__, "uid": os.getuid()}}
             record = write_json_temp(folder, meta, prefix=f".{KEY_JSON}.")
             try:

@@ -9,11 +9,13 @@ the libraries elsewhere (the engine's `kernel_cache_redirect`: SGLang 0.5.2x put
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from mxlaunch.kernelcache.caches import inductor_default_dir, own_state, sync_tree
+from mxlaunch.kernelcache.ninja_rebase import rebase_tree
 
 # (the engine's cache root variable, its default under $HOME, ((variable, sub-folder of that root), ...)): what
 # the engine's import points at its root when it finds those variables unset ("" = the root itself)
@@ -126,4 +128,8 @@ def seed_from_defaults(env: Mapping[str, str], folder: Path, max_bytes: int,
     if total > max_bytes:
         return 0, 0, f"the default cache folders hold {total} bytes, more than the archive's cap {max_bytes}: not seeded"
     files = sum(sync_tree(src, dst, skip=skip, own=True) for src, dst, skip in plan)
-    return files, total, f"seeded {files} files from this node's default cache folders{left_out}"
+    # ninja-built modules (FlashInfer's) name their outputs by absolute path: moved, or ninja builds them again
+    ninja = shutil.which("ninja", path=environ.get("PATH"))
+    moved = sum(rebase_tree(dst, src, dst, ninja) for src, dst, _ in plan)
+    built = f"; {moved} ninja-built module(s) moved with them" if moved else ""
+    return files, total, f"seeded {files} files from this node's default cache folders{built}{left_out}"

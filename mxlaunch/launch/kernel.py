@@ -99,6 +99,8 @@ class KernelCacheRun:
             # there, ~150 MB a header): only what this run writes is captured back.
             self.side_before[sub] = folder_state(outside)
         reason = f"restored {result.files} files into {folder}" if result.status == "hit" else result.reason
+        if result.rebased:
+            reason += f"; {result.rebased} ninja-built module(s) moved from the folder it was captured in"
         seeded: Dict[str, Any] = {"refused": True} if result.refused else {}  # not restored: a foreign or changed archive
         if result.status == "miss" and not folder_state(folder):  # this key never ran on this node
             try:
