@@ -17,7 +17,8 @@ import torch
 from mxlaunch.plugin import p2p
 from mxlaunch.plugin.loader import module_tensors
 from mxlaunch.plugin.tensors import RestoreError
-from mxlaunch.transfer.digest import MIX, XXH3, digest, mismatches, mix_reference
+from mxlaunch.transfer import digest as digest_module
+from mxlaunch.transfer.digest import MIX, XXH3, digest, digests, mismatches, mix_reference
 from mxlaunch.transfer.tensor_set import describe, processed_tensors
 from mxlaunch.plugin.tensors import group_tensors
 from tests.helpers.p2p_models import build
@@ -67,6 +68,26 @@ def test_a_strided_view_is_checked_over_the_span_it_moves_and_the_source_picks_b
     before = digest(view)
     base[1, 4] = -1.0  # inside the view's span (the bytes a transfer copies), outside its elements
     assert digest(view) != before
+
+
+def test_batched_mx128_is_each_tensors_own_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched form (one concatenated pass, sums per tensor) gives every tensor the digest it has alone:
+    empty, sub-word, misaligned and strided tensors, batches cut by size, a tensor too big to batch, and xxh3
+    entries in between; a byte changed in one tensor of a batch changes that tensor's digest only."""
+    monkeypatch.setattr(digest_module, "CHUNK", 4096)  # several batches from small tensors
+    monkeypatch.setattr(digest_module, "BATCHED", 2048)
+    g = torch.Generator().manual_seed(7)
+    raw = torch.randint(0, 256, (20000,), dtype=torch.uint8, generator=g)
+    tensors = [raw[:0], raw[3:4], raw[5:12], raw[16:24], raw[40:1041], raw[1:3001], torch.randn(6, 9)[:, :4],
+               raw[7000:7777], torch.arange(300, dtype=torch.int16)] + [raw[100 * i + 1:100 * i + 1 + i] for i in range(40)]
+    algos = [MIX] * len(tensors)
+    algos[4] = XXH3
+    assert digests(tensors, algos) == [digest(t, a) for t, a in zip(tensors, algos)]
+    assert digests(tensors[:3], [MIX] * 3) == [mix_reference(bytes(t.tolist())) for t in tensors[:3]]
+    before = digests(tensors, algos)
+    raw[7100] ^= 0xFF  # inside tensors[7] only
+    after = digests(tensors, algos)
+    assert [i for i, (a, b) in enumerate(zip(before, after)) if a != b] == [7]
 
 
 def test_mismatches_names_what_differs_and_an_entry_without_a_digest() -> None:
