@@ -144,11 +144,12 @@ def _handoff_server(regions: Sequence[Region], entries: Sequence[dict], extra: d
 def self_check(entries: Sequence[dict], served: Sequence[torch.Tensor], name: str) -> Callable[[], dict]:
     """`mxlaunch peers --verify`'s answer: recompute every served span's checksum (what a target would READ
     now) against the one published; a difference is logged as an error (the caller stops offering it)."""
-    from mxlaunch.transfer.digest import digest
+    from mxlaunch.transfer.digest import digests
 
     def verify() -> dict:
         started = time.perf_counter()
-        bad = [e["name"] for e, view in zip(entries, served) if digest(view, e["digest"].split(":", 1)[0]) != e["digest"]]
+        now = digests(list(served), [e["digest"].split(":", 1)[0] for e in entries])
+        bad = [e["name"] for e, have in zip(entries, now) if have != e["digest"]]
         took = time.perf_counter() - started
         if bad:
             log.error("mxlaunch: P2P source %s: %d tensor(s) no longer match the checksums it published (%s): its "
