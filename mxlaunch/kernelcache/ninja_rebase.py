@@ -190,7 +190,7 @@ def rebase_folder(folder: Path, old: str, new: str, ninja: Optional[str]) -> boo
         paths, deps = parsed
         paths = [moved(p) for p in paths]
         for node_id, (mtime, inputs) in list(deps.items()):
-            now = _mtime_ns(paths[node_id]) if node_id < len(paths) else None
+            now = _mtime_ns(paths[node_id]) if 0 <= node_id < len(paths) else None
             deps[node_id] = (now if now is not None else mtime, inputs)
         _write(deps_file, write_deps(paths, deps))
     log_file = folder / LOG_FILE
