@@ -101,12 +101,12 @@ def default_places(environ: Mapping[str, str] = os.environ, redirect: Optional[R
 
 def seed_from_defaults(env: Mapping[str, str], folder: Path, max_bytes: int,
                        environ: Mapping[str, str] = os.environ, redirect: Optional[Redirect] = None,
-                       flashinfer_version: Optional[str] = None) -> Tuple[int, int, str]:
+                       flashinfer_version: Optional[str] = None) -> Tuple[int, int, str, int]:
     """Copy what the engine would find in its default places into the key's empty folder (`env`: the variables
     the launch sets, each to a sub-folder of `folder`). Copies, never links. Nothing when the default places hold
     more than max_bytes (the archive's cap). Only this user's own files in folders nobody else can write
     (caches.not_own): a default place in a shared /tmp that another user created first, or anything another user
-    put into one, is left out and said. Returns (files, bytes, reason)."""
+    put into one, is left out and said. Returns (files, bytes, reason, ninja-built modules moved with them)."""
     places = default_places(environ, redirect, flashinfer_version)
     plan: List[Tuple[Path, Path, Sequence[str]]] = []
     total, refused = 0, []
@@ -124,12 +124,12 @@ def seed_from_defaults(env: Mapping[str, str], folder: Path, max_bytes: int,
             plan.append((place.folder, Path(target) / place.inside, place.skip))
     left_out = f"; not seeded from {'; '.join(refused)}" if refused else ""
     if not plan:
-        return 0, 0, f"the engine's default cache folders are empty here{left_out}"
+        return 0, 0, f"the engine's default cache folders are empty here{left_out}", 0
     if total > max_bytes:
-        return 0, 0, f"the default cache folders hold {total} bytes, more than the archive's cap {max_bytes}: not seeded"
+        return 0, 0, f"the default cache folders hold {total} bytes, more than the archive's cap {max_bytes}: not seeded", 0
     files = sum(sync_tree(src, dst, skip=skip, own=True) for src, dst, skip in plan)
     # ninja-built modules (FlashInfer's) name their outputs by absolute path: moved, or ninja builds them again
     ninja = shutil.which("ninja", path=environ.get("PATH"))
     moved = sum(rebase_tree(dst, src, dst, ninja) for src, dst, _ in plan)
     built = f"; {moved} ninja-built module(s) moved with them" if moved else ""
-    return files, total, f"seeded {files} files from this node's default cache folders{built}{left_out}"
+    return files, total, f"seeded {files} files from this node's default cache folders{built}{left_out}", moved

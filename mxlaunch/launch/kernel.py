@@ -99,19 +99,20 @@ class KernelCacheRun:
             # there, ~150 MB a header): only what this run writes is captured back.
             self.side_before[sub] = folder_state(outside)
         reason = f"restored {result.files} files into {folder}" if result.status == "hit" else result.reason
+        seeded: Dict[str, Any] = {"refused": True} if result.refused else {}  # not restored: a foreign or changed archive
         if result.rebased:
             reason += f"; {result.rebased} ninja-built module(s) moved from the folder it was captured in"
-        seeded: Dict[str, Any] = {"refused": True} if result.refused else {}  # not restored: a foreign or changed archive
+            seeded["ninja_moved"] = result.rebased
         if result.status == "miss" and not folder_state(folder):  # this key never ran on this node
             try:
                 fields = self.info.get("fields", {})
                 engine = ENGINES.get(fields.get("engine") or "")
-                files, nbytes, why = seed_from_defaults(self.info["env"], folder, self.max_bytes,
-                                                         redirect=getattr(engine, "kernel_cache_redirect", None),
-                                                         flashinfer_version=fields.get("versions", {}).get("flashinfer"))
+                files, nbytes, why, moved = seed_from_defaults(self.info["env"], folder, self.max_bytes,
+                                                                redirect=getattr(engine, "kernel_cache_redirect", None),
+                                                                flashinfer_version=fields.get("versions", {}).get("flashinfer"))
             except OSError as exc:
-                files, nbytes, why = 0, 0, f"not seeded ({exc.strerror or exc})"
-            seeded.update(seeded_files=files, seeded_bytes=nbytes)
+                files, nbytes, why, moved = 0, 0, f"not seeded ({exc.strerror or exc})", 0
+            seeded.update(seeded_files=files, seeded_bytes=nbytes, **({"ninja_moved": moved} if moved else {}))
             reason += f"; {why}"
         self.before = folder_state(folder)
         self.emit("kernel-cache", status=result.status, reason=reason, key=key, dir=str(folder), files=result.files,

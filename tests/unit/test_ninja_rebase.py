@@ -69,8 +69,8 @@ def test_a_module_the_engine_built_is_current_in_the_seeded_key_folder(ninja: st
 
     key = tmp_path / "key"
     env = {"FLASHINFER_WORKSPACE_BASE": str(key / "flashinfer")}
-    files, _, why = seed_from_defaults(env, key, 1 << 30, environ={"HOME": str(home), "PATH": str(Path(ninja).parent)})
-    assert files >= 4 and "1 ninja-built module(s) moved" in why, why
+    files, _, why, moved = seed_from_defaults(env, key, 1 << 30, environ={"HOME": str(home), "PATH": str(Path(ninja).parent)})
+    assert files >= 4 and moved == 1 and "1 ninja-built module(s) moved" in why, why
 
     seeded = key / "flashinfer" / ".cache" / "flashinfer" / "0.6.14" / "90a" / "cached_ops" / "norm"
     # FlashInfer's next start writes its build.ninja only when different: the moved one is what it would write
@@ -129,3 +129,36 @@ def test_an_archive_restored_into_another_folder_keeps_its_modules_built(tmp_pat
     restored = store.restore(key, node2, 1 << 30)
     assert restored.status == "hit" and restored.rebased == 1, restored
     assert "no work to do" in _ninja(ninja, node2 / module, "-n", "-d", "explain")
+
+
+@pytest.mark.skipif(not NINJAS or CC is None, reason="needs a ninja binary and a C compiler")
+def test_a_launch_says_how_many_modules_it_moved_when_seeding_and_when_restoring_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the launch's kernel-cache run: the first serve on a node where the engine built a FlashInfer module
+    seeds it moved (`ninja_moved` in the `kernel-cache` event), captures it, and a node whose cache folder is
+    elsewhere restores it moved too; ninja has nothing to do in either folder."""
+    from tests.unit.test_kernelcache import kernel_run, quick_kernel_runs
+
+    quick_kernel_runs(tmp_path, monkeypatch)
+    ninja = NINJAS[0]
+    monkeypatch.setenv("PATH", f"{Path(ninja).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    (tmp_path / "norm.c").write_text("int norm(int x) { return 5 * x; }\n")
+    module = Path(".cache", "flashinfer", "0.6.14", "90a", "cached_ops", "norm")
+    built = tmp_path / "home" / module
+    built.mkdir(parents=True)
+    (built / "build.ninja").write_text(flashinfer_like_ninja(built, tmp_path / "norm.c", tmp_path))
+    _ninja(ninja, built)
+
+    run, env, events, _, _ = kernel_run(tmp_path, "n" * 16)
+    [(name, event)] = events
+    assert name == "kernel-cache" and event["status"] == "miss" and event["ninja_moved"] == 1, event
+    assert "no work to do" in _ninja(ninja, Path(env["FLASHINFER_WORKSPACE_BASE"]) / module, "-n", "-d", "explain")
+    run.start_capture()
+    run._thread.join(120)
+    run.stop()
+    assert [f for e, f in events if e == "kernel-cache-capture"][0]["published"], events
+
+    monkeypatch.setenv("MXLAUNCH_KERNEL_CACHE_DIR", str(tmp_path / "another-node"))
+    _, env2, events2, _, _ = kernel_run(tmp_path, "n" * 16)
+    assert events2[0][1]["status"] == "hit" and events2[0][1]["ninja_moved"] == 1, events2
+    assert "no work to do" in _ninja(ninja, Path(env2["FLASHINFER_WORKSPACE_BASE"]) / module, "-n", "-d", "explain")
