@@ -62,7 +62,7 @@ def algo_for(t: torch.Tensor) -> str:
 def digest(t: torch.Tensor, algo: str | None = None) -> str:
     """"algo:hex" of the bytes a transfer moves for `t` (its span: byte_view)."""
     algo = algo or algo_for(t)
-    data = byte_view(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+    data = _bytes_of(t)
     if algo == XXH3:
         return f"{XXH3}:{_xxh3(data)}"
     if algo == MIX:
@@ -144,30 +144,23 @@ def mix_reference(data: bytes) -> str:
 def digests(tensors: Sequence[torch.Tensor], algos: Sequence[str | None] | None = None) -> list[str]:
     """digest() of each tensor (its algorithm: `algos`, else algo_for), the small mx128 ones in batches."""
     chosen = [a or algo_for(t) for t, a in zip(tensors, algos or [None] * len(tensors))]
-    out: list[str | None] = [None] * len(tensors)
-    batch: list[int] = []
-    batch_bytes, batch_device = 0, None
-
-    def flush() -> None:
-        if batch:
-            for i, hexed in zip(batch, _mix_many([_bytes_of(tensors[i]) for i in batch])):
-                out[i] = f"{MIX}:{hexed}"
-            batch.clear()
-
+    out = [""] * len(tensors)
+    batches: list[list[int]] = []  # indices of small mx128 tensors: one device, at most CHUNK bytes a batch
+    size = 0
     for i, (t, algo) in enumerate(zip(tensors, chosen)):
-        if algo not in ALGOS:
-            raise ValueError(f"unknown checksum algorithm {algo!r}")
         n = span_bytes(t) if t.numel() else 0
         if algo != MIX or n > BATCHED:
             out[i] = digest(t, algo)
             continue
-        if batch and (batch_device != t.device or batch_bytes + n > CHUNK):
-            flush()
-            batch_bytes = 0
-        batch.append(i)
-        batch_bytes, batch_device = batch_bytes + n, t.device
-    flush()
-    return [d for d in out if d is not None]
+        if not batches or tensors[batches[-1][0]].device != t.device or size + n > CHUNK:
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += n
+    for batch in batches:
+        for i, hexed in zip(batch, _mix_many([_bytes_of(tensors[i]) for i in batch])):
+            out[i] = f"{MIX}:{hexed}"
+    return out
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
