@@ -22,6 +22,9 @@ LIVE_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # what needs the live setup (SGLang's venv, CRIU) runs last, while the setup finishes beside the rest;
+    # a stable sort keeps each module's tests together and in order (its module fixtures start once)
+    items.sort(key=lambda item: item.get_closest_marker("live_setup") is not None)
     for item in items:
         folder = Path(str(item.fspath)).parent.name
         marker = _MARKER_BY_FOLDER.get(folder)
@@ -29,6 +32,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, marker))
         if marker in ("e2e", "slurm", "redis") and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LIVE_TIMEOUT_S))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a `live_setup` test's fixtures start (an SGLang server among them): the setup has finished."""
+    from tests.helpers import live_setup
+
+    marked = item.get_closest_marker("live_setup") is not None
+    live_setup.entered(marked)
+    if marked:
+        try:
+            live_setup.wait_for_live_setup()
+        except live_setup.LiveSetupFailed as exc:
+            pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="session")

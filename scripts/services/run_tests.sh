@@ -7,9 +7,10 @@
 # importing). Each test keeps to its own ports, folders and /dev/shm names, so neither run can see the
 # other's. MXLAUNCH_TESTS_SERIAL=1 runs them one after the other.
 #
-# MXLAUNCH_LIVE_SETUP: a command the live tests need first and the unit tests do not (make test: installing
-# SGLang's venv). It runs while the unit tests do, so they overlap the install, not the engine starts (an
-# engine start on these two cores takes about twice as long with the unit tests beside it).
+# MXLAUNCH_LIVE_SETUP: a command some live tests need and the unit tests do not (make test: SGLang's venv and
+# the CRIU kit, ~2.5 min). It runs in the background beside both runs; the live tests that need what it builds
+# (marked `live_setup`) run last and wait for its exit code in MXLAUNCH_LIVE_SETUP_STATUS
+# (tests/helpers/live_setup.py) — they never skip, and a failed setup fails them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${VENV:-.venv}/bin/python
@@ -30,18 +31,27 @@ verdict() {  # pytest's code, with "collected nothing" made a failure
   return "$1"
 }
 UNIT_LOG=$(mktemp "${TMPDIR:-/tmp}/run_tests-unit.XXXXXX")
-trap 'rm -f "$UNIT_LOG"' EXIT
-setup() {  # MXLAUNCH_LIVE_SETUP, timed; its failure is the live run's
-  [ -n "${MXLAUNCH_LIVE_SETUP:-}" ] || return 0
-  local t0=$SECONDS
-  bash -c "$MXLAUNCH_LIVE_SETUP" || { echo "run_tests: the live tests' setup failed: $MXLAUNCH_LIVE_SETUP" >&2; return 1; }
-  echo "run_tests: live setup done in $((SECONDS - t0)) s ($MXLAUNCH_LIVE_SETUP)"
+SETUP_STATUS=$(mktemp -u "${TMPDIR:-/tmp}/run_tests-setup.XXXXXX")
+trap 'rm -f "$UNIT_LOG" "$SETUP_STATUS" "$SETUP_STATUS.tmp"' EXIT
+setup() {  # MXLAUNCH_LIVE_SETUP, timed; its exit code lands whole in $SETUP_STATUS
+  local t0=$SECONDS rc=0
+  bash -c "$MXLAUNCH_LIVE_SETUP" || rc=$?
+  if [ "$rc" -eq 0 ]; then echo "run_tests: live setup done in $((SECONDS - t0)) s ($MXLAUNCH_LIVE_SETUP)"
+  else echo "run_tests: the live tests' setup failed ($rc): $MXLAUNCH_LIVE_SETUP" >&2; fi
+  echo "$rc" > "$SETUP_STATUS.tmp" && mv "$SETUP_STATUS.tmp" "$SETUP_STATUS"
 }
 live() {
-  setup || return 1
-  # the CRIU kit the setup built (make criu-kit): the zygote-image tests and --zygote launches use it
-  if [ -z "${MXLAUNCH_CRIU:-}" ] && [ -x .criu4-kit/run.sh ]; then export MXLAUNCH_CRIU=$PWD/.criu4-kit/run.sh; fi
-  "$PY" -m pytest -m "(e2e or slurm or redis)$NOT_FULL" --durations=25 tests/e2e tests/slurm "$@"; }
+  local setup_pid="" rc
+  if [ -n "${MXLAUNCH_LIVE_SETUP:-}" ]; then
+    setup & setup_pid=$!
+    export MXLAUNCH_LIVE_SETUP_STATUS=$SETUP_STATUS
+  fi
+  "$PY" -m pytest -m "(e2e or slurm or redis)$NOT_FULL" --durations=25 tests/e2e tests/slurm "$@"; rc=$?
+  if [ -n "$setup_pid" ]; then  # a selection without live_setup tests leaves nothing half-built either,
+    wait "$setup_pid"           # and a failed setup fails the live run even where no test needed it
+    [ "$(cat "$SETUP_STATUS" 2>/dev/null)" = 0 ] || [ "$rc" -ne 0 ] || rc=1
+  fi
+  return "$rc"; }
 unit() { "$PY" -m pytest -m "unit$NOT_FULL" --durations=15 tests/unit "$@"; }
 if [ -n "${MXLAUNCH_TESTS_SERIAL:-}" ]; then
   unit "$@"; rc_unit=$?

@@ -24,7 +24,7 @@ from tests.helpers.launcher import LaunchProcess
 from tests.helpers.sglang_server import sglang_python
 from tests.helpers.vllm_server import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.live_setup]  # tests/helpers/live_setup.py
 READY_S = 500
 
 

@@ -37,7 +37,7 @@ from tests.helpers.launcher import LaunchProcess
 from tests.helpers.second_user import User, intruder  # noqa: F401 (a fixture)
 from tests.helpers.vllm_server import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.live_setup]  # tests/helpers/live_setup.py
 READY_S = 400
 
 

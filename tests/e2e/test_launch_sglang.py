@@ -22,6 +22,8 @@ from tests.helpers.cli import compare_gold, run_cli
 from tests.helpers.launcher import LaunchProcess
 from tests.helpers.sglang_server import sglang_python, start_sglang
 
+pytestmark = pytest.mark.live_setup  # SGLang's venv / the CRIU kit (tests/helpers/live_setup.py)
+
 READY_S = 500
 
 

@@ -30,6 +30,8 @@ from tests.helpers.launcher import LaunchProcess
 from tests.helpers.p2p_e2e import an_outsiders_write_is_caught, pull_exactly
 from tests.helpers.shm import ShmWatch
 
+pytestmark = pytest.mark.live_setup  # SGLang's venv / the CRIU kit (tests/helpers/live_setup.py)
+
 READY_S = 400
 
 

@@ -14,6 +14,8 @@ from mxlaunch.engines.sglang_argv import FIELDS, _effective, _split_command, _va
 from mxlaunch.errors import UsageError
 from tests.helpers.sglang_server import REPO, sglang_python
 
+pytestmark = pytest.mark.live_setup  # SGLang's venv / the CRIU kit (tests/helpers/live_setup.py)
+
 ORACLE = r"""
 import argparse, json, sys
 from sglang.srt.server_args import ServerArgs

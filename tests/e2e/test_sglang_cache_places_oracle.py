@@ -16,6 +16,8 @@ from mxlaunch.engines.registry import ENGINES
 from mxlaunch.kernelcache.seed import default_places
 from tests.helpers.sglang_server import REPO, SGLANG_ENV, sglang_python
 
+pytestmark = pytest.mark.live_setup  # SGLang's venv / the CRIU kit (tests/helpers/live_setup.py)
+
 VARS = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "TILELANG_CACHE_DIR",
         "FLASHINFER_WORKSPACE_BASE")
 ORACLE = r"""

@@ -22,6 +22,8 @@ from tests.helpers.quantized_model import KV_SCALES, cached_quantized, quantize_
 from tests.helpers.sglang_server import REPO, SGLANG_ENV, sglang_python
 from tests.helpers.tiny_model import cached_model
 
+pytestmark = pytest.mark.live_setup  # SGLang's venv / the CRIU kit (tests/helpers/live_setup.py)
+
 NVFP4_RAW = {"weight_packed": "torch.uint8", "weight_scale": "torch.float8_e4m3fn", "weight_global_scale": "torch.float32",
              "input_global_scale": "torch.float32"}
 # method → (SGLang's quant method class, the qkv projection's raw tensors: name suffix → dtype)

@@ -70,6 +70,7 @@ def test_a_fitted_gold_finds_a_different_model(small_vocab_gold: tuple, model_ca
 
 
 @pytest.mark.full  # the fitting is the same code; vLLM's server runs it live in the default run
+@pytest.mark.live_setup  # SGLang's venv
 def test_sglang_fits_with_its_own_tokenizer_and_replays_exactly(model_cache: Path, tmp_path: Path) -> None:
     """SGLang 0.5.23 at --context-length 2048: /tokenize counts, two tokens of its context stay free (so every
     prompt still gets all 32 tokens), and the cut prompt replays as the same input_ids."""

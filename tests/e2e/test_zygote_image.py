@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 
 from mxlaunch.warmstart import criu, zygote, zygote_env, zygote_image
+from tests.helpers import live_setup
 from tests.unit.test_zygote import _env, _stop, module_dir  # noqa: F401 — the fixture
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.live_setup]  # tests/helpers/live_setup.py
 
 
 def usable_criu() -> str:
+    live_setup.require("CRIU (the kit make test builds)")
     binary, why = criu.why_not()
     if binary is None:
         if os.geteuid() == 0:

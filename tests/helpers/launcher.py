@@ -15,6 +15,7 @@ from typing import Callable
 
 import psutil
 
+from tests.helpers import live_setup
 from tests.helpers.cli import REPO
 from tests.helpers.vllm_server import VLLM_ENV, free_port, vllm_argv
 
@@ -31,6 +32,8 @@ class LaunchProcess:
     def __init__(self, model: Path, store: Path, *extra: str, port: int | None = None,
                  launch_args: tuple[str, ...] = (), engine: str = "vllm", eager: bool = True,
                  env: dict[str, str] | None = None) -> None:
+        if {"--zygote", "--engine-snapshot"} & set(launch_args):  # they dump and restore with the CRIU kit
+            live_setup.require(f"a launch with {' '.join(launch_args)}")
         self.port = port or free_port()
         if engine == "sglang":
             from tests.helpers.sglang_server import SGLANG_ENV, sglang_argv

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from mxlaunch import settings
+from tests.helpers import live_setup
 from tests.helpers.vllm_server import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,6 +20,7 @@ SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(SHIM)}
 
 
 def sglang_python() -> Path:
+    live_setup.require("SGLang's venv")
     return settings.sglang_python(REPO / ".venv-sglang" / "bin" / "python")  # MXLAUNCH_SGLANG_PYTHON overrides
 
 
