@@ -18,9 +18,10 @@ Two algorithms, named in each digest ("algo:hex"), so either side computes the o
               modulo 2^64, so the result is the same on any device and in any reduction order.
 mx128 over many small tensors is computed in batches (`digests`): their bytes concatenated, each padded to whole
 words, hashed in one pass and summed per tensor (`index_add_`), so a rank of hundreds of tensors costs a few
-kernel launches and one synchronisation per batch instead of ~30 launches and a synchronisation per tensor
+kernel launches per batch instead of ~30 launches and a synchronisation per tensor
 (on an H100 the per-tensor form took 0.31–0.48 s of a 0.40–0.64 s P2P weight phase whose transfer took
-0.004–0.02 s: docs/benchmarks.md, session 29). The sums are the same integers in any order: the same digests.
+0.004–0.02 s: docs/benchmarks.md, session 29); every tensor's sums, large ones too, stay on the device until
+one synchronisation at the end. The sums are the same integers in any order: the same digests.
 Neither is a cryptographic MAC: someone who can write a source's memory AND knows the scheme could craft
 bytes with the same sums (the record's privacy is the first defence; these catch corruption, stray writes
 and naive tampering). Cost: measured in tests/unit/test_p2p_digest.py and docs/p2p.md.
@@ -95,9 +96,14 @@ def _fmix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mix(data: torch.Tensor) -> str:
+    (hexed,) = _finish(_mix_sums(data).view(2, 1), [data.numel()])
+    return hexed
+
+
+def _mix_sums(data: torch.Tensor) -> torch.Tensor:
+    """mx128's two sums over `data` (uint8), chunk by chunk, left on its device: no synchronisation."""
     n = data.numel()
-    a = torch.zeros((), dtype=torch.int64, device=data.device)
-    b = torch.zeros((), dtype=torch.int64, device=data.device)
+    sums = torch.zeros(2, dtype=torch.int64, device=data.device)
     index = None
     for lo in range(0, n, CHUNK):
         part = data[lo:lo + CHUNK]
@@ -110,11 +116,18 @@ def _mix(data: torch.Tensor) -> str:
             index = torch.arange(words.numel(), dtype=torch.int64, device=data.device)
         pos = index[:words.numel()] + lo // 8
         h = _fmix(words ^ (pos * K1 + K0))
-        a += h.sum()
-        b += _fmix(h + K2).sum()
-    la, lb = (int(v) & _M64 for v in torch.stack([a, b]).tolist())
-    la = (la + _fmix_int(n ^ K0)) & _M64  # the length: zero padding cannot pass for bytes
-    return f"{la:016x}{lb:016x}"
+        sums[0] += h.sum()
+        sums[1] += _fmix(h + K2).sum()
+    return sums
+
+
+def _finish(sums: torch.Tensor, sizes: Sequence[int]) -> list[str]:
+    """The hex digests from (2, k) sums and the tensors' byte counts: the one synchronisation (`tolist`)."""
+    out = []
+    for n, (a, b) in zip(sizes, zip(*sums.tolist())):
+        la, lb = (a + _fmix_int(n ^ K0)) & _M64, b & _M64  # the length: zero padding cannot pass for bytes
+        out.append(f"{la:016x}{lb:016x}")
+    return out
 
 
 def _fmix_int(x: int) -> int:
@@ -142,23 +155,35 @@ def mix_reference(data: bytes) -> str:
 
 
 def digests(tensors: Sequence[torch.Tensor], algos: Sequence[str | None] | None = None) -> list[str]:
-    """digest() of each tensor (its algorithm: `algos`, else algo_for), the small mx128 ones in batches."""
+    """digest() of each tensor (its algorithm: `algos`, else algo_for). mx128's sums stay on their device until
+    the end, one synchronisation per device: the small tensors in batches, the large ones a chunk at a time."""
     chosen = [a or algo_for(t) for t, a in zip(tensors, algos or [None] * len(tensors))]
     out = [""] * len(tensors)
     batches: list[list[int]] = []  # indices of small mx128 tensors: one device, at most CHUNK bytes a batch
+    large: list[int] = []
     size = 0
     for i, (t, algo) in enumerate(zip(tensors, chosen)):
         n = span_bytes(t) if t.numel() else 0
-        if algo != MIX or n > BATCHED:
+        if algo != MIX:
             out[i] = digest(t, algo)
-            continue
-        if not batches or tensors[batches[-1][0]].device != t.device or size + n > CHUNK:
-            batches.append([])
-            size = 0
-        batches[-1].append(i)
-        size += n
-    for batch in batches:
-        for i, hexed in zip(batch, _mix_many([_bytes_of(tensors[i]) for i in batch])):
+        elif n > BATCHED:
+            large.append(i)
+        else:
+            if not batches or tensors[batches[-1][0]].device != t.device or size + n > CHUNK:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += n
+    pending: dict[torch.device, tuple[list[int], list[int], list[torch.Tensor]]] = {}
+    for group, whole in [([i], True) for i in large] + [(b, False) for b in batches]:
+        datas = [_bytes_of(tensors[i]) for i in group]
+        sums = _mix_sums(datas[0]).view(2, 1) if whole else _mix_many_sums(datas)
+        index, sizes, parts = pending.setdefault(datas[0].device, ([], [], []))
+        index += group
+        sizes += [d.numel() for d in datas]
+        parts.append(sums)
+    for index, sizes, parts in pending.values():
+        for i, hexed in zip(index, _finish(torch.cat(parts, dim=1), sizes)):
             out[i] = f"{MIX}:{hexed}"
     return out
 
@@ -167,8 +192,8 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return byte_view(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-def _mix_many(datas: Sequence[torch.Tensor]) -> list[str]:
-    """mx128 of several uint8 tensors on one device (each ≤ CHUNK): one concatenation, one pass, one sync."""
+def _mix_many_sums(datas: Sequence[torch.Tensor]) -> torch.Tensor:
+    """mx128's sums of several uint8 tensors on one device (each ≤ CHUNK), (2, k): one concatenation, one pass."""
     device = datas[0].device
     sizes = [d.numel() for d in datas]
     words = [-(-n // 8) for n in sizes]
@@ -189,11 +214,7 @@ def _mix_many(datas: Sequence[torch.Tensor]) -> list[str]:
         h = _fmix(flat ^ (pos * K1 + K0))
         sums[0].index_add_(0, seg, h)
         sums[1].index_add_(0, seg, _fmix(h + K2))
-    out = []
-    for n, (a, b) in zip(sizes, zip(*sums.tolist())):
-        la, lb = (a + _fmix_int(n ^ K0)) & _M64, b & _M64
-        out.append(f"{la:016x}{lb:016x}")
-    return out
+    return sums
 
 
 def add_digests(groups: Iterable, entries: Sequence[dict]) -> None:

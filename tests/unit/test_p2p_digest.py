@@ -72,8 +72,8 @@ def test_a_strided_view_is_checked_over_the_span_it_moves_and_the_source_picks_b
 
 def test_batched_mx128_is_each_tensors_own_digest(monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched form (one concatenated pass, sums per tensor) gives every tensor the digest it has alone:
-    empty, sub-word, misaligned and strided tensors, batches cut by size, a tensor too big to batch, and xxh3
-    entries in between; a byte changed in one tensor of a batch changes that tensor's digest only."""
+    empty, sub-word, misaligned and strided tensors, batches cut by size, tensors too big to batch (hashed a chunk
+    at a time, their sums kept on the device with the batches' until the end), and xxh3 entries in between; a byte changed in one tensor of a batch changes that tensor's digest only."""
     monkeypatch.setattr(digest_module, "CHUNK", 4096)  # several batches from small tensors
     monkeypatch.setattr(digest_module, "BATCHED", 2048)
     g = torch.Generator().manual_seed(7)
@@ -84,6 +84,8 @@ def test_batched_mx128_is_each_tensors_own_digest(monkeypatch: pytest.MonkeyPatc
     algos[4] = XXH3
     assert digests(tensors, algos) == [digest(t, a) for t, a in zip(tensors, algos)]
     assert digests(tensors[:3], [MIX] * 3) == [mix_reference(bytes(t.tolist())) for t in tensors[:3]]
+    large = [raw[1:9001], raw[3:4], raw[9100:9100 + 4096]]  # three chunks from a misaligned start; one exact chunk
+    assert digests(large, [MIX] * 3) == [mix_reference(bytes(t.tolist())) for t in large]
     before = digests(tensors, algos)
     raw[7100] ^= 0xFF  # inside tensors[7] only
     after = digests(tensors, algos)
