@@ -48,7 +48,14 @@ EXPECTED = {
     # ModelOpt's FP8 (nvidia/*-FP8 on the Hub): per-tensor weight scale and a static input scale
     "modelopt-fp8": ("ModelOptFp8LinearMethod", {"weight": "torch.float8_e4m3fn", "weight_scale": "torch.float32",
                                                  "input_scale": "torch.float32"}),
+    # a compressed-tensors FP8 Mixtral: the attention as above, the experts stacked by SGLang's FusedMoE (below)
+    "moe-w8a8-fp8": ("CompressedTensorsLinearMethod", {"weight": "torch.float8_e4m3fn", "weight_scale": "torch.float32"}),
 }
+# the MoE cases: the experts' quant method and their raw tensors (SGLang 0.5.23's compressed-tensors W8A8 INT8 MoE is
+# NPU-only — "The W8A8Int8 Fused MoE scheme is implemented only for NPU for now" — so no INT8 MoE case)
+MOE = {"moe-w8a8-fp8": ("CompressedTensorsFusedMoEMethod",
+                        {"w13_weight": "torch.float8_e4m3fn", "w2_weight": "torch.float8_e4m3fn",
+                         "w13_weight_scale": "torch.float32", "w2_weight_scale": "torch.float32"})}
 # SGLang's get_model_loader picks ModelOptModelLoader for ModelOpt checkpoints; on a pre-quantized one it loads as
 # DefaultModelLoader does, and the hook must still hand back mxlaunch's loader (else every rank falls back)
 FACTORY = {"modelopt-nvfp4": "ModelOptModelLoader", "modelopt-fp8": "ModelOptModelLoader"}
@@ -76,6 +83,8 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
                "cuda_capability": [10, 0]},
               {"name": "modelopt-fp8", "model": str(cached_quantized(cache, "modelopt-fp8")), "dtype": "bfloat16",
                "cuda_capability": [9, 0]}]
+    cases.append({"name": "moe-w8a8-fp8", "model": str(cached_quantized(cache, "w8a8-fp8", moe=True)),
+                  "dtype": "bfloat16", "cuda_capability": [9, 0]})
     cases.append({"name": "w8a8-int8-kvfp8", "model": str(cached_quantized(cache, "w8a8-int8-kvfp8")),
                   "dtype": "bfloat16", "cuda_capability": [9, 0], "kv_cache_dtype": "fp8_e4m3"})
     work = tmp_path_factory.mktemp("oracle")
@@ -99,6 +108,10 @@ def test_staged_restore_holds_what_sglangs_loader_left(oracle: dict[str, dict], 
         assert result["scheme"] == SCHEMES[method]
     got = {name.rsplit(".", 1)[1]: dtype for name, (dtype, _) in result["qkv_raw"].items()}
     assert got == qkv, got
+    if method in MOE:  # SGLang's FusedMoE holds every expert's checkpoint tensors stacked, as the loader left them
+        moe_class, experts = MOE[method]
+        assert result["moe_method"] == moe_class, result["moe_method"]
+        assert {name: dtype for name, (dtype, _) in result["experts_raw"].items()} == experts, result["experts_raw"]
     if method.endswith("-kvfp8"):  # the checkpoint's scales, not the layer's default 1.0, are what is restored
         scales = {name.rsplit(".", 1)[1]: value for name, (_, _, value) in result["attn_raw"].items()}
         assert scales == {f"{kv}_scale": KV_SCALES[kv] for kv in "kv"}, scales

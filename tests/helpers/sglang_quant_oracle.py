@@ -165,6 +165,7 @@ def run_case(case: dict, work: Path, first: bool) -> dict:
     staged = build(loader, "staged")
     outcome = loader._outcome
     layer = engine.model.layers[0].self_attn.qkv_proj
+    experts = dict(engine.named_modules()).get("model.layers.0.block_sparse_moe.experts")  # a Mixtral's FusedMoE
     result = {
         "name": case["name"],
         "quant_method": type(getattr(layer, "quant_method", None)).__name__,
@@ -177,6 +178,9 @@ def run_case(case: dict, work: Path, first: bool) -> dict:
         "raw_tensors": len(RAW.get("engine", {})),
         "raw_dtypes": sorted({v[0] for v in RAW.get("engine", {}).values()}),
         "qkv_raw": {n: list(v[:2]) for n, v in RAW.get("engine", {}).items() if "layers.0.self_attn.qkv_proj" in n},
+        "moe_method": type(getattr(experts, "quant_method", None)).__name__ if experts is not None else None,
+        "experts_raw": {n.rsplit(".", 1)[1]: list(v[:2]) for n, v in RAW.get("engine", {}).items()
+                        if "layers.0.block_sparse_moe.experts." in n},
         "attn_raw": {n: [*v[:2], _scalar(v)] for n, v in RAW.get("engine", {}).items()
                      if "layers.0.self_attn.attn." in n},
         "raw_vs_engine": {p: compare(RAW["engine"], RAW[p]) if p in RAW else ["no weight step"]
