@@ -17,7 +17,7 @@ from typing import Callable, MutableMapping, Optional
 STATUS_ENV = "MXLAUNCH_LIVE_SETUP_STATUS"
 REPO = Path(__file__).resolve().parents[2]
 CRIU_KIT = REPO / ".criu4-kit" / "run.sh"
-WAIT_S = 1800.0  # SGLang's venv and CRIU's build take ~2.5 min on the 2-core VM; a stuck install fails here
+WAIT_S = 840.0  # the setup takes 2.5-4.5 min on the 2-core VM; a stuck one fails here, before the 900 s test deadline
 
 
 _marked: Optional[bool] = None  # whether the running test is marked `live_setup`; None outside a pytest test
