@@ -78,7 +78,7 @@ VARIABLES: dict[str, str] = {
     CAPTURE_PREPARE: "0: do not lay a capture's parts out in tmpfs (and page-lock them) while the engine loads; the "
                      "parts are then written after loading (default 1: the capture is then the device-to-host copy)",
     KERNEL_CACHE_DIR: "node-local folder the JIT kernel caches are restored into, one sub-folder per key (default "
-                      "~/.cache/mxlaunch/kernel-cache; use a node-local disk, the same path on every node)",
+                      "~/.cache/mxlaunch/kernel-cache; use a node-local disk — the path may differ per node)",
     KERNEL_CACHE_MAX_GIB: "largest kernel cache archive captured or restored, in GiB (default 8)",
     CAPTURE_TIMEOUT: "a capture over several nodes: seconds the claim holder waits for the other nodes' parts after "
                      "its own, before it gives up and removes the capture (default 600)",

@@ -125,8 +125,8 @@ def _canonical(obj: Any) -> str:
 
 
 def local_dir(key: str, environ: Mapping[str, str] = os.environ) -> Path:
-    """The node-local folder a key's caches live in: the same absolute path on every launch (caches hold
-    absolute paths), never /dev/shm (often noexec)."""
+    """The node-local folder a key's caches live in, never /dev/shm (often noexec). It may differ between nodes:
+    the caches are found by content hash, and ninja's records are moved on restore (ninja_rebase.py)."""
     return settings.kernel_cache_dir(environ) / key
 
 
