@@ -90,8 +90,9 @@ API = "vllm.entrypoints.openai.api_server"
 ENGINE = {"name": "vllm", "attention": "flashinfer"}
 # --sglang-args: flags appended to every SGLang start (a CPU dry run of the harness: docs/sglang-gpu.md)
 SGLANG_EXTRA: list[str] = []
-# what --engine sglang runs: SGLang has no sleep wired into mxlaunch (no lean snapshot), no zygote, no P2P here
-SGLANG_SCENARIOS = ("default", "capture", "staged", "staged-spawn", "engine-snapshot")
+# what --engine sglang runs: SGLang has no sleep wired into mxlaunch (no lean snapshot) and no zygote; its P2P pull
+# is the launcher's own (plugin/p2p.py: CUDA IPC on one host, else NIXL), as for vLLM
+SGLANG_SCENARIOS = ("default", "capture", "staged", "staged-spawn", "p2p", "engine-snapshot")
 # the engine core's (vLLM) or the TP-0 scheduler's (SGLang) first line: the second process is up
 CORE_MARK = {"vllm": "EngineCore", "sglang": "TP0"}
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
@@ -299,7 +300,8 @@ class Start:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"exited {self.proc.returncode} before it was ready")
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                # SGLang's /health runs a one-token generation: on a busy CPU (the dry run) it can take seconds
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200:
                     return round(time.monotonic() - self.t0, 3)
             except httpx.HTTPError:
                 pass
