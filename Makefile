@@ -48,7 +48,8 @@ criu-kit: $(CRIU_KIT)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# The unit tests need only $(VENV): they run while SGLang's venv installs (the live tests wait for it).
+# The unit tests need only $(VENV). SGLang's venv and the CRIU kit install in the background while both test runs
+# start; the live tests that need them (marked live_setup) run last and wait for them (tests/helpers/live_setup.py).
 test: $(STAMP)
 	MXLAUNCH_LIVE_SETUP='$(MAKE) $(SGLANG_STAMP) criu-kit' bash scripts/services/run_tests.sh
 
