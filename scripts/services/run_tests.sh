@@ -31,8 +31,10 @@ verdict() {  # pytest's code, with "collected nothing" made a failure
   return "$1"
 }
 UNIT_LOG=$(mktemp "${TMPDIR:-/tmp}/run_tests-unit.XXXXXX")
-SETUP_STATUS=$(mktemp -u "${TMPDIR:-/tmp}/run_tests-setup.XXXXXX")
-trap 'rm -f "$UNIT_LOG" "$SETUP_STATUS" "$SETUP_STATUS.tmp"' EXIT
+# the setup's exit code, in a folder of this run's own (0700: nobody else can plant a "0" before the setup ends)
+SETUP_DIR=$(mktemp -d "${TMPDIR:-/tmp}/run_tests-setup.XXXXXX")
+SETUP_STATUS=$SETUP_DIR/status
+trap 'rm -rf "$UNIT_LOG" "$SETUP_DIR"' EXIT
 setup() {  # MXLAUNCH_LIVE_SETUP, timed; its exit code lands whole in $SETUP_STATUS
   local t0=$SECONDS rc=0
   # niced: the live run is the suite's longest path; the setup has until the live_setup tests, ~25 min later
