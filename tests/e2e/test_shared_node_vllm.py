@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 import tests.helpers.launcher as helper
+from mxlaunch.launch.cleanup import SHM_ROOT
 from tests.helpers.cli import compare_gold
 from tests.helpers.launcher import LaunchProcess
 from tests.helpers.second_user import SYSTEM_PYTHON, User, tree
@@ -65,8 +66,8 @@ class SquattedLaunch(LaunchProcess):
             helper.subprocess = real
 
     def shm(self) -> Path:
-        """The namespace's /dev/shm, seen from outside it."""
-        return Path(f"/proc/{self.proc.pid}/root/dev/shm")
+        """The namespace's shared-memory folder (the launcher's SHM_ROOT), seen from outside it through procfs."""
+        return Path("/proc", str(self.proc.pid), "root", SHM_ROOT.relative_to(SHM_ROOT.anchor))
 
 
 def planted(intruder: User) -> dict[str, int]:

@@ -17,7 +17,9 @@ from typing import Callable, MutableMapping, Optional
 STATUS_ENV = "MXLAUNCH_LIVE_SETUP_STATUS"
 REPO = Path(__file__).resolve().parents[2]
 CRIU_KIT = REPO / ".criu4-kit" / "run.sh"
-WAIT_S = 840.0  # the setup takes 2.5-4.5 min on the 2-core VM; a stuck one fails here, before the 900 s test deadline
+# counted from the first wait, when the live run has nothing else left to run: the niced setup then has the cores
+# (alone it takes ~2.5 min on the 2-core VM); a stuck one fails here, before the live tests' 900 s deadline
+WAIT_S = 840.0
 
 
 _marked: Optional[bool] = None  # whether the running test is marked `live_setup`; None outside a pytest test
