@@ -48,6 +48,16 @@ def plan_kernel_cache(spec: LaunchSpec, *, source_id: str, device_type: str, kc_
             "env": cv.env, "unmanaged": cv.unmanaged, "fields": fields}
 
 
+def by_cache(paths: list) -> Dict[str, int]:
+    """How many of `paths` (relative to the key's folder) each cache holds, by its top folder (triton, deep_gemm,
+    flashinfer, ...): which library compiled in a run that should have found its kernels (a seeding gap shows here)."""
+    counts: Dict[str, int] = {}
+    for rel in paths:
+        top = Path(rel).parts[0] if Path(rel).parts else ""
+        counts[top] = counts.get(top, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 class KernelCacheRun:
     """Restore before the engine starts; capture in the background after ready; stop on exit."""
 
@@ -185,7 +195,7 @@ class KernelCacheRun:
             outcome = "partial" if self.status in ("hit", "local", "partial") else "miss"
             result = self.kc_store.capture(self.info["key"], self.info["fields"], folder, self.max_bytes,
                                            model=self.model, stop=self._stop.is_set)
-            self._say(status=outcome, published=result.published, new_files=len(new),
+            self._say(status=outcome, published=result.published, new_files=len(new), new_by_cache=by_cache(new),
                       new=new[:10], files=result.files, bytes=result.bytes, seconds=round(result.seconds, 3), reason=result.reason)
         except Exception as exc:  # noqa: BLE001 — a failed capture must not stop serving
             self._say(status=self.status, published=False,

@@ -72,6 +72,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,17 @@ MODES = {"default": "engine alone (vLLM CLI: engine core spawned)", "default-for
          "engine-snapshot": "mxlaunch --engine-snapshot: the second start restores the first one's engine (CUDA checkpoint + CRIU)",
          "engine-snapshot-lean": "mxlaunch --engine-snapshot, MXLAUNCH_SNAPSHOT_SLEEP=lean: the image holds no weights and no "
                                  "KV cache; the second start restores it and refills the weights from the staged snapshot"}
+
+
+class Cut(BaseException):  # not an Exception: no broad `except Exception` on the way may swallow it
+    """SIGTERM (`timeout`, the device tool's limit) reached the harness: the start under way is stopped by its
+    `finally` — its engine runs in a session of its own, so the signal never reaches it, and an engine left running
+    holds the GPU's memory for the next run (session 31: "Free memory on device (22.36/79.18 GiB)")."""
+
+
+def _cut(signum: int, _frame: Any) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # once: a second signal must not interrupt the engine's stop
+    raise Cut(f"cut by signal {signum} before it finished (its engine was stopped)")
 
 
 def evict(*folders: Path) -> int:
@@ -381,8 +393,10 @@ class Harness:
                 rec = self._zygote(image=scenario != "zygote", new_env=scenario.endswith("-newenv"))
             else:
                 rec = self._one(scenario)
-        except RuntimeError as exc:
+        except (RuntimeError, Cut) as exc:
             rec = {"name": scenario, "strategy": scenario, "error": str(exc)}
+            if isinstance(exc, Cut):
+                rec["cut"] = True
         rec.setdefault("mode", MODES.get(scenario, scenario))
         rec.update(evicted_bytes=evicted, at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                    compile=COMPILE["on"], **({"wiped_jit_caches": wiped} if wiped is not None else {}))
@@ -453,8 +467,8 @@ class Harness:
             rec.update({k: kc[k] for k in ("seeded_files", "seeded_bytes") if k in kc})  # a first serve seeded from the node
             rec["kernel_cache_at_ready"] = (ready or {}).get("kernel_cache")  # `partial`: the engine compiled anyway
             kc_capture = start.event("kernel-cache-capture") or {}
-            rec["kernel_cache_capture"] = {k: kc_capture.get(k) for k in ("status", "published", "new_files", "files",
-                                                                         "bytes", "reason") if k in kc_capture}
+            rec["kernel_cache_capture"] = {k: kc_capture.get(k) for k in ("status", "published", "new_files", "new_by_cache",
+                                                                         "new", "files", "bytes", "reason") if k in kc_capture}
             rec["engine_start"] = plan.get("engine_start")
             rec["zygote"] = (start.event("zygote") or {}).get("status")
             rec["loaded_event"] = start.event("loaded")  # p2p: the pull's phases (transfer, verify, ...)
@@ -714,11 +728,15 @@ def main() -> int:
            "bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))},
            "env": ENV, "command": shown_argv([sys.executable, *sys.argv]), "runs": harness.runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _cut)
     for scenario in scenarios:  # the record is rewritten after every start: a run cut short keeps what it did
         rec = harness.run(scenario)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
         if method and args.quant_out:
             add_quant_record(args.quant_out, rec, method, version, doc, harness.runs)
+        if rec.get("cut"):
+            print_table(harness.runs)
+            return 128 + signal.SIGTERM
     print_table(harness.runs)
     return 0
 

@@ -426,6 +426,7 @@ def test_a_launch_restores_then_captures_what_is_new_in_the_background(tmp_path:
     assert second[1][1]["status"] == "hit" and not second[1][1]["published"]
     third = launch("k2.bin")  # the same node compiles one more kernel: a partial hit, captured again
     assert third[1][1]["status"] == "partial" and third[1][1]["published"] and third[1][1]["new"] == ["triton/k2.bin"]
+    assert third[1][1]["new_by_cache"] == {"triton": 1}  # which library compiled: a seeding gap's first clue
 
 
 def test_a_run_whose_engine_was_restored_from_a_snapshot_captures_nothing(tmp_path: Path,
