@@ -565,6 +565,46 @@ def test_a_first_sglang_serve_starts_from_where_sglang_alone_kept_its_caches(tmp
     vllm.stop()
 
 
+def test_inductors_triton_kernels_are_seeded_where_the_launchs_triton_cache_dir_sends_inductor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 31 (an H100, block FP8): the engine alone keeps Inductor's Triton kernels (torch.compile'd ops, vLLM's
+    sampler even under --enforce-eager) in <Inductor's cache>/triton/<device>/, because TRITON_CACHE_DIR is unset;
+    the launch sets TRITON_CACHE_DIR, so Inductor looks there alone — and a first serve seeded from ~/.triton/cache
+    alone built them again (init engine 20.5 s against 2.9 s). They are seeded into the launch's TRITON_CACHE_DIR
+    now, every device's, and not also under the key's inductor folder, where nothing would read them."""
+    quick_kernel_runs(tmp_path, monkeypatch)
+    home = tmp_path / "home"
+    (home / ".triton" / "cache" / "ab").mkdir(parents=True)
+    (home / ".triton" / "cache" / "ab" / "k.cubin").write_bytes(b"triton's own")
+    inductor = tmp_path / "tmpdir" / f"torchinductor_{__import__('getpass').getuser()}"
+    for device, name in (("0", "cd"), ("1", "ef")):
+        (inductor / "triton" / device / name).mkdir(parents=True)
+        (inductor / "triton" / device / name / "sampler.cubin").write_bytes(b"inductor's " + device.encode())
+    (inductor / "fxgraph").mkdir()
+    (inductor / "fxgraph" / "entry").write_bytes(b"graph")
+
+    run, env, events, _, _ = kernel_run(tmp_path, "i" * 16)
+    assert events[0][1]["seeded_files"] == 4, events
+    triton = Path(env["TRITON_CACHE_DIR"])
+    assert (triton / "ab" / "k.cubin").read_bytes() == b"triton's own"
+    assert (triton / "cd" / "sampler.cubin").read_bytes() == b"inductor's 0"
+    assert (triton / "ef" / "sampler.cubin").read_bytes() == b"inductor's 1"
+    assert Path(env["TORCHINDUCTOR_CACHE_DIR"], "fxgraph", "entry").is_file()
+    assert not Path(env["TORCHINDUCTOR_CACHE_DIR"], "triton").exists()
+    run.stop()
+
+
+def test_every_engine_that_moves_inductors_cache_moves_tritons_too() -> None:
+    """The seeding above puts Inductor's Triton kernels where TRITON_CACHE_DIR points: true only while every engine
+    that sets TORCHINDUCTOR_CACHE_DIR sets TRITON_CACHE_DIR too (else Inductor would look under its own folder)."""
+    from mxlaunch.engines.registry import ENGINES
+
+    for name, engine in ENGINES.items():
+        moved = dict(engine.kernel_cache_vars)
+        if "TORCHINDUCTOR_CACHE_DIR" in moved:
+            assert "TRITON_CACHE_DIR" in moved, name
+
+
 def test_flashinfer_autotune_results_vllm_alone_left_are_seeded_where_vllm_will_look(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM alone keeps FlashInfer's autotune results at ~/.cache/vllm/flashinfer_autotune_cache/<FlashInfer
