@@ -692,6 +692,8 @@ def main() -> int:
                     "several --work folders makes the 8 GiB Llama once")
     ap.add_argument("--quant-out", type=Path, help="with --quant: add one record per start (method, engine, strategy, "
                     "verify, fallback, weight_s) to this JSON file, e.g. docs/bench-results/quantized_<date>.json")
+    ap.add_argument("--logs-out", type=Path, help="copy each start's log and events here as it ends (e.g. $OUT/logs): "
+                    "the work folder stays on the GPU machine, and a start that went wrong is read from its log")
     ap.add_argument("--flashinfer-sampler", action="store_true", help="leave VLLM_USE_FLASHINFER_SAMPLER unset (vLLM's "
                     "default on CUDA: FlashInfer's sampler, JIT-built on a node's first start)")
     args = ap.parse_args()
@@ -732,6 +734,8 @@ def main() -> int:
     for scenario in scenarios:  # the record is rewritten after every start: a run cut short keeps what it did
         rec = harness.run(scenario)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        if args.logs_out:
+            copy_logs(harness.logs, args.logs_out)
         if method and args.quant_out:
             add_quant_record(args.quant_out, rec, method, version, doc, harness.runs)
         if rec.get("cut"):
@@ -744,6 +748,15 @@ def main() -> int:
 # vLLM's own lines naming the kernels it chose (0.26): "Selected CutlassFP8ScaledMMLinearKernel for Fp8LinearMethod",
 # "Using TRITON Fp8 MoE backend out of potential backends: [...]" (block-fp8's linear: a DeepGEMM kernel class)
 KERNEL_LINES = (r"Selected (\w+) for (\w+)", r"Using (\w+) Fp8 MoE backend", r"Using (\w+) for \w+ GEMM")
+
+
+def copy_logs(src: Path, dst: Path) -> None:
+    """The work folder's logs and event files → dst (those not there yet, or grown since)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.glob("*")):
+        if f.is_file() and f.suffix in (".log", ".jsonl") and (not (dst / f.name).exists()
+                                                              or (dst / f.name).stat().st_size != f.stat().st_size):
+            shutil.copyfile(f, dst / f.name)
 
 
 def kernels_of(log: Optional[str]) -> list[str]:
