@@ -660,6 +660,18 @@ def gpu_name() -> Optional[str]:
     return proc.stdout.strip() or None
 
 
+def gpu_holders() -> list[str]:
+    """"pid (N MiB)" of each process holding GPU memory now: a start needs the GPU to itself (its own
+    --gpu-memory-utilization of the card), so a batch that finds one left by an earlier run fails every start."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True)
+    except OSError:
+        return []
+    return [f"{pid.strip()} ({mib.strip()} MiB)" for pid, _, mib in
+            (line.partition(",") for line in proc.stdout.splitlines() if "," in line)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", default="default,capture,staged,staged")
@@ -692,11 +704,16 @@ def main() -> int:
                     "several --work folders makes the 8 GiB Llama once")
     ap.add_argument("--quant-out", type=Path, help="with --quant: add one record per start (method, engine, strategy, "
                     "verify, fallback, weight_s) to this JSON file, e.g. docs/bench-results/quantized_<date>.json")
+    ap.add_argument("--gpu-shared", action="store_true", help="start even though other processes hold GPU memory")
     ap.add_argument("--logs-out", type=Path, help="copy each start's log and events here as it ends (e.g. $OUT/logs): "
                     "the work folder stays on the GPU machine, and a start that went wrong is read from its log")
     ap.add_argument("--flashinfer-sampler", action="store_true", help="leave VLLM_USE_FLASHINFER_SAMPLER unset (vLLM's "
                     "default on CUDA: FlashInfer's sampler, JIT-built on a node's first start)")
     args = ap.parse_args()
+    held = gpu_holders()
+    if held and not args.gpu_shared:
+        sys.exit(f"gpu_engine_e2e: the GPU is held by {', '.join(held)} — an engine an earlier run left (a run cut by "
+                 "timeout before session 31's harness)? Stop it (kill the pid), or pass --gpu-shared")
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:

@@ -60,3 +60,40 @@ def test_quant_record_compares_with_the_engine_alone_and_names_the_source(harnes
     assert (p2p["source_strategy"], p2p["transport"], p2p["verify"]) == ("staged", "CUDA IPC", "exact")
     assert p2p["kernels"] == ["DeepGemmFp8BlockScaledMMKernel Fp8LinearMethod", "TRITON"]
     assert "transport" not in records[2]
+
+
+def test_a_batch_refuses_a_gpu_an_earlier_run_left_held_and_a_cut_batch_stops_its_start(
+        harness: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 31: a run cut by `timeout` left its engine (a session of its own) holding 57 GB, and the next batch's
+    starts all failed on it. The harness now names the holder before it starts anything, and turns SIGTERM into
+    `Cut`, which its starts' `finally` blocks get (so they stop their engines) and `run` records."""
+    import signal
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text('#!/bin/sh\necho "4242, 57344"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{__import__('os').environ['PATH']}")
+    assert harness.gpu_holders() == ["4242 (57344 MiB)"]
+    smi.write_text("#!/bin/sh\n")  # nothing holds it
+    assert harness.gpu_holders() == []
+
+    stopped: list[str] = []
+
+    def cut_start(scenario: str) -> dict:
+        try:
+            harness._cut(signal.SIGTERM, None)
+        finally:
+            stopped.append(scenario)  # what Start.stop does in _one's `finally`
+        return {}
+
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        h = harness.Harness(tmp_path / "work", tmp_path / "model", 0.5, 1.0)
+        monkeypatch.setattr(h, "_one", cut_start)
+        monkeypatch.setattr(harness, "evict", lambda *a: 0)
+        rec = h.run("default")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert stopped == ["default"] and rec["cut"] is True and "cut by signal" in rec["error"], rec
+    assert json.loads(h.record_path.read_text())[-1]["cut"] is True  # written before the batch ends
