@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from mxlaunch.kernelcache.caches import inductor_default_dir, own_state, sync_tree
+from mxlaunch.kernelcache.caches import inductor_default_dir, not_own, own_state, sync_tree
 from mxlaunch.kernelcache.ninja_rebase import rebase_tree
 
 # (the engine's cache root variable, its default under $HOME, ((variable, sub-folder of that root), ...)): what
@@ -54,8 +54,12 @@ def inductor_triton_places(environ: Mapping[str, str]) -> Tuple[DefaultPlace, ..
     beside TORCHINDUCTOR_CACHE_DIR — it looks there alone (torch/_inductor/runtime/cache_dir_utils.triton_cache_dir).
     Seeded from ~/.triton/cache alone, a first serve built them again (session 31, an H100: block FP8's capture
     spent 20.5 s in vLLM's init engine against 2.9 s for the engine alone). One place per device folder."""
-    base = inductor_default_dir(environ) / "triton"
-    try:
+    root = inductor_default_dir(environ)
+    base = root / "triton"
+    try:  # in a shared $TMPDIR: the folders above each device's must be this user's own too (caches.not_own), or
+        # another user who made one first could rearrange what is below it; a refused root is said by its own place
+        if not_own(os.lstat(root), is_dir=True) or not_own(os.lstat(base), is_dir=True):
+            return ()
         devices = sorted(d for d in base.iterdir() if d.is_dir() and not d.is_symlink())
     except OSError:
         return ()

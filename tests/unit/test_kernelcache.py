@@ -593,6 +593,16 @@ def test_inductors_triton_kernels_are_seeded_where_the_launchs_triton_cache_dir_
     assert not Path(env["TORCHINDUCTOR_CACHE_DIR"], "triton").exists()
     run.stop()
 
+    # a shared $TMPDIR where the triton folder above the device folders is writable by others: not taken
+    (inductor / "triton").chmod(0o777)
+    try:
+        other, oenv, oevents, _, _ = kernel_run(tmp_path / "other", "j" * 16)
+        assert oevents[0][1]["seeded_files"] == 2, oevents  # Triton's own and Inductor's graph, not the devices'
+        assert not Path(oenv["TRITON_CACHE_DIR"], "cd").exists()
+        other.stop()
+    finally:
+        (inductor / "triton").chmod(0o755)
+
 
 def test_every_engine_that_moves_inductors_cache_moves_tritons_too() -> None:
     """The seeding above puts Inductor's Triton kernels where TRITON_CACHE_DIR points: true only while every engine
