@@ -20,6 +20,9 @@ import httpx
 from tests.helpers.vllm_server import free_port
 
 
+SERIALIZED = Path(__file__).with_name("moto_serialized.py")  # moto's server, writes one at a time
+
+
 class S3Server:
     """`with S3Server(tmp) as s3:` — `s3.env` for the launcher, `s3.client()` to make buckets and objects."""
 
@@ -36,7 +39,7 @@ class S3Server:
     def __enter__(self) -> "S3Server":
         self.folder.mkdir(parents=True, exist_ok=True)
         self._log_fh = open(self.log, "wb")
-        self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+        self._proc = subprocess.Popen([sys.executable, str(SERIALIZED), "-H", "127.0.0.1", "-p", str(self.port)],
                                       stdout=self._log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
